@@ -1,0 +1,1 @@
+"""stagetrain: a staged LLM training pipeline."""

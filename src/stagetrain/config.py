@@ -1,0 +1,156 @@
+"""Loading and validating the run config against workflow/schemas/config.schema.yaml.
+
+The schema is the single reference for every key: its type, bounds, default and
+description. The Snakefile validates the whole config with
+`snakemake.utils.validate`; stage scripts run on their own validate with
+`validate` here, which uses the same schema and fills the same defaults, so a
+stage never sees a key the schema does not know or misses a default.
+
+Two things the plain tools get wrong, and why this module exists:
+- PyYAML keeps the last of two equal keys and drops the first without a word;
+  `load_yaml` rejects duplicate keys with the file and line.
+- jsonschema reports errors as multi-line dumps; `validate` turns the most
+  relevant one into one line naming the dotted key and what was expected.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from jsonschema import Draft202012Validator, validators
+
+from stagetrain.errors import StageError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
+SECTIONS = (
+    "run", "model", "tokenizer", "data", "hardware",
+    "parallelism", "deepspeed", "pretrain", "grpo", "consolidate",
+)  # fmt: skip
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise StageError(
+                f"{key_node.start_mark.name}:{key_node.start_mark.line + 1}: duplicate key "
+                f"{key!r} (first at line {seen[key] + 1}); YAML would silently keep only one"
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Parse a YAML file, failing with one line on a missing file, bad syntax or a duplicate key."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.load(handle, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except FileNotFoundError:
+        raise StageError(f"{path}: file not found") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise StageError(f"{path}{where}: invalid YAML ({problem})") from None
+
+
+@cache
+def schema() -> dict[str, Any]:
+    """The config schema, parsed once per process."""
+    return load_yaml(SCHEMA_PATH)
+
+
+def _with_defaults(validator_class: type) -> type:
+    """Extend a validator class so that `properties` fills each missing key's default.
+
+    This is the recipe snakemake.utils.validate uses, with two differences:
+    defaults are deep-copied (a shared `{}` default would otherwise be mutated by
+    every later fill), and non-objects are left to the type check instead of
+    crashing on `setdefault`.
+    """
+    check_properties = validator_class.VALIDATORS["properties"]
+
+    def fill_defaults(validator, properties, instance, subschema):  # noqa: ANN001
+        if validator.is_type(instance, "object"):
+            for key, prop in properties.items():
+                if "default" in prop and key not in instance:
+                    instance[key] = copy.deepcopy(prop["default"])
+        yield from check_properties(validator, properties, instance, subschema)
+
+    return validators.extend(validator_class, {"properties": fill_defaults})
+
+
+_DefaultingValidator = _with_defaults(Draft202012Validator)
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    """One line for a schema error: the dotted key, what was expected, what was given."""
+    path = ".".join(str(part) for part in error.absolute_path) or "<top level>"
+    kind = error.validator
+    if kind == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        where = f"{path}." if error.absolute_path else ""
+        return f"{where}{extra[0]}: unknown key (allowed here: {', '.join(allowed) or 'none'})"
+    if kind == "type":
+        return f"{path}: expected {error.validator_value}, got {error.instance!r}"
+    if kind == "enum":
+        options = ", ".join(repr(v) for v in error.validator_value)
+        return f"{path}: expected one of {options}, got {error.instance!r}"
+    if kind in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        sign = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
+        return (
+            f"{path}: expected a value {sign[kind]} {error.validator_value}, got {error.instance!r}"
+        )
+    if kind == "pattern":
+        return f"{path}: expected a string matching {error.validator_value}, got {error.instance!r}"
+    return f"{path}: {error.message}"
+
+
+def validate(config: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
+    """Return a validated deep copy of `config` with every default filled in.
+
+    Raises:
+        StageError: one line naming the first offending dotted key.
+    """
+    filled = copy.deepcopy(dict(config))
+    validator = _DefaultingValidator(schema())
+    best = jsonschema.exceptions.best_match(validator.iter_errors(filled))
+    if best is not None:
+        raise StageError(f"{source}: {_describe(best)}")
+    return filled
+
+
+def validate_section(name: str, section: Any) -> dict[str, Any]:
+    """Validate one section (what a rule passes in `params`) and fill its defaults."""
+    if name not in SECTIONS:
+        raise StageError(
+            f"config: unknown section {name!r} (expected one of {', '.join(SECTIONS)})"
+        )
+    return validate({name: section})[name]
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load, strictly parse and validate a config file."""
+    raw = load_yaml(path)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise StageError(f"{path}: expected a mapping of config sections, got {type(raw).__name__}")
+    return validate(raw, source=str(path))

@@ -1,0 +1,53 @@
+"""Atomic file writes.
+
+Every artifact is written to a temporary file in the same directory and then
+renamed over the target, so a killed stage never leaves a half-written file that
+a later run (or Snakemake's timestamp logic) would take for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` atomically (same-directory temp file, fsync, rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write `obj` as indented, key-sorted JSON atomically, so reruns give identical bytes."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Read a JSON artifact, turning a missing or malformed file into a one-line StageError."""
+    from stagetrain.errors import StageError
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise StageError(f"{path}: file not found") from None
+    except json.JSONDecodeError as err:
+        raise StageError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
