@@ -1,0 +1,293 @@
+"""The detect_hardware stage: what devices this process may train on.
+
+Fallback chain, with the source and the reason for each fall recorded:
+NVML (nvidia-ml-py) -> /proc/driver/nvidia/gpus/*/information -> the CPU.
+NVML is reached through one seam, the `nvml` argument, so tests run this code
+against a fake module; nothing else is faked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from stagetrain.errors import StageError
+from stagetrain.hardware.catalog import gpu_spec, match_gpu
+from stagetrain.hardware.visible import Device, select_visible
+
+NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS in nvml.h
+
+
+def load_nvml() -> ModuleType:
+    """The real NVML binding (nvidia-ml-py installs it as `pynvml`)."""
+    import pynvml
+
+    return pynvml
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _nvml_devices(nvml: Any) -> tuple[list[Device], list[Device], dict[str, Any]]:
+    """Whole GPUs, MIG instances, and system facts from an initialised NVML."""
+    gpus: list[Device] = []
+    migs: list[Device] = []
+    nvlink = False
+    for index in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        gpu = Device(
+            index=index,
+            name=_text(nvml.nvmlDeviceGetName(handle)),
+            uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+            memory_bytes=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+            compute_capability=f"{major}.{minor}",
+        )
+        gpus.append(gpu)
+        nvlink = nvlink or _has_nvlink(nvml, handle)
+        try:
+            mig_on = nvml.nvmlDeviceGetMigMode(handle)[0] == 1
+        except nvml.NVMLError:  # not a MIG-capable GPU
+            mig_on = False
+        if mig_on:
+            migs.extend(_mig_instances(nvml, handle, gpu))
+    cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
+    facts = {
+        "driver_version": _text(nvml.nvmlSystemGetDriverVersion()),
+        "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}",
+        "nvlink": nvlink,
+        "mig_enabled": sorted({m.parent_uuid for m in migs if m.parent_uuid}),
+    }
+    return gpus, migs, facts
+
+
+def _has_nvlink(nvml: Any, handle: Any) -> bool:
+    for link in range(NVLINK_MAX_LINKS):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(handle, link):
+                return True
+        except nvml.NVMLError:  # link absent or NVLink not supported on this GPU
+            return False
+    return False
+
+
+def _mig_instances(nvml: Any, handle: Any, gpu: Device) -> list[Device]:
+    instances = []
+    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except nvml.NVMLError:  # empty slot
+            continue
+        instances.append(
+            Device(
+                index=gpu.index,
+                name=_text(nvml.nvmlDeviceGetName(mig)),
+                uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
+                memory_bytes=int(nvml.nvmlDeviceGetMemoryInfo(mig).total),
+                compute_capability=gpu.compute_capability,
+                mig=True,
+                parent_uuid=gpu.uuid,
+            )
+        )
+    return instances
+
+
+def _proc_devices(proc_root: Path) -> tuple[list[Device], dict[str, Any]]:
+    """GPUs from the driver's /proc files: names and UUIDs only, in PCI bus order."""
+    gpus = []
+    files = sorted((proc_root / "driver/nvidia/gpus").glob("*/information"))
+    for index, path in enumerate(files):
+        fields = dict(
+            (k.strip(), v.strip())
+            for k, v in (
+                line.split(":", 1) for line in path.read_text().splitlines() if ":" in line
+            )
+        )
+        if "Model" not in fields or "GPU UUID" not in fields:
+            raise StageError(f"{path}: expected 'Model:' and 'GPU UUID:' lines")
+        gpus.append(
+            Device(
+                index=index,
+                name=fields["Model"],
+                uuid=fields["GPU UUID"],
+                memory_bytes=None,
+                compute_capability=None,
+            )
+        )
+    version = proc_root / "driver/nvidia/version"
+    found = re.search(r"Kernel Module\s+(\S+)", version.read_text()) if version.exists() else None
+    return gpus, {"driver_version": found.group(1) if found else None, "cuda_driver_version": None}
+
+
+def cpu_facts(proc_root: Path = Path("/proc")) -> dict[str, int]:
+    """Cores this process may run on and the machine's memory."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    meminfo = proc_root / "meminfo"
+    memory = 0
+    if meminfo.exists():
+        found = re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text())
+        memory = int(found.group(1)) * 1024 if found else 0
+    if not memory:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cores": int(cores or 1), "memory_bytes": int(memory)}
+
+
+def slurm_allocation(env: Mapping[str, str]) -> dict[str, Any] | None:
+    """The Slurm allocation this process runs in, if any."""
+    if "SLURM_JOB_ID" not in env:
+        return None
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    return {
+        "job_id": env["SLURM_JOB_ID"],
+        "nodes": int(nodes),
+        "nodelist": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
+    }
+
+
+def _gpu_summary(devices: list[Device], nvlink: bool | None) -> dict[str, Any]:
+    """The one GPU model all visible devices share, or a one-line error listing them."""
+    names = sorted({d.name for d in devices})
+    if len(names) > 1:
+        listing = "; ".join(f"{d.uuid}: {d.name}" for d in devices)
+        raise StageError(
+            f"CUDA_VISIBLE_DEVICES selects GPUs of different models ({listing}); "
+            "expected one model: select GPUs of one kind"
+        )
+    first = devices[0]
+    key = None if first.mig else match_gpu(first.name)
+    return {
+        "key": key,
+        "name": first.name,
+        "memory_bytes": min(d.memory_bytes for d in devices) if first.memory_bytes else None,
+        "compute_capability": first.compute_capability,
+        "nvlink": nvlink,
+        "mig": first.mig,
+        "spec": asdict(gpu_spec(key)) if key else None,
+    }
+
+
+def detect(
+    hardware: Mapping[str, Any],
+    *,
+    nvml: ModuleType | None = None,
+    proc_root: Path = Path("/proc"),
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Build hardware.json from the validated `hardware` config section.
+
+    Args:
+        hardware: the config section (source, nodes, ... see the schema).
+        nvml: an NVML module; None loads the real one (tests pass a fake).
+        proc_root: where /proc is (tests pass a folder of fake driver files).
+        env: the environment (CUDA_VISIBLE_DEVICES, SLURM_*); None is os.environ.
+    """
+    env = os.environ if env is None else env
+    if hardware["source"] == "describe":
+        return describe(hardware)
+    fallbacks: list[str] = []
+    warnings: list[str] = []
+    facts: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None}
+    visible_env = env.get("CUDA_VISIBLE_DEVICES")
+    devices: list[Device] = []
+    source = "cpu"
+    nvlink: bool | None = None
+    try:
+        nvml = load_nvml() if nvml is None else nvml
+        nvml.nvmlInit()
+        try:
+            gpus, migs, facts = _nvml_devices(nvml)
+        finally:
+            nvml.nvmlShutdown()
+        source, nvlink = "nvml", facts.pop("nvlink")
+        devices = select_visible(visible_env, gpus, migs)
+        in_mig = set(facts.pop("mig_enabled"))
+        dropped = [d for d in devices if not d.mig and d.uuid in in_mig]
+        if dropped:
+            warnings.append(
+                f"GPUs in MIG mode are usable only through their MIG instances; skipped "
+                f"{', '.join(d.uuid for d in dropped)} (name MIG-<uuid> in CUDA_VISIBLE_DEVICES)"
+            )
+            devices = [d for d in devices if d not in dropped]
+    except StageError:
+        raise
+    except Exception as err:  # ImportError or any NVMLError: record it and fall back
+        fallbacks.append(f"nvml: {type(err).__name__}: {err}")
+        gpus, facts = _proc_devices(proc_root)
+        if gpus:
+            source = "proc"
+            devices = select_visible(visible_env, gpus)
+        else:
+            fallbacks.append(f"proc: no {proc_root}/driver/nvidia/gpus/*/information")
+    if source != "cpu" and not devices:
+        fallbacks.append(f"{source}: CUDA_VISIBLE_DEVICES={visible_env!r} hides every GPU")
+        source = "cpu"
+    nodes, slurm = _nodes(hardware, env, warnings)
+    return {
+        "source": source,
+        "fallbacks": fallbacks,
+        "warnings": warnings,
+        "cuda_visible_devices": visible_env,
+        "nodes": nodes,
+        "nodes_source": "slurm" if slurm else "config",
+        "slurm": slurm,
+        "gpus_per_node": len(devices) if source != "cpu" else 0,
+        "cpu_ranks": hardware["cpu_ranks"] if source == "cpu" else None,
+        "gpu": _gpu_summary(devices, nvlink) if source != "cpu" else None,
+        "devices": [asdict(d) for d in devices] if source != "cpu" else [],
+        "cpu": cpu_facts(proc_root),
+        **facts,
+    }
+
+
+def _nodes(
+    hardware: Mapping[str, Any], env: Mapping[str, str], warnings: list[str]
+) -> tuple[int, dict[str, Any] | None]:
+    slurm = slurm_allocation(env)
+    if slurm is None:
+        return hardware["nodes"], None
+    if hardware["nodes"] not in (1, slurm["nodes"]):
+        warnings.append(
+            f"hardware.nodes={hardware['nodes']} but the Slurm allocation has "
+            f"{slurm['nodes']} nodes; using the allocation"
+        )
+    return slurm["nodes"], slurm
+
+
+def describe(hardware: Mapping[str, Any]) -> dict[str, Any]:
+    """hardware.json for hardware named in the config rather than detected."""
+    if hardware["gpu"] is None or hardware["gpus_per_node"] is None:
+        raise StageError(
+            "hardware: source 'describe' needs hardware.gpu (a catalog key) and hardware.gpus_per_node"
+        )
+    spec = gpu_spec(hardware["gpu"])
+    host = hardware["host_memory_gib"]
+    return {
+        "source": "config",
+        "fallbacks": [],
+        "warnings": [],
+        "cuda_visible_devices": None,
+        "nodes": hardware["nodes"],
+        "nodes_source": "config",
+        "slurm": None,
+        "gpus_per_node": hardware["gpus_per_node"],
+        "cpu_ranks": None,
+        "gpu": {
+            "key": spec.key,
+            "name": spec.key,
+            "memory_bytes": int(spec.memory_gib * 2**30),
+            "compute_capability": None,
+            "nvlink": spec.nvlink_gbps > 0,
+            "mig": False,
+            "spec": asdict(spec),
+        },
+        "devices": [],
+        "cpu": {"cores": None, "memory_bytes": int(host * 2**30) if host else None},
+        "driver_version": None,
+        "cuda_driver_version": None,
+    }
