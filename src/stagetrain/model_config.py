@@ -1,0 +1,112 @@
+"""The transformers config of the model to train, built from the `model` config section.
+
+Shared by the planner (which counts parameters from it) and the tokenizer stage
+(which writes it as model_config.json with the padded vocabulary), so both see
+the same architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from transformers import AutoConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
+
+from stagetrain.errors import StageError
+
+SHAPE_KEYS = (
+    "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "max_position_embeddings", "rope_theta", "tie_word_embeddings",
+)  # fmt: skip
+MOE_KEYS = {
+    "llama": (),
+    "mixtral": ("num_experts", "experts_per_token"),
+    "qwen2_moe": ("num_experts", "experts_per_token", "moe_intermediate_size"),
+}
+ALL_MOE_KEYS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+
+
+def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
+    """`vocab_size` rounded up to a multiple of `multiple * tp`."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
+    """The transformers config for `model` (a validated config section).
+
+    Args:
+        model: the `model` section.
+        vocab_size: embedding rows (already padded) for a from-scratch model;
+            a continued model keeps its own unless this is larger.
+
+    Raises:
+        StageError: a shape key that is missing, not allowed, or inconsistent.
+    """
+    if model["init_from"]:
+        return _load_pretrained(model, vocab_size)
+    arch = model["architecture"]
+    needed = SHAPE_KEYS + MOE_KEYS[arch]
+    missing = [k for k in needed if model.get(k) is None]
+    if missing:
+        raise StageError(
+            f"model.{missing[0]}: required for a from-scratch {arch} model "
+            f"(expected all of: {', '.join(needed)})"
+        )
+    stray = [k for k in ALL_MOE_KEYS if k in model and k not in MOE_KEYS[arch]]
+    if stray:
+        raise StageError(f"model.{stray[0]}: not used by architecture {arch!r}; remove it")
+    heads, kv_heads, hidden = model["num_heads"], model["num_kv_heads"], model["hidden_size"]
+    if hidden % heads:
+        raise StageError(f"model.num_heads: {heads} must divide model.hidden_size {hidden}")
+    if heads % kv_heads:
+        raise StageError(f"model.num_kv_heads: {kv_heads} must divide model.num_heads {heads}")
+    if "experts_per_token" in model and model["experts_per_token"] > model["num_experts"]:
+        raise StageError(
+            f"model.experts_per_token: {model['experts_per_token']} exceeds "
+            f"model.num_experts {model['num_experts']}"
+        )
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=model["intermediate_size"],
+        num_hidden_layers=model["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=model["max_position_embeddings"],
+        rope_parameters={"rope_type": "default", "rope_theta": float(model["rope_theta"])},
+        tie_word_embeddings=model["tie_word_embeddings"],
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mixtral":
+        return MixtralConfig(
+            **common,
+            num_local_experts=model["num_experts"],
+            num_experts_per_tok=model["experts_per_token"],
+        )
+    return Qwen2MoeConfig(
+        **common,
+        num_experts=model["num_experts"],
+        num_experts_per_tok=model["experts_per_token"],
+        moe_intermediate_size=model["moe_intermediate_size"],
+        shared_expert_intermediate_size=model["intermediate_size"],
+    )
+
+
+def _load_pretrained(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
+    given = [k for k in SHAPE_KEYS + ALL_MOE_KEYS if model.get(k) is not None]
+    if given:
+        raise StageError(
+            f"model.{given[0]}: not allowed with model.init_from "
+            "(the shape comes from that model's config.json)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(model["init_from"], trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise StageError(
+            f"model.init_from: cannot load config of {model['init_from']!r}: {first}"
+        ) from None
+    config.vocab_size = max(config.vocab_size, vocab_size)
+    return config

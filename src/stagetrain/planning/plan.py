@@ -1,0 +1,78 @@
+"""The parallel layout of one training stage, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from stagetrain.errors import StageError
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Offload = Literal["none", "optimizer", "optimizer_and_params"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """One way to run a stage: how ranks split the model and the batch.
+
+    Invariants (checked in __post_init__, with every factor in the message):
+    dp * tp == world, tp divides the heads and KV heads and fits in a node,
+    global_batch == micro_batch_size * grad_accum * dp.
+    """
+
+    world: int
+    gpus_per_node: int
+    """Ranks per node (CPU: ranks per machine)."""
+    dp: int
+    tp: int
+    micro_batch_size: int
+    grad_accum: int
+    global_batch: int
+    """Sequences per optimizer step over all ranks."""
+    seq_len: int
+    zero_stage: int
+    activation_checkpointing: bool
+    offload: Offload
+    precision: Precision
+    num_heads: int
+    num_kv_heads: int
+
+    def __post_init__(self) -> None:
+        factors = (
+            f"dp={self.dp}, tp={self.tp}, world={self.world}, micro_batch_size={self.micro_batch_size}, "
+            f"grad_accum={self.grad_accum}, global_batch={self.global_batch}, "
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}"
+        )
+        if min(self.dp, self.tp, self.micro_batch_size, self.grad_accum) < 1:
+            raise StageError(f"parallelism: every factor must be >= 1 ({factors})")
+        if self.dp * self.tp != self.world:
+            raise StageError(f"parallelism: dp * tp must equal the world size ({factors})")
+        if self.num_heads % self.tp or self.num_kv_heads % self.tp:
+            raise StageError(f"parallelism.tp: must divide the attention and KV heads ({factors})")
+        if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
+            raise StageError(
+                f"parallelism.tp: must divide the {self.gpus_per_node} devices of one node ({factors})"
+            )
+        if self.micro_batch_size * self.grad_accum * self.dp != self.global_batch:
+            raise StageError(
+                f"parallelism: global batch must equal micro_batch_size * grad_accum * dp ({factors})"
+            )
+        if self.offload == "optimizer_and_params" and self.zero_stage != 3:
+            raise StageError(
+                f"parallelism.offload: parameter offload needs zero_stage 3 ({factors})"
+            )
+        if self.offload != "none" and self.zero_stage < 2:
+            raise StageError(
+                f"parallelism.offload: CPU offload needs zero_stage 2 or 3 ({factors})"
+            )
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step over all ranks."""
+        return self.global_batch * self.seq_len
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as plan.json stores it, without the model facts it was checked against."""
+        out = asdict(self)
+        del out["num_heads"], out["num_kv_heads"]
+        return out

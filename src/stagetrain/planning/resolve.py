@@ -1,0 +1,184 @@
+"""Resolve the plan: config values first, then a parallelism table, then the planner."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from stagetrain.errors import StageError
+from stagetrain.hardware.catalog import CATALOG_PATH, GpuSpec, gpu_spec
+from stagetrain.model_config import build_config, padded_vocab
+from stagetrain.planning import table as tables
+from stagetrain.planning.memory import params_per_rank
+from stagetrain.planning.plan import Layout, Precision
+from stagetrain.planning.search import SEARCHED, Demand, Devices, search
+from stagetrain.planning.shape import ModelShape, model_shape
+
+
+def devices_from(hardware: Mapping[str, Any], hw_config: Mapping[str, Any]) -> Devices:
+    """The planner's view of hardware.json."""
+    gpu = hardware["gpu"]
+    if gpu is None:
+        ranks = hardware["cpu_ranks"]
+        return Devices(
+            gpu=None,
+            nodes=hardware["nodes"],
+            per_node=ranks,
+            device_bytes=hardware["cpu"]["memory_bytes"] // ranks,
+            host_bytes_per_node=None,
+            inter_node_gbps=hw_config["inter_node_gbps"],
+        )
+    if gpu["key"] is None:
+        raise StageError(
+            f"hardware.json: GPU {gpu['name']!r} is not in the catalog ({CATALOG_PATH}); "
+            "expected a known GPU: add an entry for it there"
+        )
+    return Devices(
+        gpu=gpu_spec(gpu["key"]),
+        nodes=hardware["nodes"],
+        per_node=hardware["gpus_per_node"],
+        device_bytes=gpu["memory_bytes"],
+        host_bytes_per_node=hardware["cpu"]["memory_bytes"],
+        inter_node_gbps=hw_config["inter_node_gbps"],
+    )
+
+
+def choose_precision(requested: str, gpu: GpuSpec | None) -> Precision:
+    """bf16 where the device runs it (CPUs do), else fp16 with loss scaling; or as requested."""
+    if requested == "auto":
+        return "bf16" if gpu is None or gpu.bf16 else "fp16"
+    if requested == "bf16" and gpu is not None and not gpu.bf16:
+        raise StageError(f"deepspeed.precision: bf16 requested but {gpu.key} has no bf16 support")
+    return requested  # type: ignore[return-value]
+
+
+def _table_repo(parallelism: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
+    if parallelism["table_repo"]:
+        return parallelism["table_repo"]
+    init = model["init_from"]
+    return init if init and not Path(init).exists() else None
+
+
+def table_values(
+    parallelism: Mapping[str, Any], model: Mapping[str, Any], devices: Devices
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """Entries from a parallelism table, and a record of where they came from (or why not)."""
+    repo = _table_repo(parallelism, model)
+    if not parallelism["table_path"] and not repo:
+        return {}, {"status": "none", "reason": "no table_path or table_repo configured"}
+    if devices.gpu is None:
+        return {}, {"status": "skipped", "reason": "tables describe GPUs; planning for CPU ranks"}
+    try:
+        if parallelism["table_path"]:
+            table, source = tables.read_local(parallelism["table_path"])
+        else:
+            table, source = tables.download(repo, parallelism["table_revision"])
+        entry = tables.lookup(table, devices.gpu.key, devices.world, source)
+    except tables.TableMiss as miss:
+        if parallelism["on_table_miss"] == "error":
+            raise StageError(str(miss)) from None
+        return {}, {"status": "miss", "reason": f"{miss}; falling back to the planner"}
+    return entry, {"status": "used", "source": source, "entry": entry}
+
+
+def demands(pretrain: Mapping[str, Any], grpo: Mapping[str, Any], devices: Devices) -> list[Demand]:
+    """The pretrain and GRPO stages' batch shapes (and GRPO's extra memory)."""
+    seq = pretrain["seq_len"]
+    batch = pretrain["global_batch_size"]
+    if pretrain["global_batch_unit"] == "tokens":
+        if batch % seq:
+            raise StageError(
+                f"pretrain.global_batch_size: {batch} tokens is not a multiple of pretrain.seq_len {seq}"
+            )
+        batch //= seq
+
+    def grpo_extra(shape: ModelShape, layout: Layout) -> int:
+        # Reference model for the KL term, the whole policy gathered for generation
+        # under ZeRO-3, and the KV cache of every rollout a rank generates at once.
+        w = 2 if layout.precision != "fp32" else 4
+        n = params_per_rank(shape, layout.tp)
+        shard = n // layout.dp if layout.zero_stage == 3 else n
+        reference = w * shard if grpo["kl_coef"] > 0 else 0
+        gathered = w * (n - shard)
+        rollouts = layout.global_batch // layout.dp
+        kv_width = shape.num_kv_heads * shape.head_dim // layout.tp
+        kv = 2 * shape.num_layers * rollouts * layout.seq_len * kv_width * w
+        return reference + gathered + kv
+
+    return [
+        Demand(stage="pretrain", seq_len=seq, global_batch=batch),
+        Demand(
+            stage="grpo",
+            seq_len=grpo["max_prompt_len"] + grpo["max_new_tokens"],
+            global_batch=grpo["prompts_per_step"] * grpo["group_size"],
+            group=grpo["group_size"],
+            extra_bytes=grpo_extra,
+        ),
+    ]
+
+
+def resolve(
+    *,
+    hardware: Mapping[str, Any],
+    hw_config: Mapping[str, Any],
+    model: Mapping[str, Any],
+    tokenizer: Mapping[str, Any],
+    parallelism: Mapping[str, Any],
+    deepspeed: Mapping[str, Any],
+    pretrain: Mapping[str, Any],
+    grpo: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Build plan.json from hardware.json and the validated config sections.
+
+    `grpo` needs only the keys that shape its batch (prompts_per_step,
+    group_size, max_prompt_len, max_new_tokens, kl_coef).
+    """
+    devices = devices_from(hardware, hw_config)
+    precision = choose_precision(deepspeed["precision"], devices.gpu)
+
+    @cache
+    def shape(tp: int) -> ModelShape:
+        vocab = padded_vocab(tokenizer["vocab_size"], model["vocab_multiple"], tp)
+        return model_shape(build_config(model, vocab))
+
+    fixed: dict[str, Any] = {k: parallelism[k] for k in SEARCHED}
+    sources = {k: "config" for k, v in fixed.items() if v is not None}
+    table_record: dict[str, Any] = {
+        "status": "not needed",
+        "reason": "dp, tp and micro_batch_size set in the config",
+    }
+    if any(fixed[k] is None for k in tables.ENTRY_KEYS):
+        from_table, table_record = table_values(parallelism, model, devices)
+        for key, value in from_table.items():
+            if fixed[key] is None:
+                fixed[key] = value
+                sources[key] = table_record["source"]
+    options = {**parallelism, **deepspeed}
+    stages = {}
+    for demand in demands(pretrain, grpo, devices):
+        entry = search(demand, devices, fixed, shape, precision, options)
+        entry["sources"] = {k: sources.get(k, "planner") for k in SEARCHED}
+        stages[demand.stage] = entry
+    labels = set(sources.values())
+    overall = (
+        "config" if len(sources) == len(SEARCHED) and labels == {"config"}
+        else table_record["source"] if table_record.get("status") == "used"
+        else "estimated"
+    )  # fmt: skip
+    base = shape(1)
+    return {
+        "source": overall,
+        "device": devices.gpu.key if devices.gpu else "cpu",
+        "backend": "nccl" if devices.gpu else "gloo",
+        "nodes": devices.nodes,
+        "ranks_per_node": devices.per_node,
+        "world": devices.world,
+        "precision": precision,
+        "model": {**asdict(base), "vocab_multiple": model["vocab_multiple"]},
+        "table": table_record,
+        "stages": stages,
+        "warnings": [w for s in stages.values() for w in s["warnings"]],
+    }

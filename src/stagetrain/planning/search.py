@@ -1,0 +1,298 @@
+"""The analytic planner: enumerate layouts, model each one, keep the fastest that fits.
+
+Searched: tp (dividing the heads, the KV heads and the devices of a node), ZeRO
+stage 0-3, micro batch size (dividing the per-rank batch), activation
+checkpointing; CPU offload only when nothing else fits. Values fixed by the
+config or a parallelism table narrow the search instead of being searched. On
+CPUs there is no throughput model: the planner takes the fewest micro batches per
+step, then the lowest ZeRO stage, without recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from itertools import product
+from typing import Any
+
+from stagetrain.errors import StageError
+from stagetrain.hardware.catalog import GpuSpec
+from stagetrain.planning import memory as mem
+from stagetrain.planning.plan import Layout, Offload, Precision
+from stagetrain.planning.shape import ModelShape
+from stagetrain.planning.throughput import Throughput, predict
+
+SEARCHED = ("dp", "tp", "micro_batch_size", "zero_stage", "activation_checkpointing", "offload")
+RUNNERS_UP = 5
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Devices:
+    """What the planner plans for, read from hardware.json."""
+
+    gpu: GpuSpec | None
+    """None on a CPU machine."""
+    nodes: int
+    per_node: int
+    """GPUs (or CPU ranks) per node."""
+    device_bytes: int
+    """Memory of one device (CPU: host memory per rank)."""
+    host_bytes_per_node: int | None
+    inter_node_gbps: float
+
+    @property
+    def world(self) -> int:
+        """Ranks over all nodes."""
+        return self.nodes * self.per_node
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Demand:
+    """What one training stage asks of the plan."""
+
+    stage: str
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    group: int = 1
+    """Sequences that must stay on one rank together (GRPO: one prompt's completions)."""
+    extra_bytes: Callable[[ModelShape, Layout], int] = field(default=lambda shape, layout: 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Evaluated:
+    """A candidate layout with its predicted memory and speed."""
+
+    layout: Layout
+    memory: mem.Memory
+    fits: bool
+    throughput: Throughput | None
+    usable: int
+
+    def summary(self) -> str:
+        """A short human-readable form, e.g. 'tp=2 zero=1 mbs=4 ga=2 ac=off offload=none'."""
+        lay = self.layout
+        return (
+            f"tp={lay.tp} dp={lay.dp} zero={lay.zero_stage} mbs={lay.micro_batch_size} "
+            f"ga={lay.grad_accum} ac={'on' if lay.activation_checkpointing else 'off'} "
+            f"offload={lay.offload}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidates(
+    demand: Demand,
+    devices: Devices,
+    fixed: Mapping[str, Any],
+    shape: Callable[[int], ModelShape],
+    precision: Precision,
+    offloads: tuple[Offload, ...],
+    max_mbs: int,
+) -> Iterator[Layout]:
+    heads = shape(1)
+    if fixed.get("tp"):
+        tps = [fixed["tp"]]
+    elif devices.gpu is None:
+        tps = [1]
+    else:
+        tps = [
+            t for t in _divisors(devices.per_node)
+            if heads.num_heads % t == 0 and heads.num_kv_heads % t == 0
+        ]  # fmt: skip
+    for tp in tps:
+        dp = fixed.get("dp") or devices.world // tp
+        per_rank, rest = divmod(demand.global_batch, dp)
+        if rest or per_rank % demand.group:
+            continue
+        mbs_options = (
+            [fixed["micro_batch_size"]]
+            if fixed.get("micro_batch_size")
+            else [d for d in _divisors(per_rank) if d <= max_mbs]
+        )
+        zeros = [fixed["zero_stage"]] if fixed.get("zero_stage") is not None else [0, 1, 2, 3]
+        acs = (
+            [fixed["activation_checkpointing"]]
+            if fixed.get("activation_checkpointing") is not None
+            else [False, True]
+        )
+        for mbs, zero, ac, offload in product(mbs_options, zeros, acs, offloads):
+            if offload != "none" and zero < 2 or offload == "optimizer_and_params" and zero != 3:
+                continue
+            yield Layout(
+                world=devices.world,
+                gpus_per_node=devices.per_node,
+                dp=dp,
+                tp=tp,
+                micro_batch_size=mbs,
+                grad_accum=max(1, per_rank // mbs),
+                global_batch=demand.global_batch,
+                seq_len=demand.seq_len,
+                zero_stage=zero,
+                activation_checkpointing=ac,
+                offload=offload,
+                precision=precision,
+                num_heads=shape(tp).num_heads,
+                num_kv_heads=shape(tp).num_kv_heads,
+            )
+
+
+def _evaluate(
+    layout: Layout, shape: ModelShape, devices: Devices, demand: Demand, options: Mapping[str, Any]
+) -> Evaluated:
+    memory = mem.estimate(
+        shape,
+        layout,
+        bucket_size=options["bucket_size"],
+        max_live=options["stage3_max_live_parameters"],
+        overlap_comm=options["overlap_comm"],
+        extra=demand.extra_bytes(shape, layout),
+    )
+    reserved = options["reserved_gib"] if devices.gpu else 0.0
+    usable = mem.usable_bytes(devices.device_bytes, reserved, options["fragmentation"])
+    host_ok = layout.offload == "none" or (
+        devices.host_bytes_per_node is not None
+        and memory.host_per_node <= devices.host_bytes_per_node
+    )
+    throughput = None
+    if devices.gpu is not None:
+        throughput = predict(
+            shape,
+            layout,
+            devices.gpu,
+            nodes=devices.nodes,
+            inter_node_gbps=devices.inter_node_gbps,
+            assumed_mfu=options["assumed_mfu"],
+            overlap_comm=options["overlap_comm"],
+        )
+    return Evaluated(
+        layout=layout, memory=memory, fits=memory.total <= usable and host_ok,
+        throughput=throughput, usable=usable,
+    )  # fmt: skip
+
+
+def _rank(ev: Evaluated) -> tuple:
+    """Sort key, best first: speed (GPU) or fewest micro batches (CPU), then simplicity."""
+    lay = ev.layout
+    speed = -round(ev.throughput.tokens_per_s, 6) if ev.throughput else lay.grad_accum
+    offload = ("none", "optimizer", "optimizer_and_params").index(lay.offload)
+    return (speed, offload, lay.zero_stage, lay.activation_checkpointing, lay.tp, ev.memory.total)
+
+
+def _why_lost(loser: Evaluated, winner: Evaluated) -> str:
+    if not loser.fits:
+        gib = mem.GIB
+        if loser.memory.total > loser.usable:
+            return f"does not fit: needs {loser.memory.total / gib:.2f} GiB of {loser.usable / gib:.2f} GiB usable"
+        return "does not fit: host memory for offload"
+    lw, ll = winner.layout, loser.layout
+    if winner.throughput and loser.throughput:
+        slower = 1 - loser.throughput.tokens_per_s / winner.throughput.tokens_per_s
+        if slower > 0.005:
+            return (
+                f"{slower:.0%} slower: {loser.throughput.tokens_per_s:,.0f} tokens/s "
+                f"vs {winner.throughput.tokens_per_s:,.0f}"
+            )
+    elif ll.grad_accum != lw.grad_accum:
+        return f"more micro batches per step (ga={ll.grad_accum} vs {lw.grad_accum})"
+    if ll.offload != lw.offload:
+        return f"offloads ({ll.offload}) where {lw.offload} fits as well"
+    if ll.zero_stage != lw.zero_stage:
+        return f"no faster, with more sharding traffic (ZeRO {ll.zero_stage} vs {lw.zero_stage})"
+    if ll.activation_checkpointing != lw.activation_checkpointing:
+        return "no faster, and recomputes activations"
+    if ll.tp != lw.tp:
+        return f"no faster, with tp={ll.tp} vs {lw.tp}"
+    return f"no faster, and needs more memory ({loser.memory.total / mem.GIB:.2f} GiB)"
+
+
+def _report(ev: Evaluated) -> dict[str, Any]:
+    return {
+        "layout": ev.summary(),
+        "tokens_per_s": round(ev.throughput.tokens_per_s, 1) if ev.throughput else None,
+        "memory_gib": round(ev.memory.total / mem.GIB, 3),
+    }
+
+
+def search(
+    demand: Demand,
+    devices: Devices,
+    fixed: Mapping[str, Any],
+    shape: Callable[[int], ModelShape],
+    precision: Precision,
+    options: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Choose the layout of one stage and explain the choice.
+
+    Args:
+        demand: the stage's sequence length, global batch and extra memory.
+        devices: the hardware to plan for.
+        fixed: values already decided (by the config or a table); None = search.
+        shape: the model's shape for a given tp (the vocabulary padding depends on tp).
+        precision: the training precision.
+        options: the parallelism and deepspeed config values the models use.
+
+    Returns:
+        The stage's entry of plan.json (layout, memory, throughput, runners-up).
+
+    Raises:
+        StageError: no layout is possible, or none fits and nothing was fixed.
+    """
+    fixed_offload = fixed.get("offload")
+    offload_sets: list[tuple[Offload, ...]] = (
+        [(fixed_offload,)] if fixed_offload else [("none",), ("optimizer", "optimizer_and_params")]
+    )
+    evaluated: list[Evaluated] = []
+    for offloads in offload_sets:
+        for layout in _candidates(
+            demand, devices, fixed, shape, precision, offloads, options["max_micro_batch_size"]
+        ):
+            evaluated.append(_evaluate(layout, shape(layout.tp), devices, demand, options))
+        if any(e.fits for e in evaluated):
+            break
+    if not evaluated:
+        raise StageError(
+            f"{demand.stage}: no layout divides the global batch of {demand.global_batch} sequences "
+            f"(groups of {demand.group}) over {devices.world} ranks with tp dividing the "
+            f"{shape(1).num_heads} heads, {shape(1).num_kv_heads} KV heads and {devices.per_node} "
+            f"devices per node; fixed: {dict((k, v) for k, v in fixed.items() if v is not None)}"
+        )
+    fitting = sorted((e for e in evaluated if e.fits), key=_rank)
+    warnings: list[str] = []
+    if fitting:
+        best = fitting[0]
+    else:
+        best = min(evaluated, key=lambda e: e.memory.total)
+        need = f"{best.memory.total / mem.GIB:.2f} GiB per device of {best.usable / mem.GIB:.2f} usable"
+        if not any(v is not None for v in fixed.values()):
+            raise StageError(
+                f"{demand.stage}: nothing fits; the smallest layout ({best.summary()}) needs {need}: "
+                "use more or larger devices, a shorter sequence or a smaller model"
+            )
+        warnings.append(
+            f"{demand.stage}: the requested layout is predicted not to fit ({best.summary()} needs "
+            f"{need}); kept because it was asked for"
+        )
+    others = [e for e in fitting[1:] if e.summary() != best.summary()]
+    rejected = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
+    return {
+        "layout": best.layout.to_json(),
+        "memory": {
+            **asdict(best.memory),
+            "total": best.memory.total,
+            "usable": best.usable,
+            "device": devices.device_bytes,
+            "fits": best.fits,
+        },
+        "throughput": (
+            {**asdict(best.throughput), "step_s": best.throughput.step_s}
+            if best.throughput
+            else {"reason": "no throughput model for CPUs; the training stage measures it"}
+        ),
+        "candidates": {"considered": len(evaluated), "fit": len(fitting)},
+        "runners_up": [{**_report(e), "reason": _why_lost(e, best)} for e in others[:RUNNERS_UP]],
+        "rejected": [{**_report(e), "reason": _why_lost(e, best)} for e in rejected[:RUNNERS_UP]],
+        "warnings": warnings,
+    }

@@ -1,0 +1,112 @@
+"""Exact parameter counts of the model to train, from its transformers config.
+
+Building a 70B model on the meta device takes about a second, too slow for a
+planner asked to answer in under one. Decoder layers of the architectures here
+are identical, so the model is built on the meta device with one and with two
+layers, and the count is extrapolated exactly: total = P(1) + (L - 1) * (P(2) - P(1)).
+Configs with per-layer differences are built whole.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """What the memory and throughput models need to know about a model."""
+
+    params: int
+    """All parameters."""
+    active_params: int
+    """Parameters a token passes through (MoE: only its routed experts)."""
+    layer_params: int
+    """Parameters of one decoder layer."""
+    embedding_params: int
+    """Input embedding plus an untied output projection: the parts AutoTP does not shard."""
+    largest_module_params: int
+    """Largest parameter count held directly by one module (DeepSpeed's 'largest layer')."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    """Width of the MLP a token passes through (for MoE: one expert, plus any shared expert)."""
+    experts_per_token: int
+    vocab_size: int
+
+
+def _homogeneous(config: PretrainedConfig) -> bool:
+    return (
+        not getattr(config, "mlp_only_layers", None)
+        and getattr(config, "decoder_sparse_step", 1) == 1
+        and not getattr(config, "first_k_dense_replace", 0)
+        and not getattr(config, "layer_types", None)
+    )
+
+
+def _counts(config: PretrainedConfig, layers: int) -> dict[str, int]:
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if ".experts." in name or name.endswith(".experts")
+    )
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings()
+    untied = head is not None and head.weight is not model.get_input_embeddings().weight
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return {
+        "total": total,
+        "experts": experts,
+        "embedding": embed + (head.weight.numel() if untied else 0),
+        "largest": largest,
+    }
+
+
+def model_shape(config: PretrainedConfig) -> ModelShape:
+    """Count the parameters of `config` exactly (meta device, no memory allocated)."""
+    layers = config.num_hidden_layers
+    if _homogeneous(config) and layers > 2:
+        one, two = _counts(config, 1), _counts(config, 2)
+        per_layer = {k: two[k] - one[k] for k in one}
+        full = {k: one[k] + (layers - 1) * per_layer[k] for k in one}
+        full["largest"] = max(one["largest"], two["largest"])
+        full["embedding"] = one["embedding"]
+    else:
+        full = _counts(config, layers)
+        per_layer = {"total": (full["total"] - full["embedding"]) // layers}
+    num_experts = (
+        getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    )
+    top_k = getattr(config, "num_experts_per_tok", 1) if num_experts else 1
+    inactive = full["experts"] * (num_experts - top_k) // num_experts if num_experts else 0
+    width = getattr(config, "moe_intermediate_size", None) if num_experts else None
+    width = (width or config.intermediate_size) + getattr(
+        config, "shared_expert_intermediate_size", 0
+    )
+    heads = config.num_attention_heads
+    return ModelShape(
+        params=full["total"],
+        active_params=full["total"] - inactive,
+        layer_params=per_layer["total"],
+        embedding_params=full["embedding"],
+        largest_module_params=full["largest"],
+        num_layers=layers,
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=width,
+        experts_per_token=top_k,
+        vocab_size=config.vocab_size,
+    )

@@ -1,0 +1,103 @@
+"""parallelism_data.json tables in Psyche's format, from a local file or a hub repo.
+
+Format: {"<GPU key>": {"<world size>": {"dp": int, "tp": int, "micro_batch_size": int}}}.
+The GPU count is the total number of GPUs of the run (dp * tp).
+
+Hub downloads go through huggingface_hub, which reads HF_ENDPOINT, HF_TOKEN,
+HF_HUB_OFFLINE and its cache from the environment; the token is never passed
+around or written. Every failure becomes a `TableMiss` with a one-line reason,
+so the caller can fall back to the planner (recording why) or fail.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TABLE_FILE = "parallelism_data.json"
+ENTRY_KEYS = ("dp", "tp", "micro_batch_size")
+
+
+class TableMiss(Exception):
+    """The table could not be used; the message says why in one line."""
+
+
+def read_local(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The table at `path` and its source label."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TableMiss(f"parallelism.table_path: {path}: file not found") from None
+    return parse(text, str(path)), f"file:{path}"
+
+
+def download(repo: str, revision: str) -> tuple[dict[str, Any], str]:
+    """The table of hub repo `repo` at `revision`, and 'hub:<repo>@<commit>'."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    where = f"hub repo {repo!r}@{revision}"
+    try:
+        path = Path(huggingface_hub.hf_hub_download(repo, TABLE_FILE, revision=revision))
+    except errors.GatedRepoError:
+        raise TableMiss(f"{where}: unauthorised (gated repo; set HF_TOKEN)") from None
+    except errors.RepositoryNotFoundError as err:
+        status = getattr(err.response, "status_code", None)
+        if status in (401, 403):
+            raise TableMiss(f"{where}: unauthorised (HTTP {status}; check HF_TOKEN)") from None
+        raise TableMiss(f"{where}: repository not found (or private without a token)") from None
+    except errors.RevisionNotFoundError:
+        raise TableMiss(f"{where}: revision not found") from None
+    except errors.RemoteEntryNotFoundError:
+        raise TableMiss(f"{where}: has no {TABLE_FILE}") from None
+    except errors.LocalEntryNotFoundError:
+        raise TableMiss(
+            f"{where}: hub unreachable or offline (HF_HUB_OFFLINE) and {TABLE_FILE} not in the cache"
+        ) from None
+    except errors.HfHubHTTPError as err:
+        status = getattr(err.response, "status_code", None)
+        if status in (401, 403):
+            raise TableMiss(f"{where}: unauthorised (HTTP {status}; check HF_TOKEN)") from None
+        raise TableMiss(f"{where}: HTTP error {status}") from None
+    except OSError as err:  # connection refused, DNS, timeouts surface as OSError subclasses
+        raise TableMiss(f"{where}: hub unreachable ({type(err).__name__})") from None
+    # The cache stores files under snapshots/<commit>/, which pins what was read.
+    commit = path.parent.name
+    return parse(path.read_text(encoding="utf-8"), where), f"hub:{repo}@{commit}"
+
+
+def parse(text: str, where: str) -> dict[str, Any]:
+    """Parse and check a table's structure, naming the first malformed entry."""
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TableMiss(f"{where}: malformed JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(table, dict):
+        raise TableMiss(f"{where}: malformed table (expected an object of GPU keys)")
+    for gpu, counts in table.items():
+        if not isinstance(counts, dict):
+            raise TableMiss(
+                f"{where}: malformed table at {gpu!r} (expected an object of GPU counts)"
+            )
+        for count, entry in counts.items():
+            ok = isinstance(entry, dict) and set(entry) >= set(ENTRY_KEYS)
+            ok = ok and all(isinstance(entry[k], int) and entry[k] >= 1 for k in ENTRY_KEYS)
+            if not ok or not count.isdigit():
+                raise TableMiss(
+                    f"{where}: malformed table at {gpu!r}.{count!r} (expected a GPU count "
+                    f"mapping to positive integers {', '.join(ENTRY_KEYS)})"
+                )
+    return table
+
+
+def lookup(table: dict[str, Any], gpu_key: str, world: int, where: str) -> dict[str, int]:
+    """The entry for `gpu_key` and `world` GPUs, or a miss that lists what the table has."""
+    entry = table.get(gpu_key, {}).get(str(world))
+    if entry is None:
+        have = (
+            "; ".join(f"{g}: {', '.join(sorted(c, key=int))}" for g, c in table.items())
+            or "nothing"
+        )
+        raise TableMiss(f"{where}: no entry for {gpu_key} x {world} (the table has {have})")
+    return {k: entry[k] for k in ENTRY_KEYS}
