@@ -1,0 +1,46 @@
+# stagetrain: one config, one command, from bare hardware to a trained model.
+#
+# results/<run.name>/
+#   hardware.json                 detect_hardware
+#   plan.json                     plan_parallelism
+#   tokenizer/ data/ model_config.json   prepare_tokenizer
+#   deepspeed/{pretrain,grpo}.json       render_deepspeed_config
+#   pretrain/summary.json         pretrain
+#   model/pretrain/               consolidate
+#   grpo/summary.json             grpo
+#   model/grpo/                   consolidate: the pipeline's product
+#   logs/<rule>.log  benchmarks/<rule>.tsv
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/hardware.smk"
+include: "workflow/rules/plan.smk"
+include: "workflow/rules/tokenizer.smk"
+include: "workflow/rules/deepspeed.smk"
+include: "workflow/rules/pretrain.smk"
+include: "workflow/rules/consolidate.smk"
+include: "workflow/rules/grpo.smk"
+
+
+localrules:
+    all,
+    plan,
+
+
+rule all:
+    default_target: True
+    input:
+        f"{RUN}/model/grpo",
+
+
+rule plan:
+    input:
+        rules.detect_hardware.output.hardware,
+        rules.plan_parallelism.output.plan,
+        expand(f"{RUN}/deepspeed/{{stage}}.json", stage=TRAINING_STAGES),

@@ -1,0 +1,43 @@
+"""detect_hardware: write hardware.json, what this process may train on.
+
+Snakemake runs it through the `detect_hardware` rule; on its own:
+    python scripts/detect_hardware.py --config config/config.yaml --hardware results/tiny/hardware.json
+"""
+
+import logging
+
+from stagetrain.hardware.detect import detect
+from stagetrain.stage import StageIO, run_stage
+
+log = logging.getLogger("stagetrain")
+
+
+def main(io: StageIO) -> None:
+    hardware = detect(io.sections["hardware"])
+    for line in hardware["fallbacks"]:
+        log.info("fallback: %s", line)
+    for line in hardware["warnings"]:
+        log.warning("warning: %s", line)
+    gpu = hardware["gpu"]
+    if gpu:
+        log.info(
+            "%d x %s (%s) per node on %d node(s), source %s",
+            hardware["gpus_per_node"], gpu["name"], gpu["key"] or "not in catalog",
+            hardware["nodes"], hardware["source"],
+        )  # fmt: skip
+    else:
+        cpu = hardware["cpu"]
+        log.info(
+            "no GPU: %d CPU cores, %.1f GiB, planning %d CPU ranks per node on %d node(s)",
+            cpu["cores"], cpu["memory_bytes"] / 2**30, hardware["cpu_ranks"], hardware["nodes"],
+        )  # fmt: skip
+    io.write_output("hardware", hardware)
+
+
+run_stage(
+    main,
+    snakemake=globals().get("snakemake"),
+    doc=__doc__,
+    outputs=["hardware"],
+    sections=["hardware"],
+)

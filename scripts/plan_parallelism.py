@@ -1,0 +1,65 @@
+"""plan_parallelism: write plan.json, how each training stage splits over the devices, and why.
+
+Snakemake runs it through the `plan_parallelism` rule; on its own:
+    python scripts/plan_parallelism.py --config config/config.yaml \
+        --hardware results/tiny/hardware.json --plan results/tiny/plan.json
+"""
+
+import logging
+
+from stagetrain.planning.resolve import resolve
+from stagetrain.stage import StageIO, run_stage
+
+log = logging.getLogger("stagetrain")
+
+
+def main(io: StageIO) -> None:
+    s = io.sections
+    plan = resolve(
+        hardware=io.read_input("hardware"),
+        hw_config=s["hardware"],
+        model=s["model"],
+        tokenizer=s["tokenizer"],
+        parallelism=s["parallelism"],
+        deepspeed=s["deepspeed"],
+        pretrain=s["pretrain"],
+        grpo=s["grpo"],
+    )
+    model = plan["model"]
+    log.info(
+        "model: %.3fB parameters (%.3fB active), %d layers, hidden %d",
+        model["params"] / 1e9, model["active_params"] / 1e9, model["num_layers"], model["hidden_size"],
+    )  # fmt: skip
+    log.info(
+        "devices: %d x %s, %s, plan source: %s",
+        plan["world"],
+        plan["device"],
+        plan["precision"],
+        plan["source"],
+    )
+    if plan["table"]["status"] not in ("none", "not needed"):
+        log.info("table: %s", plan["table"].get("reason") or plan["table"].get("source"))
+    for name, stage in plan["stages"].items():
+        lay, mem, thr = stage["layout"], stage["memory"], stage["throughput"]
+        log.info(
+            "%s: dp=%d tp=%d zero=%d micro_batch=%d grad_accum=%d ac=%s offload=%s; "
+            "%.2f of %.2f GiB usable per device; %s",
+            name, lay["dp"], lay["tp"], lay["zero_stage"], lay["micro_batch_size"], lay["grad_accum"],
+            lay["activation_checkpointing"], lay["offload"], mem["total"] / 2**30, mem["usable"] / 2**30,
+            f"predicted {thr['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in thr else thr["reason"],
+        )  # fmt: skip
+        for other in stage["runners_up"]:
+            log.info("  runner-up %s: %s", other["layout"], other["reason"])
+    for warning in plan["warnings"]:
+        log.warning("warning: %s", warning)
+    io.write_output("plan", plan)
+
+
+run_stage(
+    main,
+    snakemake=globals().get("snakemake"),
+    doc=__doc__,
+    inputs=["hardware"],
+    outputs=["plan"],
+    sections=["hardware", "model", "tokenizer", "parallelism", "deepspeed", "pretrain", "grpo"],
+)

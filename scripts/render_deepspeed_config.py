@@ -1,0 +1,50 @@
+"""render_deepspeed_config: write deepspeed/<stage>.json, checked by DeepSpeed's own parser.
+
+Snakemake runs it through the `render_deepspeed_config` rule (wildcard: stage); on its own:
+    python scripts/render_deepspeed_config.py --config config/config.yaml --stage pretrain \
+        --plan results/tiny/plan.json --deepspeed-config results/tiny/deepspeed/pretrain.json
+"""
+
+import argparse
+import logging
+import sys
+
+from stagetrain.deepspeed_config import render
+from stagetrain.stage import StageIO, run_stage
+
+log = logging.getLogger("stagetrain")
+smk = globals().get("snakemake")
+if smk is not None:
+    STAGE = smk.wildcards.stage
+else:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--stage", choices=["pretrain", "grpo"], required=True)
+    args, rest = parser.parse_known_args()
+    STAGE, sys.argv[1:] = args.stage, rest
+
+
+def main(io: StageIO) -> None:
+    training = io.sections["training"]
+    config = render(
+        stage=STAGE,
+        plan=io.read_input("plan"),
+        deepspeed=io.sections["deepspeed"],
+        training={"steps": training["steps"], "optimizer": training["optimizer"]},
+    )
+    zero = config["zero_optimization"]["stage"]
+    log.info(
+        "%s: train_batch_size=%d micro=%d accumulation=%d zero=%d; accepted by DeepSpeed",
+        STAGE, config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"], zero,
+    )  # fmt: skip
+    io.write_output("deepspeed_config", config)
+
+
+run_stage(
+    main,
+    snakemake=smk,
+    doc=__doc__,
+    inputs=["plan"],
+    outputs=["deepspeed_config"],
+    sections={"deepspeed": "deepspeed", "training": STAGE},
+)

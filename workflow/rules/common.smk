@@ -1,0 +1,52 @@
+import sys
+
+from snakemake.utils import validate
+
+from stagetrain import config as stconfig
+from stagetrain.errors import StageError
+
+# Snakemake's YAML loader keeps the last of two equal keys without a word, and
+# its validator crashes on a section of the wrong type: check every config file
+# strictly first, so each mistake is one line naming the key.
+try:
+    for _path in workflow.configfiles:
+        stconfig.load_yaml(_path)
+    stconfig.validate(config)
+except StageError as _err:
+    sys.exit(f"error: {_err}")
+validate(config, "../schemas/config.schema.yaml")
+
+RUN = f"results/{config['run']['name']}"
+TRAINING_STAGES = ["pretrain", "grpo"]
+# The keys of each section that shape the plan: editing any other key of these
+# sections (a learning rate, a curriculum threshold) must not replan.
+PLAN_KEYS = {
+    "tokenizer": ["vocab_size"],
+    "pretrain": ["seq_len", "global_batch_size", "global_batch_unit"],
+    "grpo": ["prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "kl_coef"],
+}
+
+
+wildcard_constraints:
+    stage="|".join(TRAINING_STAGES),
+
+
+def logged(rule_name):
+    """The log path of a rule."""
+    return f"{RUN}/logs/{rule_name}.log"
+
+
+def benchmarked(rule_name):
+    """The benchmark path of a rule."""
+    return f"{RUN}/benchmarks/{rule_name}.tsv"
+
+
+def get_plan_section(section):
+    """Only the keys of `section` the planner reads."""
+    return {key: config[section][key] for key in PLAN_KEYS[section]}
+
+
+def get_training(wildcards):
+    """The optimizer and step count of one training stage, for its DeepSpeed config."""
+    stage = config[wildcards.stage]
+    return {"steps": stage["steps"], "optimizer": stage["optimizer"]}

@@ -1,0 +1,16 @@
+rule render_deepspeed_config:
+    input:
+        plan=rules.plan_parallelism.output.plan,
+    output:
+        deepspeed_config=f"{RUN}/deepspeed/{{stage}}.json",
+    log:
+        logged("render_deepspeed_config_{stage}"),
+    benchmark:
+        benchmarked("render_deepspeed_config_{stage}")
+    params:
+        deepspeed=config["deepspeed"],
+        training=get_training,
+    conda:
+        "../envs/stagetrain.yaml"
+    script:
+        "../../scripts/render_deepspeed_config.py"

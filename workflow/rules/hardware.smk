@@ -1,0 +1,15 @@
+rule detect_hardware:
+    output:
+        hardware=f"{RUN}/hardware.json",
+    log:
+        logged("detect_hardware"),
+    benchmark:
+        benchmarked("detect_hardware")
+    params:
+        hardware=config["hardware"],
+        # What CUDA may see is part of the input: a changed mask re-detects.
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    conda:
+        "../envs/stagetrain.yaml"
+    script:
+        "../../scripts/detect_hardware.py"
