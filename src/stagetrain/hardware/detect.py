@@ -38,6 +38,7 @@ def _nvml_devices(nvml: Any) -> tuple[list[Device], list[Device], dict[str, Any]
     """Whole GPUs, MIG instances, and system facts from an initialised NVML."""
     gpus: list[Device] = []
     migs: list[Device] = []
+    mig_enabled: list[str] = []
     nvlink = False
     for index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -56,13 +57,14 @@ def _nvml_devices(nvml: Any) -> tuple[list[Device], list[Device], dict[str, Any]
         except nvml.NVMLError:  # not a MIG-capable GPU
             mig_on = False
         if mig_on:
+            mig_enabled.append(gpu.uuid)
             migs.extend(_mig_instances(nvml, handle, gpu))
     cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
     facts = {
         "driver_version": _text(nvml.nvmlSystemGetDriverVersion()),
         "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}",
         "nvlink": nvlink,
-        "mig_enabled": sorted({m.parent_uuid for m in migs if m.parent_uuid}),
+        "mig_enabled": mig_enabled,
     }
     return gpus, migs, facts
 
@@ -121,7 +123,11 @@ def _proc_devices(proc_root: Path) -> tuple[list[Device], dict[str, Any]]:
             )
         )
     version = proc_root / "driver/nvidia/version"
-    found = re.search(r"Kernel Module\s+(\S+)", version.read_text()) if version.exists() else None
+    found = (
+        re.search(r"Kernel Module(?: for \S+)?\s+(\S+)", version.read_text())
+        if version.exists()
+        else None
+    )
     return gpus, {"driver_version": found.group(1) if found else None, "cuda_driver_version": None}
 
 
@@ -225,7 +231,12 @@ def detect(
         else:
             fallbacks.append(f"proc: no {proc_root}/driver/nvidia/gpus/*/information")
     if source != "cpu" and not devices:
-        fallbacks.append(f"{source}: CUDA_VISIBLE_DEVICES={visible_env!r} hides every GPU")
+        why = (
+            "no usable GPU"
+            if visible_env is None
+            else f"CUDA_VISIBLE_DEVICES={visible_env!r} hides every GPU"
+        )
+        fallbacks.append(f"{source}: {why}")
         source = "cpu"
     nodes, slurm = _nodes(hardware, env, warnings)
     return {

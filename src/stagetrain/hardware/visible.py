@@ -61,7 +61,7 @@ def select_visible(
             device = _match_uuid(entry, gpus)
         elif entry.startswith("MIG-"):
             device = _match_uuid(entry, migs)
-        elif entry.isdigit() and int(entry) < len(gpus):
+        elif entry.isascii() and entry.isdigit() and int(entry) < len(gpus):
             device = gpus[int(entry)]
         if device is None:
             break

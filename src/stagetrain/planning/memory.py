@@ -6,7 +6,7 @@ stage3.estimate_zero3_model_states_mem_needs; tests compare against them). With
 16-bit training a parameter costs 2 bytes of weights, 2 of gradients and 12 of
 fp32 master weights and Adam moments; ZeRO partitions over the dp ranks:
   stage 0: 16 N        stage 1: 4 N + 12 N / dp
-  stage 2: 2 N + 16 N / dp (fp32 gradient partitions, as DeepSpeed counts them)
+  stage 2: 2 N + 18 N / dp (16-bit and fp32 gradient partitions, as DeepSpeed counts them)
   stage 3: 18 N / dp + 4 * largest module (the gathered working copy)
 where N is the parameters one tensor-parallel rank holds.
 
@@ -90,7 +90,7 @@ def model_states(shape: ModelShape, layout: Layout) -> tuple[int, int, int, int]
     if zero == 1:
         return w * n, w * n, opt * n // dp, 0
     if zero == 2:
-        return w * n, 4 * n // dp, opt * n // dp, 0
+        return w * n, (w + 4) * n // dp, opt * n // dp, 0
     return w * n // dp + largest, 4 * n // dp, opt * n // dp, 0
 
 

@@ -62,6 +62,18 @@ def _table_repo(parallelism: Mapping[str, Any], model: Mapping[str, Any]) -> str
     return init if init and not Path(init).exists() else None
 
 
+def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads: int) -> None:
+    """Fail early, with every factor, on dp and tp values that cannot form a layout."""
+    dp, tp, world = fixed.get("dp"), fixed.get("tp"), devices.world
+    factors = f"dp={dp}, tp={tp}, world={world}, heads={heads}, kv_heads={kv_heads}"
+    if tp and (heads % tp or kv_heads % tp):
+        raise StageError(f"parallelism.tp: must divide the attention and KV heads ({factors})")
+    if tp and devices.per_node % tp:
+        raise StageError(f"parallelism.tp: must divide the {devices.per_node} devices of one node ({factors})")
+    if dp and tp and dp * tp != world or dp and world % dp or tp and world % tp:
+        raise StageError(f"parallelism: dp * tp must equal the world size ({factors})")
+
+
 def table_values(
     parallelism: Mapping[str, Any], model: Mapping[str, Any], devices: Devices
 ) -> tuple[dict[str, int], dict[str, Any]]:
@@ -97,13 +109,13 @@ def demands(pretrain: Mapping[str, Any], grpo: Mapping[str, Any], devices: Devic
 
     def grpo_extra(shape: ModelShape, layout: Layout) -> int:
         # Reference model for the KL term, the whole policy gathered for generation
-        # under ZeRO-3, and the KV cache of every rollout a rank generates at once.
+        # under ZeRO-3, and the KV cache of one prompt's group of rollouts.
         w = 2 if layout.precision != "fp32" else 4
         n = params_per_rank(shape, layout.tp)
         shard = n // layout.dp if layout.zero_stage == 3 else n
         reference = w * shard if grpo["kl_coef"] > 0 else 0
         gathered = w * (n - shard)
-        rollouts = layout.global_batch // layout.dp
+        rollouts = grpo["group_size"]  # one prompt's group is generated at a time
         kv_width = shape.num_kv_heads * shape.head_dim // layout.tp
         kv = 2 * shape.num_layers * rollouts * layout.seq_len * kv_width * w
         return reference + gathered + kv
@@ -156,6 +168,7 @@ def resolve(
             if fixed[key] is None:
                 fixed[key] = value
                 sources[key] = table_record["source"]
+    check_fixed(fixed, devices, shape(1).num_heads, shape(1).num_kv_heads)
     options = {**parallelism, **deepspeed}
     stages = {}
     for demand in demands(pretrain, grpo, devices):

@@ -95,6 +95,8 @@ def _candidates(
     heads = shape(1)
     if fixed.get("tp"):
         tps = [fixed["tp"]]
+    elif fixed.get("dp"):
+        tps = [devices.world // fixed["dp"]]
     elif devices.gpu is None:
         tps = [1]
     else:

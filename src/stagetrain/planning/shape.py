@@ -46,7 +46,7 @@ def _homogeneous(config: PretrainedConfig) -> bool:
         not getattr(config, "mlp_only_layers", None)
         and getattr(config, "decoder_sparse_step", 1) == 1
         and not getattr(config, "first_k_dense_replace", 0)
-        and not getattr(config, "layer_types", None)
+        and len(set(getattr(config, "layer_types", None) or ())) <= 1
     )
 
 

@@ -29,6 +29,12 @@ def read_local(path: str | Path) -> tuple[dict[str, Any], str]:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TableMiss(f"parallelism.table_path: {path}: file not found") from None
+    except OSError as err:  # a directory, no permission, ...
+        raise TableMiss(
+            f"parallelism.table_path: {path}: cannot be read ({err.strerror or type(err).__name__})"
+        ) from None
+    except UnicodeDecodeError:
+        raise TableMiss(f"{path}: malformed JSON (not UTF-8 text)") from None
     return parse(text, str(path)), f"file:{path}"
 
 
@@ -40,6 +46,8 @@ def download(repo: str, revision: str) -> tuple[dict[str, Any], str]:
     where = f"hub repo {repo!r}@{revision}"
     try:
         path = Path(huggingface_hub.hf_hub_download(repo, TABLE_FILE, revision=revision))
+    except errors.HFValidationError:  # e.g. a local init_from path that does not exist
+        raise TableMiss(f"{where}: not a valid hub repo id (namespace/name)") from None
     except errors.GatedRepoError:
         raise TableMiss(f"{where}: unauthorised (gated repo; set HF_TOKEN)") from None
     except errors.RepositoryNotFoundError as err:
@@ -51,7 +59,14 @@ def download(repo: str, revision: str) -> tuple[dict[str, Any], str]:
         raise TableMiss(f"{where}: revision not found") from None
     except errors.RemoteEntryNotFoundError:
         raise TableMiss(f"{where}: has no {TABLE_FILE}") from None
-    except errors.LocalEntryNotFoundError:
+    except errors.LocalEntryNotFoundError as err:
+        # An HTTP error on the metadata request that the client does not raise as such (a
+        # plain 403, a 5xx) arrives wrapped in this error, as its cause.
+        status = getattr(getattr(err.__cause__, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise TableMiss(f"{where}: unauthorised (HTTP {status}; check HF_TOKEN)") from None
+        if status is not None:
+            raise TableMiss(f"{where}: HTTP error {status}") from None
         raise TableMiss(
             f"{where}: hub unreachable or offline (HF_HUB_OFFLINE) and {TABLE_FILE} not in the cache"
         ) from None
@@ -64,7 +79,11 @@ def download(repo: str, revision: str) -> tuple[dict[str, Any], str]:
         raise TableMiss(f"{where}: hub unreachable ({type(err).__name__})") from None
     # The cache stores files under snapshots/<commit>/, which pins what was read.
     commit = path.parent.name
-    return parse(path.read_text(encoding="utf-8"), where), f"hub:{repo}@{commit}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TableMiss(f"{where}: malformed JSON (not UTF-8 text)") from None
+    return parse(text, where), f"hub:{repo}@{commit}"
 
 
 def parse(text: str, where: str) -> dict[str, Any]:
@@ -82,8 +101,10 @@ def parse(text: str, where: str) -> dict[str, Any]:
             )
         for count, entry in counts.items():
             ok = isinstance(entry, dict) and set(entry) >= set(ENTRY_KEYS)
-            ok = ok and all(isinstance(entry[k], int) and entry[k] >= 1 for k in ENTRY_KEYS)
-            if not ok or not count.isdigit():
+            # type() is int: JSON true/false are Python bools, which isinstance counts as ints.
+            ok = ok and all(type(entry[k]) is int and entry[k] >= 1 for k in ENTRY_KEYS)
+            # ASCII digits only: str.isdigit() also accepts e.g. '²', which int() rejects.
+            if not ok or not (count.isascii() and count.isdigit()):
                 raise TableMiss(
                     f"{where}: malformed table at {gpu!r}.{count!r} (expected a GPU count "
                     f"mapping to positive integers {', '.join(ENTRY_KEYS)})"

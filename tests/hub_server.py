@@ -1,0 +1,228 @@
+"""A loopback Hugging Face hub for tests: enough of `/resolve/` for `hf_hub_download`.
+
+The real `huggingface_hub` client talks to it over HTTP when `HF_ENDPOINT` points at
+`HubServer.endpoint`. It serves `HEAD` and `GET` on `/<repo>/resolve/<revision>/<file>`
+with the headers the client needs (`X-Repo-Commit`, `ETag`, `Content-Length`) and
+answers failures the way the hub does, with an `X-Error-Code` header the client turns
+into its typed errors:
+
+- unknown repo: 404 `RepoNotFound` (`RepositoryNotFoundError`);
+- private repo without `Authorization: Bearer <token>`: 401 `RepoNotFound`;
+- gated repo: 403 `GatedRepo` (`GatedRepoError`), whatever the token;
+- forbidden repo: a plain 403 without an error code (as for a token lacking read access);
+- unknown revision: 404 `RevisionNotFound` (`RevisionNotFoundError`);
+- unknown file: 404 `EntryNotFound` (`RemoteEntryNotFoundError`).
+
+Repo ids must be `namespace/name`. Every other path gets a bare 404. Every request is
+recorded (`HubServer.requests`).
+
+Usage::
+
+    with serve_hub({"org/repo": {"main": (sha, {"file.json": b"{}"})}}) as hub:
+        env["HF_ENDPOINT"] = hub.endpoint
+        ...
+    assert hub.requests[0].method == "HEAD"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+Files = Mapping[str, bytes]
+"""File name (path inside the repo) -> content."""
+Revisions = Mapping[str, tuple[str, Files]]
+"""Revision name (branch or tag) -> (40-hex commit sha, files at that commit)."""
+
+DEFAULT_TOKEN = "hf_loopback_test_token"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request the server received."""
+
+    method: str
+    path: str
+    """The request target as sent (URL-quoted)."""
+    authorization: str | None
+    """The `Authorization` header, or None when absent."""
+
+
+def git_blob_sha(content: bytes) -> str:
+    """The git blob id of `content`, which the hub sends as the ETag of a non-LFS file."""
+    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+def commit_sha(seed: str) -> str:
+    """A deterministic 40-hex commit id for tests."""
+    return hashlib.sha1(seed.encode()).hexdigest()
+
+
+def closed_port() -> int:
+    """A loopback port with nothing listening on it (bound once, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class HubServer:
+    """A threaded loopback HTTP server that imitates the hub's file-resolve endpoint."""
+
+    def __init__(
+        self,
+        repos: Mapping[str, Revisions],
+        *,
+        private: frozenset[str] | set[str] = frozenset(),
+        gated: frozenset[str] | set[str] = frozenset(),
+        forbidden: frozenset[str] | set[str] = frozenset(),
+        token: str = DEFAULT_TOKEN,
+    ) -> None:
+        """Serve `repos`; those in `private` need `Authorization: Bearer <token>`."""
+        unknown = (set(private) | set(gated) | set(forbidden)) - set(repos)
+        if unknown:
+            raise ValueError(f"private/gated/forbidden repos not in repos: {sorted(unknown)}")
+        for repo, revisions in repos.items():
+            for revision, (sha, _) in revisions.items():
+                if len(sha) != 40 or any(c not in "0123456789abcdef" for c in sha):
+                    raise ValueError(f"{repo}@{revision}: commit {sha!r} is not 40 lowercase hex")
+        self.repos = repos
+        self.private = frozenset(private)
+        self.gated = frozenset(gated)
+        self.forbidden = frozenset(forbidden)
+        self.token = token
+        self.requests: list[Request] = []
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on."""
+        return self._httpd.server_address[1]
+
+    @property
+    def endpoint(self) -> str:
+        """The value for HF_ENDPOINT."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        # A short poll interval: shutdown() waits for the serving loop to notice it.
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket (the port then refuses connections)."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._httpd.server_close()
+
+    def record(self, request: Request) -> None:
+        """Remember one request (thread-safe)."""
+        with self._lock:
+            self.requests.append(request)
+
+    def resolve(self, path: str, authorization: str | None) -> tuple[int, dict[str, str], bytes]:
+        """The status, headers and body for a HEAD or GET of `path`."""
+        parts = urlsplit(path).path.split("/")
+        # ['', org, name, 'resolve', revision, *file]
+        if len(parts) < 6 or parts[3] != "resolve":
+            return 404, {}, b"Not Found"
+        repo = f"{unquote(parts[1])}/{unquote(parts[2])}"
+        revision = unquote(parts[4])
+        filename = unquote("/".join(parts[5:]))
+        if repo not in self.repos:
+            return _error(404, "RepoNotFound", f"Repository {repo} not found")
+        if repo in self.gated:
+            return _error(403, "GatedRepo", f"Access to model {repo} is restricted")
+        if repo in self.forbidden:
+            return 403, {"X-Error-Message": "Forbidden"}, b"Forbidden"
+        if repo in self.private and authorization != f"Bearer {self.token}":
+            return _error(401, "RepoNotFound", f"Repository {repo} not found")
+        found = self._revision(repo, revision)
+        if found is None:
+            return _error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        sha, files = found
+        if filename not in files:
+            status, headers, body = _error(404, "EntryNotFound", f"{filename} does not exist")
+            return status, {**headers, "X-Repo-Commit": sha}, body
+        content = files[filename]
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(len(content)),
+            "ETag": f'"{git_blob_sha(content)}"',
+            "X-Repo-Commit": sha,
+        }
+        return 200, headers, content
+
+    def _revision(self, repo: str, revision: str) -> tuple[str, Files] | None:
+        revisions = self.repos[repo]
+        if revision in revisions:
+            return revisions[revision]
+        for sha, files in revisions.values():
+            if sha == revision:
+                return sha, files
+        return None
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_HEAD(self) -> None:
+                self._answer(body=False)
+
+            def do_GET(self) -> None:
+                self._answer(body=True)
+
+            def _answer(self, *, body: bool) -> None:
+                authorization = self.headers.get("Authorization")
+                server.record(Request(self.command, self.path, authorization))
+                status, headers, content = server.resolve(self.path, authorization)
+                self.send_response(status)
+                headers = {"Content-Length": str(len(content)), **headers}
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                if body:
+                    self.wfile.write(content)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass  # keep test output quiet
+
+        return Handler
+
+
+def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], bytes]:
+    body = message.encode()
+    return status, {"X-Error-Code": code, "X-Error-Message": message}, body
+
+
+@contextmanager
+def serve_hub(
+    repos: Mapping[str, Revisions],
+    *,
+    private: frozenset[str] | set[str] = frozenset(),
+    gated: frozenset[str] | set[str] = frozenset(),
+    forbidden: frozenset[str] | set[str] = frozenset(),
+    token: str = DEFAULT_TOKEN,
+) -> Iterator[HubServer]:
+    """A started `HubServer`, stopped (port closed) on exit."""
+    hub = HubServer(repos, private=private, gated=gated, forbidden=forbidden, token=token)
+    hub.start()
+    try:
+        yield hub
+    finally:
+        hub.stop()

@@ -1,0 +1,152 @@
+"""The config schema and its validation: every key described, unknown keys and bad values rejected in one line."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, default_config
+from snakemake.utils import validate as snakemake_validate
+
+from stagetrain import config as stconfig
+from stagetrain.errors import StageError
+from stagetrain.model_config import build_config
+
+PRESETS = sorted((REPO / "config" / "presets").glob("*.yaml"))
+
+
+def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every (dotted path, subschema) of an object schema, following $ref into $defs."""
+    defs = stconfig.schema()["$defs"]
+    out = []
+    for key, sub in schema.get("properties", {}).items():
+        dotted = f"{path}.{key}" if path else key
+        target = defs[sub["$ref"].rsplit("/", 1)[1]] if "$ref" in sub else sub
+        out.append((dotted, {**target, **{k: v for k, v in sub.items() if k != "$ref"}}))
+        if target.get("type") == "object":
+            out.extend(_walk(target, dotted))
+    return out
+
+
+def test_schema_sections_are_the_documented_ones() -> None:
+    assert tuple(stconfig.schema()["properties"]) == stconfig.SECTIONS
+
+
+def test_every_key_is_described_typed_and_closed() -> None:
+    for dotted, sub in _walk(stconfig.schema()):
+        assert sub.get("description"), f"{dotted} has no description"
+        assert "type" in sub or "enum" in sub, f"{dotted} has no type or enum"
+        if sub.get("type") == "object":
+            assert sub.get("additionalProperties") is False, f"{dotted} accepts unknown keys"
+    assert stconfig.schema()["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("path", [REPO / "config" / "config.yaml", *PRESETS], ids=lambda p: p.name)
+def test_shipped_configs_validate(path: Path) -> None:
+    config = stconfig.load(path)
+    assert set(config) == set(stconfig.SECTIONS)
+
+
+def test_defaults_are_filled_at_every_level() -> None:
+    config = stconfig.validate({"grpo": {"optimizer": {"lr": 0.5}}})
+    assert config["grpo"]["optimizer"] == {
+        "lr": 0.5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "schedule": "cosine",
+        "warmup_steps": 10, "min_lr_ratio": 0.1, "grad_clip": 1.0,
+    }  # fmt: skip
+    assert config["pretrain"]["optimizer"]["lr"] == 1e-3
+    assert config["parallelism"]["on_table_miss"] == "planner"
+
+
+def test_defaults_are_not_shared_between_validations() -> None:
+    first = stconfig.validate({})
+    first["pretrain"]["optimizer"]["betas"].append(0.5)
+    assert stconfig.validate({})["pretrain"]["optimizer"]["betas"] == [0.9, 0.95]
+
+
+def test_snakemake_validate_fills_the_same_defaults() -> None:
+    """The Snakefile uses snakemake.utils.validate; scripts use ours: same result."""
+    raw = {"pretrain": {"steps": 7}, "grpo": {}}
+    ours = stconfig.validate(raw)
+    theirs = copy.deepcopy(raw)
+    snakemake_validate(theirs, str(stconfig.SCHEMA_PATH))
+    assert theirs == ours
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"bogus": {}}, "config: bogus: unknown key (allowed here: consolidate, data,"),
+        ({"pretrain": {"stepz": 3}}, "config: pretrain.stepz: unknown key"),
+        ({"grpo": {"optimizer": {"lrr": 1}}}, "config: grpo.optimizer.lrr: unknown key"),
+        ({"pretrain": {"steps": "ten"}}, "config: pretrain.steps: expected integer, got 'ten'"),
+        ({"pretrain": 5}, "config: pretrain: expected object, got 5"),
+        ({"parallelism": {"micro_batch_size": 0}}, "config: parallelism.micro_batch_size: expected a value >= 1, got 0"),
+        ({"parallelism": {"zero_stage": 4}}, "config: parallelism.zero_stage: expected a value <= 3, got 4"),
+        ({"deepspeed": {"precision": "fp8"}}, "config: deepspeed.precision: expected one of 'auto', 'bf16', 'fp16', 'fp32', got 'fp8'"),
+        ({"run": {"name": "../escape"}}, "config: run.name: expected a string matching"),
+    ],
+)  # fmt: skip
+def test_bad_values_are_one_line_errors_naming_the_key(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(StageError) as err:
+        stconfig.validate(raw)
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+def test_duplicate_yaml_keys_are_rejected_with_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("run:\n  name: a\npretrain:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(StageError, match=r"dup.yaml:5: duplicate key 'steps' \(first at line 4\)"):
+        stconfig.load(path)
+
+
+def test_invalid_yaml_and_missing_files_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(StageError, match=r"bad.yaml:\d+: invalid YAML"):
+        stconfig.load(bad)
+    with pytest.raises(StageError, match="nope.yaml: file not found"):
+        stconfig.load(tmp_path / "nope.yaml")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(StageError, match="expected a mapping of config sections, got list"):
+        stconfig.load(listed)
+
+
+def test_validate_section_checks_one_section() -> None:
+    assert stconfig.validate_section("run", {"name": "x"}) == {"name": "x", "seed": 1234}
+    with pytest.raises(StageError, match="config: run.nme: unknown key"):
+        stconfig.validate_section("run", {"nme": "x"})
+    with pytest.raises(StageError, match="unknown section 'runs'"):
+        stconfig.validate_section("runs", {})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": None}, "model.hidden_size: required for a from-scratch llama model"),
+        ({"num_heads": 5}, "model.num_heads: 5 must divide model.hidden_size 128"),
+        ({"num_kv_heads": 3}, "model.num_kv_heads: 3 must divide model.num_heads 4"),
+        ({"num_experts": 4}, "model.num_experts: not used by architecture 'llama'"),
+        ({"architecture": "mixtral"}, "model.num_experts: required for a from-scratch mixtral model"),
+        ({"architecture": "mixtral", "num_experts": 2, "experts_per_token": 3}, "model.experts_per_token: 3 exceeds"),
+        ({"init_from": "some/model"}, "model.hidden_size: not allowed with model.init_from"),
+    ],
+)  # fmt: skip
+def test_model_shape_errors(change: dict[str, Any], message: str) -> None:
+    model = {**default_config()["model"], **change}
+    model = {k: v for k, v in model.items() if v is not None or k == "init_from"}
+    with pytest.raises(StageError, match=message.replace("(", r"\(")):
+        build_config(model, 512)
+
+
+def test_init_from_a_local_model_takes_its_shape(tmp_path: Path) -> None:
+    config = build_config(default_config()["model"], 512)
+    config.save_pretrained(tmp_path)
+    model = {"init_from": str(tmp_path), "architecture": "llama", "vocab_multiple": 64}
+    loaded = build_config(model, 640)
+    assert (loaded.hidden_size, loaded.num_hidden_layers, loaded.vocab_size) == (128, 4, 640)
+    with pytest.raises(StageError, match="model.init_from: cannot load config of"):
+        build_config({**model, "init_from": str(tmp_path / "missing")}, 512)

@@ -1,0 +1,135 @@
+"""Rendered DeepSpeed configs: complete, consistent with the plan, and accepted by DeepSpeed's own parser."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from conftest import default_config
+from test_planning import _cpu_hardware, _plan, _preset
+
+from stagetrain.deepspeed_config import check, render
+from stagetrain.errors import StageError
+
+
+def _render(cfg: dict[str, Any], stage: str, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    plan = plan or _plan(cfg)
+    return render(stage=stage, plan=plan, deepspeed=cfg["deepspeed"], training=cfg[stage])
+
+
+def _no_auto(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return all(_no_auto(v) for v in obj.values())
+    if isinstance(obj, list):
+        return all(_no_auto(v) for v in obj)
+    return obj != "auto"
+
+
+@pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100"])
+@pytest.mark.parametrize("stage", ["pretrain", "grpo"])
+def test_presets_render_complete_configs(preset: str, stage: str) -> None:
+    cfg = _preset(preset)
+    plan = _plan(cfg)
+    config = _render(cfg, stage, plan)
+    layout = plan["stages"][stage]["layout"]
+    assert _no_auto(config)
+    assert config["train_batch_size"] == layout["global_batch"]
+    assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * layout["dp"] == config["train_batch_size"]
+    assert config["zero_optimization"]["stage"] == layout["zero_stage"]
+    assert config["bf16"] == {"enabled": True}
+    assert config["optimizer"]["params"]["lr"] == cfg[stage]["optimizer"]["lr"]
+    assert ("tensor_parallel" in config) == (layout["tp"] > 1)
+    json.dumps(config)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
+    cfg = _preset("mistral-7b-8xh100", parallelism={"zero_stage": zero, "tp": tp})
+    config = _render(cfg, "pretrain")
+    assert config["zero_optimization"]["stage"] == zero
+    if tp > 1:
+        assert config["tensor_parallel"] == {"autotp_size": 2}
+    if zero == 3:
+        assert config["zero_optimization"]["stage3_max_live_parameters"] == cfg["deepspeed"]["stage3_max_live_parameters"]
+
+
+def test_offload_and_activation_checkpointing_follow_the_plan() -> None:
+    fixed = {"zero_stage": 3, "offload": "optimizer_and_params", "activation_checkpointing": True}
+    config = _render(_preset("mistral-7b-8xh100", parallelism=fixed), "pretrain")
+    zero = config["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert "torch_adam" not in config["optimizer"]["params"]  # offload runs DeepSpeed's CPU Adam
+    assert "activation_checkpointing" in config
+
+
+def test_fp16_with_loss_scaling_on_gpus_without_bf16() -> None:
+    cfg = _preset("llama-1b-h200", hardware={"gpu": "V100-32GB", "gpus_per_node": 8})
+    config = _render(cfg, "pretrain")
+    assert "bf16" not in config
+    assert config["fp16"]["enabled"] and config["fp16"]["loss_scale"] == 0
+    assert config["fp16"]["initial_scale_power"] == 16
+
+
+def test_fp32_on_request() -> None:
+    config = _render(_preset("llama-1b-h200", deepspeed={"precision": "fp32"}), "pretrain")
+    assert "bf16" not in config and "fp16" not in config
+
+
+@pytest.mark.parametrize(
+    ("schedule", "kind", "keys"),
+    [
+        ("cosine", "WarmupCosineLR", {"total_num_steps", "warmup_num_steps", "cos_min_ratio"}),
+        ("linear", "WarmupDecayLR", {"total_num_steps", "warmup_max_lr"}),
+        ("constant", "WarmupLR", {"warmup_max_lr", "warmup_num_steps"}),
+    ],
+)
+def test_schedules(schedule: str, kind: str, keys: set[str]) -> None:
+    cfg = default_config()
+    cfg["pretrain"]["optimizer"]["schedule"] = schedule
+    config = _render(cfg, "pretrain", _plan(cfg, _cpu_hardware()))
+    assert config["scheduler"]["type"] == kind
+    assert keys <= set(config["scheduler"]["params"])
+
+
+def test_default_config_renders_on_cpu() -> None:
+    cfg = default_config()
+    plan = _plan(cfg, _cpu_hardware())
+    for stage in ("pretrain", "grpo"):
+        config = _render(cfg, stage, plan)
+        assert config["optimizer"]["params"]["torch_adam"] is True
+        assert config["gradient_clipping"] == cfg[stage]["optimizer"]["grad_clip"]
+
+
+def test_warmup_longer_than_training_is_an_error() -> None:
+    cfg = default_config()
+    cfg["grpo"]["optimizer"]["warmup_steps"] = 500
+    with pytest.raises(StageError, match="grpo.optimizer.warmup_steps: 500 exceeds grpo.steps 50"):
+        _render(cfg, "grpo", _plan(cfg, _cpu_hardware()))
+
+
+def test_deepspeed_itself_rejects_bad_keys_and_batch_arithmetic() -> None:
+    """check() runs DeepSpeed's parser: a typo in a ZeRO key or a wrong batch fails here, in one line."""
+    cfg = default_config()
+    good = _render(cfg, "pretrain", _plan(cfg, _cpu_hardware()))
+    check(good, dp=2, where="x.json")
+    typo = {**good, "zero_optimization": {"stagee": 2}}
+    with pytest.raises(StageError, match="x.json: DeepSpeed rejects the config:.*stagee") as err:
+        check(typo, dp=2, where="x.json")
+    assert "\n" not in str(err.value)
+    with pytest.raises(StageError, match="x.json: DeepSpeed rejects the config"):
+        check(good, dp=3, where="x.json")  # 32 != 16 * 1 * 3
+
+
+def test_unknown_stage_is_an_error() -> None:
+    cfg = default_config()
+    plan = _plan(cfg, _cpu_hardware())
+    with pytest.raises(StageError, match="plan.json: no stage 'sft'"):
+        render(stage="sft", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"])
+
+
+def test_rendering_is_deterministic() -> None:
+    cfg = default_config()
+    plan = _plan(cfg, _cpu_hardware())
+    assert json.dumps(_render(cfg, "grpo", plan)) == json.dumps(_render(cfg, "grpo", plan))

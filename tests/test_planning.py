@@ -1,0 +1,331 @@
+"""The planner: exact parameter counts, the memory model against DeepSpeed's estimators, the search, the errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import REPO, default_config
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+from transformers import AutoModelForCausalLM
+
+from stagetrain import config as stconfig
+from stagetrain.errors import StageError
+from stagetrain.hardware.catalog import gpu_spec
+from stagetrain.hardware.detect import describe
+from stagetrain.model_config import build_config, padded_vocab
+from stagetrain.planning import memory as mem
+from stagetrain.planning.plan import Layout
+from stagetrain.planning.resolve import resolve
+from stagetrain.planning.shape import model_shape
+
+GIB = 2**30
+MOE = {
+    "mixtral": {"num_experts": 4, "experts_per_token": 2},
+    "qwen2_moe": {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64},
+}
+
+
+def _model(architecture: str = "llama", **changes: Any) -> dict[str, Any]:
+    return {**default_config()["model"], "architecture": architecture, **MOE.get(architecture, {}), **changes}
+
+
+def _layout(**changes: Any) -> Layout:
+    base = dict(
+        world=8, gpus_per_node=8, dp=8, tp=1, micro_batch_size=2, grad_accum=4, global_batch=64,
+        seq_len=1024, zero_stage=2, activation_checkpointing=False, offload="none", precision="bf16",
+        num_heads=32, num_kv_heads=8,
+    )  # fmt: skip
+    return Layout(**{**base, **changes})
+
+
+def _plan(cfg: Mapping[str, Any], hardware: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    hardware = hardware or describe(cfg["hardware"])
+    return resolve(
+        hardware=hardware, hw_config=cfg["hardware"], model=cfg["model"], tokenizer=cfg["tokenizer"],
+        parallelism=cfg["parallelism"], deepspeed=cfg["deepspeed"], pretrain=cfg["pretrain"], grpo=cfg["grpo"],
+    )  # fmt: skip
+
+
+def _preset(name: str, **sections: dict[str, Any]) -> dict[str, Any]:
+    cfg = stconfig.load(REPO / "config" / "presets" / f"{name}.yaml")
+    for section, changes in sections.items():
+        cfg[section] = {**cfg[section], **changes}
+    return cfg
+
+
+def _cpu_hardware(ranks: int = 2, memory_gib: float = 24) -> dict[str, Any]:
+    return {
+        "gpu": None, "nodes": 1, "cpu_ranks": ranks, "gpus_per_node": 0,
+        "cpu": {"cores": 2, "memory_bytes": int(memory_gib * GIB)},
+    }  # fmt: skip
+
+
+# --- parameter counts ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_is_exact(architecture: str, tied: bool) -> None:
+    """The 1-and-2-layer extrapolation equals counting the whole model built on the meta device."""
+    config = build_config(_model(architecture, num_layers=5, tie_word_embeddings=tied), 576)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = model_shape(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params * 5 + shape.embedding_params + 128 == shape.params  # + final norm
+    embed = 576 * 128
+    assert shape.embedding_params == (embed if tied else 2 * embed)
+
+
+def test_moe_active_parameters_count_only_routed_experts() -> None:
+    config = build_config(_model("mixtral", num_layers=3), 512)
+    shape = model_shape(config)
+    experts = 3 * 4 * 3 * 128 * 512  # layers * experts * (gate, up, down) * hidden * intermediate
+    assert shape.params - shape.active_params == experts // 2  # 2 of 4 experts unused per token
+
+
+def test_vocab_is_padded_to_multiple_times_tp() -> None:
+    assert padded_vocab(500, 64) == 512
+    assert padded_vocab(513, 64) == 576
+    assert padded_vocab(513, 64, tp=4) == 768
+
+
+# --- memory model -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus", [1, 8, 64])
+def test_zero2_model_states_match_deepspeed(gpus: int) -> None:
+    shape = model_shape(build_config(_model(), 512))
+    layout = _layout(world=gpus, gpus_per_node=min(gpus, 8), dp=gpus, global_batch=gpus * 8, zero_stage=2)
+    params, grads, optimizer, _ = mem.model_states(shape, layout)
+    _, expected = estimate_zero2_model_states_mem_needs(
+        shape.params, num_gpus_per_node=min(gpus, 8), num_nodes=max(1, gpus // 8), cpu_offload=False
+    )
+    assert abs(params + grads + optimizer - expected) <= 2
+
+
+@pytest.mark.parametrize("gpus", [1, 8, 64])
+@pytest.mark.parametrize("offload", ["none", "optimizer", "optimizer_and_params"])
+def test_zero3_model_states_match_deepspeed(gpus: int, offload: str) -> None:
+    shape = model_shape(build_config(_model(), 512))
+    layout = _layout(world=gpus, gpus_per_node=min(gpus, 8), dp=gpus, global_batch=gpus * 8, zero_stage=3, offload=offload)
+    params, grads, optimizer, host = mem.model_states(shape, layout)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        shape.params, shape.largest_module_params, num_gpus_per_node=min(gpus, 8),
+        num_nodes=max(1, gpus // 8), cpu_offload=offload != "none",
+        cpu_offload_params=offload == "optimizer_and_params",
+    )  # fmt: skip
+    assert abs(params + grads + optimizer - gpu) <= 2
+    if offload != "none":
+        assert abs(host - cpu) <= 2
+
+
+def test_zero2_offload_matches_deepspeed() -> None:
+    shape = model_shape(build_config(_model(), 512))
+    layout = _layout(zero_stage=2, offload="optimizer")
+    params, grads, optimizer, host = mem.model_states(shape, layout)
+    cpu, gpu = estimate_zero2_model_states_mem_needs(shape.params, 8, 1, cpu_offload=True)
+    assert (params + grads + optimizer, host) == (gpu, cpu)
+
+
+def test_more_sharding_never_needs_more_model_state_memory() -> None:
+    shape = model_shape(build_config(_model(), 512))
+    totals = [sum(mem.model_states(shape, _layout(zero_stage=z))[:3]) for z in range(4)]
+    assert totals == sorted(totals, reverse=True)
+    assert totals[0] == 16 * shape.params
+
+
+def test_activation_formula_by_hand() -> None:
+    """s b [4h + (10h + 6 h_kv + 8f)/tp] bytes per layer (16-bit), Korthikanti et al. rederived for Llama."""
+    shape = model_shape(build_config(_model(), 512))  # h=128, 4 heads, 2 kv heads (h_kv=64), f=512
+    layout = _layout(seq_len=100, micro_batch_size=3, tp=2, dp=4, global_batch=48, num_heads=4, num_kv_heads=2)
+    assert mem.layer_activations(shape, layout) == 100 * 3 * (4 * 128 + (10 * 128 + 6 * 64 + 8 * 512) / 2)
+    assert mem.activations(shape, layout) == 4 * mem.layer_activations(shape, layout)
+    checkpointed = mem.activations(shape, replace(layout, activation_checkpointing=True))
+    assert checkpointed == 4 * 100 * 3 * 128 * 2 + mem.layer_activations(shape, layout)
+    assert mem.logits(shape, layout) == 10 * 100 * 3 * 512
+
+
+def test_usable_memory_subtracts_the_stated_allowance() -> None:
+    assert mem.usable_bytes(80 * GIB, 2.0, 0.1) == int(78 * GIB * 0.9)
+
+
+# --- layout validation ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dp": 3}, "dp \\* tp must equal the world size \\(dp=3, tp=1, world=8"),
+        ({"tp": 3, "dp": 8, "world": 24}, "parallelism.tp: must divide the attention and KV heads"),
+        ({"tp": 16, "dp": 1, "world": 16, "num_heads": 32, "num_kv_heads": 16}, "parallelism.tp: must divide the 8 devices of one node"),
+        ({"grad_accum": 3}, "global batch must equal micro_batch_size \\* grad_accum \\* dp .*global_batch=64"),
+        ({"micro_batch_size": 0}, "every factor must be >= 1"),
+        ({"offload": "optimizer", "zero_stage": 1}, "CPU offload needs zero_stage 2 or 3"),
+        ({"offload": "optimizer_and_params", "zero_stage": 2}, "parameter offload needs zero_stage 3"),
+    ],
+)  # fmt: skip
+def test_layout_errors_print_every_factor(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(StageError, match=message) as err:
+        _layout(**changes)
+    assert "heads=32, kv_heads=" in str(err.value)
+
+
+# --- the search -------------------------------------------------------------------
+
+
+def test_cpu_plan_uses_cpu_ranks_with_tp_1() -> None:
+    cfg = default_config()
+    plan = _plan(cfg, _cpu_hardware(ranks=2))
+    assert (plan["world"], plan["backend"], plan["device"], plan["source"]) == (2, "gloo", "cpu", "estimated")
+    for name, stage in plan["stages"].items():
+        layout = stage["layout"]
+        assert (layout["dp"], layout["tp"]) == (2, 1), name
+        assert layout["micro_batch_size"] * layout["grad_accum"] * 2 == layout["global_batch"]
+    assert plan["stages"]["pretrain"]["layout"]["global_batch"] == 32
+    assert plan["stages"]["grpo"]["layout"]["global_batch"] == 64
+    assert plan["model"]["params"] == model_shape(build_config(cfg["model"], 512)).params
+
+
+@pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100"])
+def test_presets_plan_within_memory(preset: str) -> None:
+    plan = _plan(_preset(preset))
+    for stage in plan["stages"].values():
+        assert stage["memory"]["fits"] and stage["memory"]["total"] <= stage["memory"]["usable"]
+        assert stage["throughput"]["tokens_per_s"] > 0
+        assert stage["candidates"]["fit"] >= 1
+        best = stage["throughput"]["tokens_per_s"]
+        for other in stage["runners_up"]:
+            assert other["tokens_per_s"] <= best + 0.1  # reported to 0.1 tokens/s
+            assert other["reason"]
+        for other in stage["rejected"]:
+            assert other["reason"].startswith("does not fit")
+
+
+def test_never_proposes_a_plan_that_does_not_fit() -> None:
+    """Over a grid of models and devices, the chosen layout always fits its stated usable memory."""
+    for gpu, per_node in [("A100-40GB", 8), ("L4", 4), ("H100", 8), ("H200", 1)]:
+        for layers, hidden in [(16, 2048), (32, 4096)]:
+            cfg = _preset(
+                "mistral-7b-8xh100",
+                model={"num_layers": layers, "hidden_size": hidden},
+                hardware={"gpu": gpu, "gpus_per_node": per_node},
+            )
+            try:
+                plan = _plan(cfg)
+            except StageError as err:
+                assert "nothing fits" in str(err)
+                continue
+            for stage in plan["stages"].values():
+                assert stage["memory"]["total"] <= stage["memory"]["usable"], (gpu, layers)
+
+
+def test_offload_only_when_nothing_else_fits() -> None:
+    roomy = _plan(_preset("mistral-7b-8xh100"))
+    assert all(s["layout"]["offload"] == "none" for s in roomy["stages"].values())
+    tight = _plan(
+        _preset(
+            "mistral-7b-8xh100",
+            hardware={"gpu": "L40S", "gpus_per_node": 1},
+            grpo={"max_prompt_len": 128, "max_new_tokens": 128},
+        )
+    )
+    pretrain = tight["stages"]["pretrain"]
+    assert pretrain["layout"]["offload"] != "none"
+    assert pretrain["layout"]["zero_stage"] >= 2
+    assert pretrain["memory"]["fits"]
+
+
+def test_nothing_fits_is_a_one_line_error() -> None:
+    cfg = _preset("mistral-7b-8xh100", hardware={"gpu": "L4", "gpus_per_node": 1, "host_memory_gib": None})
+    with pytest.raises(StageError, match="pretrain: nothing fits; the smallest layout .* needs .* GiB per device"):
+        _plan(cfg)
+
+
+def test_a_requested_layout_that_does_not_fit_is_kept_with_a_warning() -> None:
+    fixed = {"zero_stage": 0, "tp": 1, "dp": 8, "micro_batch_size": 4, "activation_checkpointing": False, "offload": "none"}
+    cfg = _preset("mistral-7b-8xh100", parallelism=fixed)
+    plan = _plan(cfg)
+    pretrain = plan["stages"]["pretrain"]
+    assert (pretrain["layout"]["zero_stage"], pretrain["layout"]["micro_batch_size"]) == (0, 4)
+    assert not pretrain["memory"]["fits"]
+    assert any("predicted not to fit" in w for w in plan["warnings"])
+    assert plan["source"] == "config"
+
+
+def test_config_values_fix_the_search_and_are_recorded() -> None:
+    plan = _plan(_preset("mistral-7b-8xh100", parallelism={"tp": 2, "zero_stage": 1}))
+    stage = plan["stages"]["pretrain"]
+    assert (stage["layout"]["tp"], stage["layout"]["dp"], stage["layout"]["zero_stage"]) == (2, 4, 1)
+    assert stage["sources"]["tp"] == "config" and stage["sources"]["micro_batch_size"] == "planner"
+
+
+def test_table_entry_is_used_below_config_values(tmp_path: Path) -> None:
+    table = tmp_path / "parallelism_data.json"
+    table.write_text(json.dumps({"H100": {"8": {"dp": 4, "tp": 2, "micro_batch_size": 1}}}))
+    plan = _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(table), "micro_batch_size": 2}))
+    stage = plan["stages"]["pretrain"]
+    assert (stage["layout"]["dp"], stage["layout"]["tp"], stage["layout"]["micro_batch_size"]) == (4, 2, 2)
+    assert stage["sources"]["tp"] == f"file:{table}"
+    assert stage["sources"]["micro_batch_size"] == "config"
+    assert plan["table"]["status"] == "used"
+
+
+def test_table_miss_falls_back_with_the_reason_or_fails(tmp_path: Path) -> None:
+    table = tmp_path / "parallelism_data.json"
+    table.write_text(json.dumps({"A100-80GB": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 1}}}))
+    plan = _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(table)}))
+    assert plan["table"]["status"] == "miss"
+    assert "no entry for H100 x 8 (the table has A100-80GB: 8)" in plan["table"]["reason"]
+    assert plan["source"] == "estimated"
+    with pytest.raises(StageError, match="no entry for H100 x 8"):
+        _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(table), "on_table_miss": "error"}))
+    with pytest.raises(StageError, match="missing.json: file not found"):
+        _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(tmp_path / "missing.json"), "on_table_miss": "error"}))
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"parallelism": {"dp": 3}}, "dp \\* tp must equal the world size \\(dp=3, tp=None, world=8"),
+        ({"parallelism": {"tp": 3}}, "tp: must divide the attention and KV heads \\(dp=None, tp=3, world=8, heads=32, kv_heads=8\\)"),
+        ({"parallelism": {"dp": 8}, "pretrain": {"global_batch_size": 100}}, "pretrain: no layout divides the global batch of 100 sequences"),
+        ({"pretrain": {"global_batch_size": 1000, "global_batch_unit": "tokens"}}, "pretrain.global_batch_size: 1000 tokens is not a multiple of pretrain.seq_len 4096"),
+        ({"parallelism": {"micro_batch_size": 3}}, "global batch must equal micro_batch_size \\* grad_accum \\* dp"),
+        ({"parallelism": {"dp": 8}, "grpo": {"prompts_per_step": 4}}, "grpo: no layout divides the global batch of 32 sequences \\(groups of 8\\)"),
+        ({"deepspeed": {"precision": "bf16"}, "hardware": {"gpu": "V100-32GB"}}, "deepspeed.precision: bf16 requested but V100-32GB has no bf16 support"),
+    ],
+)  # fmt: skip
+def test_bad_plans_are_one_line_errors(sections: dict[str, dict[str, Any]], message: str) -> None:
+    with pytest.raises(StageError, match=message) as err:
+        _plan(_preset("mistral-7b-8xh100", **sections))
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_detected_gpu_is_an_error_naming_the_catalog() -> None:
+    hardware = describe({**_preset("mistral-7b-8xh100")["hardware"]})
+    hardware["gpu"] = {**hardware["gpu"], "key": None, "name": "NVIDIA Z9000"}
+    with pytest.raises(StageError, match="GPU 'NVIDIA Z9000' is not in the catalog"):
+        _plan(_preset("mistral-7b-8xh100"), hardware)
+
+
+def test_fp16_where_the_gpu_has_no_bf16() -> None:
+    plan = _plan(_preset("llama-1b-h200", hardware={"gpu": "V100-32GB", "gpus_per_node": 8}))
+    assert plan["precision"] == "fp16"
+    assert gpu_spec("V100-32GB").peak_tflops == 125
+
+
+def test_multi_node_plan_keeps_tp_inside_a_node() -> None:
+    cfg = _preset("mistral-7b-8xh100", hardware={"nodes": 4}, pretrain={"global_batch_size": 512})
+    plan = _plan(cfg)
+    assert plan["world"] == 32
+    for stage in plan["stages"].values():
+        assert stage["layout"]["tp"] <= 8 and 8 % stage["layout"]["tp"] == 0
+        assert stage["layout"]["dp"] * stage["layout"]["tp"] == 32

@@ -1,0 +1,165 @@
+"""The workflow run by the real Snakemake: the DAG of each target, reruns, errors at the edge."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import edit_config, snakemake
+
+pytestmark = pytest.mark.slow
+PLAN_JOBS = {"detect_hardware", "plan_parallelism", "render_deepspeed_config[pretrain]", "render_deepspeed_config[grpo]"}
+EDGES = {
+    ("detect_hardware", "plan_parallelism"),
+    ("plan_parallelism", "render_deepspeed_config[pretrain]"),
+    ("plan_parallelism", "render_deepspeed_config[grpo]"),
+    ("plan_parallelism", "prepare_tokenizer"),
+    ("plan_parallelism", "pretrain"),
+    ("render_deepspeed_config[pretrain]", "pretrain"),
+    ("prepare_tokenizer", "pretrain"),
+    ("pretrain", "consolidate[pretrain]"),
+    ("prepare_tokenizer", "consolidate[pretrain]"),
+    ("consolidate[pretrain]", "grpo"),
+    ("render_deepspeed_config[grpo]", "grpo"),
+    ("plan_parallelism", "grpo"),
+    ("prepare_tokenizer", "grpo"),
+    ("grpo", "consolidate[grpo]"),
+    ("prepare_tokenizer", "consolidate[grpo]"),
+}
+
+
+def dag(workdir: Path, target: str) -> tuple[set[str], set[tuple[str, str]]]:
+    """Jobs and dependency edges Snakemake would run for `target` (from --dag), named rule[stage]."""
+    out = snakemake(workdir, "--dag", "dot", "--", target).stdout
+    names = {}
+    for node, label in re.findall(r'^\s*(\d+)\[label = "([^"]+)"', out, flags=re.M):
+        rule, _, stage = label.partition("\\nstage: ")
+        names[node] = f"{rule}[{stage}]" if stage else rule
+    edges = {(names[a], names[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", out, flags=re.M)}
+    return set(names.values()), edges
+
+
+def scheduled(workdir: Path, target: str, *extra: str) -> dict[str, str]:
+    """Jobs a dry run schedules for `target`, each with Snakemake's reason."""
+    out = snakemake(workdir, "-n", *extra, "--", target).stdout
+    jobs = {}
+    for block in out.split("\nrule ")[1:]:
+        rule = block.split(":", 1)[0].strip()
+        stage = re.search(r"wildcards: stage=(\w+)", block)
+        reason = re.search(r"reason: (.*)", block)
+        jobs[f"{rule}[{stage.group(1)}]" if stage else rule] = reason.group(1) if reason else ""
+    return jobs
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("plan", PLAN_JOBS | {"plan"}),
+        ("pretrain", {"detect_hardware", "plan_parallelism", "prepare_tokenizer", "render_deepspeed_config[pretrain]", "pretrain"}),
+        ("grpo", PLAN_JOBS | {"prepare_tokenizer", "pretrain", "consolidate[pretrain]", "grpo"}),
+        ("all", PLAN_JOBS | {"prepare_tokenizer", "pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]", "all"}),
+    ],
+)  # fmt: skip
+def test_each_target_has_the_right_jobs_in_the_right_order(workdir: Path, target: str, expected: set[str]) -> None:
+    jobs, edges = dag(workdir, target)
+    assert jobs == expected
+    targets = {"plan", "all"}
+    assert {e for e in edges if e[1] not in targets} == {e for e in EDGES if {*e} <= jobs}
+    assert set(scheduled(workdir, target)) == expected
+
+
+def test_plan_runs_then_nothing_to_do_and_edits_rerun_only_what_follows(workdir: Path) -> None:
+    snakemake(workdir, "plan")
+    run = workdir / "results" / "tiny"
+    plan = json.loads((run / "plan.json").read_text())
+    hardware = json.loads((run / "hardware.json").read_text())
+    assert hardware["source"] in ("nvml", "proc", "cpu")
+    assert plan["world"] == plan["ranks_per_node"] * plan["nodes"]
+    for stage in ("pretrain", "grpo"):
+        ds = json.loads((run / "deepspeed" / f"{stage}.json").read_text())
+        assert ds["train_batch_size"] == plan["stages"][stage]["layout"]["global_batch"]
+    for rule in ("detect_hardware", "plan_parallelism", "render_deepspeed_config_pretrain"):
+        assert (run / "logs" / f"{rule}.log").stat().st_size > 0
+        assert (run / "benchmarks" / f"{rule}.tsv").exists()
+
+    assert "Nothing to be done" in snakemake(workdir, "-n", "plan").stdout
+
+    edit_config(workdir, "grpo", optimizer={"lr": 5e-5})
+    assert set(scheduled(workdir, "plan")) == {"render_deepspeed_config[grpo]", "plan"}
+    after_grpo_edit = scheduled(workdir, "all")
+    assert "detect_hardware" not in after_grpo_edit and "plan_parallelism" not in after_grpo_edit
+    assert "render_deepspeed_config[pretrain]" not in after_grpo_edit
+    snakemake(workdir, "plan")
+
+    edit_config(workdir, "parallelism", zero_stage=2)
+    assert set(scheduled(workdir, "plan")) == PLAN_JOBS - {"detect_hardware"} | {"plan"}
+    snakemake(workdir, "plan")
+    assert json.loads((run / "deepspeed" / "grpo.json").read_text())["zero_optimization"]["stage"] == 2
+
+    edit_config(workdir, "hardware", cpu_ranks=1)
+    assert set(scheduled(workdir, "plan")) == PLAN_JOBS | {"plan"}
+
+
+def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> None:
+    proc = snakemake(workdir, "pretrain", check=False)
+    assert proc.returncode != 0
+    log = (workdir / "results/tiny/logs/prepare_tokenizer.log").read_text()
+    assert log.strip() == "error: prepare_tokenizer: this stage is not built yet (issue #3); no artifact was written"
+    assert not (workdir / "results/tiny/tokenizer").exists()
+    assert not (workdir / "results/tiny/model_config.json").exists()
+    assert (workdir / "results/tiny/plan.json").exists()  # the stages before it completed
+
+
+def test_bad_config_is_one_line_and_writes_nothing(workdir: Path) -> None:
+    edit_config(workdir, "pretrain", steps=0)
+    proc = snakemake(workdir, "plan", check=False)
+    assert proc.returncode == 1
+    assert "error: config: pretrain.steps: expected a value >= 1, got 0" in proc.stderr.splitlines()
+    assert not (workdir / "results").exists()
+
+
+def test_a_stage_error_surfaces_its_line_and_leaves_no_artifact(workdir: Path) -> None:
+    edit_config(workdir, "parallelism", dp=3)
+    proc = snakemake(workdir, "plan", check=False)
+    assert proc.returncode != 0
+    log = (workdir / "results/tiny/logs/plan_parallelism.log").read_text().strip().splitlines()
+    assert log[-1].startswith("error: parallelism: dp * tp must equal the world size (dp=3, tp=None, world=2")
+    assert log[-1] in proc.stdout + proc.stderr  # shown by --show-failed-logs from the default profile
+    assert not (workdir / "results/tiny/plan.json").exists()
+
+
+def test_two_run_names_do_not_clobber(workdir: Path) -> None:
+    snakemake(workdir, "plan")
+    edit_config(workdir, "run", name="second")
+    edit_config(workdir, "hardware", cpu_ranks=1)
+    snakemake(workdir, "plan")
+    first = json.loads((workdir / "results/tiny/plan.json").read_text())
+    second = json.loads((workdir / "results/second/plan.json").read_text())
+    assert (first["world"], second["world"]) == (2, 1)
+
+
+def test_stage_script_runs_on_its_own_and_validates_the_whole_config(workdir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hardware.json"
+    cmd = [sys.executable, "scripts/detect_hardware.py", "--config", "config/config.yaml", "--hardware", str(out)]
+    subprocess.run(cmd, cwd=workdir, check=True, capture_output=True)
+    assert json.loads(out.read_text())["nodes"] == 1
+
+    plan = tmp_path / "plan.json"
+    plan_cmd = [sys.executable, "scripts/plan_parallelism.py", "--config", "config/config.yaml",
+                "--hardware", str(out), "--plan", str(plan)]  # fmt: skip
+    subprocess.run(plan_cmd, cwd=workdir, check=True, capture_output=True)
+    render_cmd = [sys.executable, "scripts/render_deepspeed_config.py", "--config", "config/config.yaml",
+                  "--stage", "grpo", "--plan", str(plan), "--deepspeed-config", str(tmp_path / "grpo.json")]  # fmt: skip
+    subprocess.run(render_cmd, cwd=workdir, check=True, capture_output=True)
+    assert json.loads((tmp_path / "grpo.json").read_text())["train_batch_size"] == 64
+
+    edit_config(workdir, "model", num_kv_heads=3)
+    plan.unlink()
+    proc = subprocess.run(plan_cmd, cwd=workdir, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: model.num_kv_heads: 3 must divide model.num_heads 4"
+    assert not plan.exists()
