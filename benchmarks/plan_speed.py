@@ -78,7 +78,9 @@ def _meta_build(cfg: dict) -> None:
 
 def main() -> None:
     _plan(_config("1B", 8))  # warm imports and transformers' lazy modules
-    print(f"{'model':>6} {'GPUs':>5} {'plan s':>8} {'meta build s':>13} {'ratio':>6}  candidates  chosen (pretrain)")
+    print(
+        f"{'model':>6} {'GPUs':>5} {'plan s':>8} {'meta build s':>13} {'ratio':>6}  candidates  chosen (pretrain)"
+    )
     for model in MODELS:
         for gpus in GPUS:
             cfg = _config(model, gpus)
@@ -92,9 +94,17 @@ def main() -> None:
                 f"  {stage['candidates']['considered']:>10}  {chosen}"
             )
     snakemake = str(Path(sys.executable).with_name("snakemake"))
-    dry = _median(lambda: subprocess.run([snakemake, "-n", "all"], cwd=REPO, check=True, capture_output=True), 3)
-    base = _median(lambda: subprocess.run([snakemake, "--version"], cwd=REPO, check=True, capture_output=True), 3)
-    print(f"dry run of the full DAG: {dry:.2f} s; snakemake --version: {base:.2f} s; ratio {dry / base:.2f}")
+    dry = _median(
+        lambda: subprocess.run([snakemake, "-n", "all"], cwd=REPO, check=True, capture_output=True),
+        3,
+    )
+    base = _median(
+        lambda: subprocess.run([snakemake, "--version"], cwd=REPO, check=True, capture_output=True),
+        3,
+    )
+    print(
+        f"dry run of the full DAG: {dry:.2f} s; snakemake --version: {base:.2f} s; ratio {dry / base:.2f}"
+    )
 
 
 if __name__ == "__main__":

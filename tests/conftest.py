@@ -47,7 +47,9 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
         timeout=600,
     )
     if check and proc.returncode != 0:
-        pytest.fail(f"snakemake {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(
+            f"snakemake {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 

@@ -35,7 +35,12 @@ def test_presets_render_complete_configs(preset: str, stage: str) -> None:
     layout = plan["stages"][stage]["layout"]
     assert _no_auto(config)
     assert config["train_batch_size"] == layout["global_batch"]
-    assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * layout["dp"] == config["train_batch_size"]
+    assert (
+        config["train_micro_batch_size_per_gpu"]
+        * config["gradient_accumulation_steps"]
+        * layout["dp"]
+        == config["train_batch_size"]
+    )
     assert config["zero_optimization"]["stage"] == layout["zero_stage"]
     assert config["bf16"] == {"enabled": True}
     assert config["optimizer"]["params"]["lr"] == cfg[stage]["optimizer"]["lr"]
@@ -52,7 +57,10 @@ def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
     if tp > 1:
         assert config["tensor_parallel"] == {"autotp_size": 2}
     if zero == 3:
-        assert config["zero_optimization"]["stage3_max_live_parameters"] == cfg["deepspeed"]["stage3_max_live_parameters"]
+        assert (
+            config["zero_optimization"]["stage3_max_live_parameters"]
+            == cfg["deepspeed"]["stage3_max_live_parameters"]
+        )
 
 
 def test_offload_and_activation_checkpointing_follow_the_plan() -> None:

@@ -12,7 +12,9 @@ BIN = Path(sys.executable).parent
 
 
 def test_ruff_is_clean() -> None:
-    proc = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(BIN / "ruff"), "check", "."], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout
 
 

@@ -33,7 +33,12 @@ MOE = {
 
 
 def _model(architecture: str = "llama", **changes: Any) -> dict[str, Any]:
-    return {**default_config()["model"], "architecture": architecture, **MOE.get(architecture, {}), **changes}
+    return {
+        **default_config()["model"],
+        "architecture": architecture,
+        **MOE.get(architecture, {}),
+        **changes,
+    }
 
 
 def _layout(**changes: Any) -> Layout:
@@ -103,7 +108,9 @@ def test_vocab_is_padded_to_multiple_times_tp() -> None:
 @pytest.mark.parametrize("gpus", [1, 8, 64])
 def test_zero2_model_states_match_deepspeed(gpus: int) -> None:
     shape = model_shape(build_config(_model(), 512))
-    layout = _layout(world=gpus, gpus_per_node=min(gpus, 8), dp=gpus, global_batch=gpus * 8, zero_stage=2)
+    layout = _layout(
+        world=gpus, gpus_per_node=min(gpus, 8), dp=gpus, global_batch=gpus * 8, zero_stage=2
+    )
     params, grads, optimizer, _ = mem.model_states(shape, layout)
     _, expected = estimate_zero2_model_states_mem_needs(
         shape.params, num_gpus_per_node=min(gpus, 8), num_nodes=max(1, gpus // 8), cpu_offload=False
@@ -115,7 +122,14 @@ def test_zero2_model_states_match_deepspeed(gpus: int) -> None:
 @pytest.mark.parametrize("offload", ["none", "optimizer", "optimizer_and_params"])
 def test_zero3_model_states_match_deepspeed(gpus: int, offload: str) -> None:
     shape = model_shape(build_config(_model(), 512))
-    layout = _layout(world=gpus, gpus_per_node=min(gpus, 8), dp=gpus, global_batch=gpus * 8, zero_stage=3, offload=offload)
+    layout = _layout(
+        world=gpus,
+        gpus_per_node=min(gpus, 8),
+        dp=gpus,
+        global_batch=gpus * 8,
+        zero_stage=3,
+        offload=offload,
+    )
     params, grads, optimizer, host = mem.model_states(shape, layout)
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
         shape.params, shape.largest_module_params, num_gpus_per_node=min(gpus, 8),
@@ -145,8 +159,12 @@ def test_more_sharding_never_needs_more_model_state_memory() -> None:
 def test_activation_formula_by_hand() -> None:
     """s b [4h + (10h + 6 h_kv + 8f)/tp] bytes per layer (16-bit), Korthikanti et al. rederived for Llama."""
     shape = model_shape(build_config(_model(), 512))  # h=128, 4 heads, 2 kv heads (h_kv=64), f=512
-    layout = _layout(seq_len=100, micro_batch_size=3, tp=2, dp=4, global_batch=48, num_heads=4, num_kv_heads=2)
-    assert mem.layer_activations(shape, layout) == 100 * 3 * (4 * 128 + (10 * 128 + 6 * 64 + 8 * 512) / 2)
+    layout = _layout(
+        seq_len=100, micro_batch_size=3, tp=2, dp=4, global_batch=48, num_heads=4, num_kv_heads=2
+    )
+    assert mem.layer_activations(shape, layout) == 100 * 3 * (
+        4 * 128 + (10 * 128 + 6 * 64 + 8 * 512) / 2
+    )
     assert mem.activations(shape, layout) == 4 * mem.layer_activations(shape, layout)
     checkpointed = mem.activations(shape, replace(layout, activation_checkpointing=True))
     assert checkpointed == 4 * 100 * 3 * 128 * 2 + mem.layer_activations(shape, layout)
@@ -184,7 +202,12 @@ def test_layout_errors_print_every_factor(changes: dict[str, Any], message: str)
 def test_cpu_plan_uses_cpu_ranks_with_tp_1() -> None:
     cfg = default_config()
     plan = _plan(cfg, _cpu_hardware(ranks=2))
-    assert (plan["world"], plan["backend"], plan["device"], plan["source"]) == (2, "gloo", "cpu", "estimated")
+    assert (plan["world"], plan["backend"], plan["device"], plan["source"]) == (
+        2,
+        "gloo",
+        "cpu",
+        "estimated",
+    )
     for name, stage in plan["stages"].items():
         layout = stage["layout"]
         assert (layout["dp"], layout["tp"]) == (2, 1), name
@@ -244,13 +267,24 @@ def test_offload_only_when_nothing_else_fits() -> None:
 
 
 def test_nothing_fits_is_a_one_line_error() -> None:
-    cfg = _preset("mistral-7b-8xh100", hardware={"gpu": "L4", "gpus_per_node": 1, "host_memory_gib": None})
-    with pytest.raises(StageError, match="pretrain: nothing fits; the smallest layout .* needs .* GiB per device"):
+    cfg = _preset(
+        "mistral-7b-8xh100", hardware={"gpu": "L4", "gpus_per_node": 1, "host_memory_gib": None}
+    )
+    with pytest.raises(
+        StageError, match="pretrain: nothing fits; the smallest layout .* needs .* GiB per device"
+    ):
         _plan(cfg)
 
 
 def test_a_requested_layout_that_does_not_fit_is_kept_with_a_warning() -> None:
-    fixed = {"zero_stage": 0, "tp": 1, "dp": 8, "micro_batch_size": 4, "activation_checkpointing": False, "offload": "none"}
+    fixed = {
+        "zero_stage": 0,
+        "tp": 1,
+        "dp": 8,
+        "micro_batch_size": 4,
+        "activation_checkpointing": False,
+        "offload": "none",
+    }
     cfg = _preset("mistral-7b-8xh100", parallelism=fixed)
     plan = _plan(cfg)
     pretrain = plan["stages"]["pretrain"]
@@ -263,16 +297,26 @@ def test_a_requested_layout_that_does_not_fit_is_kept_with_a_warning() -> None:
 def test_config_values_fix_the_search_and_are_recorded() -> None:
     plan = _plan(_preset("mistral-7b-8xh100", parallelism={"tp": 2, "zero_stage": 1}))
     stage = plan["stages"]["pretrain"]
-    assert (stage["layout"]["tp"], stage["layout"]["dp"], stage["layout"]["zero_stage"]) == (2, 4, 1)
+    assert (stage["layout"]["tp"], stage["layout"]["dp"], stage["layout"]["zero_stage"]) == (
+        2,
+        4,
+        1,
+    )
     assert stage["sources"]["tp"] == "config" and stage["sources"]["micro_batch_size"] == "planner"
 
 
 def test_table_entry_is_used_below_config_values(tmp_path: Path) -> None:
     table = tmp_path / "parallelism_data.json"
     table.write_text(json.dumps({"H100": {"8": {"dp": 4, "tp": 2, "micro_batch_size": 1}}}))
-    plan = _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(table), "micro_batch_size": 2}))
+    plan = _plan(
+        _preset("mistral-7b-8xh100", parallelism={"table_path": str(table), "micro_batch_size": 2})
+    )
     stage = plan["stages"]["pretrain"]
-    assert (stage["layout"]["dp"], stage["layout"]["tp"], stage["layout"]["micro_batch_size"]) == (4, 2, 2)
+    assert (stage["layout"]["dp"], stage["layout"]["tp"], stage["layout"]["micro_batch_size"]) == (
+        4,
+        2,
+        2,
+    )
     assert stage["sources"]["tp"] == f"file:{table}"
     assert stage["sources"]["micro_batch_size"] == "config"
     assert plan["table"]["status"] == "used"
@@ -286,9 +330,22 @@ def test_table_miss_falls_back_with_the_reason_or_fails(tmp_path: Path) -> None:
     assert "no entry for H100 x 8 (the table has A100-80GB: 8)" in plan["table"]["reason"]
     assert plan["source"] == "estimated"
     with pytest.raises(StageError, match="no entry for H100 x 8"):
-        _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(table), "on_table_miss": "error"}))
+        _plan(
+            _preset(
+                "mistral-7b-8xh100",
+                parallelism={"table_path": str(table), "on_table_miss": "error"},
+            )
+        )
     with pytest.raises(StageError, match="missing.json: file not found"):
-        _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(tmp_path / "missing.json"), "on_table_miss": "error"}))
+        _plan(
+            _preset(
+                "mistral-7b-8xh100",
+                parallelism={
+                    "table_path": str(tmp_path / "missing.json"),
+                    "on_table_miss": "error",
+                },
+            )
+        )
 
 
 @pytest.mark.parametrize(

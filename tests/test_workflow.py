@@ -12,7 +12,12 @@ import pytest
 from conftest import edit_config, snakemake
 
 pytestmark = pytest.mark.slow
-PLAN_JOBS = {"detect_hardware", "plan_parallelism", "render_deepspeed_config[pretrain]", "render_deepspeed_config[grpo]"}
+PLAN_JOBS = {
+    "detect_hardware",
+    "plan_parallelism",
+    "render_deepspeed_config[pretrain]",
+    "render_deepspeed_config[grpo]",
+}
 EDGES = {
     ("detect_hardware", "plan_parallelism"),
     ("plan_parallelism", "render_deepspeed_config[pretrain]"),
@@ -64,7 +69,9 @@ def scheduled(workdir: Path, target: str, *extra: str) -> dict[str, str]:
         ("all", PLAN_JOBS | {"prepare_tokenizer", "pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]", "all"}),
     ],
 )  # fmt: skip
-def test_each_target_has_the_right_jobs_in_the_right_order(workdir: Path, target: str, expected: set[str]) -> None:
+def test_each_target_has_the_right_jobs_in_the_right_order(
+    workdir: Path, target: str, expected: set[str]
+) -> None:
     jobs, edges = dag(workdir, target)
     assert jobs == expected
     targets = {"plan", "all"}
@@ -98,7 +105,9 @@ def test_plan_runs_then_nothing_to_do_and_edits_rerun_only_what_follows(workdir:
     edit_config(workdir, "parallelism", zero_stage=2)
     assert set(scheduled(workdir, "plan")) == PLAN_JOBS - {"detect_hardware"} | {"plan"}
     snakemake(workdir, "plan")
-    assert json.loads((run / "deepspeed" / "grpo.json").read_text())["zero_optimization"]["stage"] == 2
+    assert (
+        json.loads((run / "deepspeed" / "grpo.json").read_text())["zero_optimization"]["stage"] == 2
+    )
 
     edit_config(workdir, "hardware", cpu_ranks=1)
     assert set(scheduled(workdir, "plan")) == PLAN_JOBS | {"plan"}
@@ -108,7 +117,10 @@ def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> No
     proc = snakemake(workdir, "pretrain", check=False)
     assert proc.returncode != 0
     log = (workdir / "results/tiny/logs/prepare_tokenizer.log").read_text()
-    assert log.strip() == "error: prepare_tokenizer: this stage is not built yet (issue #3); no artifact was written"
+    assert (
+        log.strip()
+        == "error: prepare_tokenizer: this stage is not built yet (issue #3); no artifact was written"
+    )
     assert not (workdir / "results/tiny/tokenizer").exists()
     assert not (workdir / "results/tiny/model_config.json").exists()
     assert (workdir / "results/tiny/plan.json").exists()  # the stages before it completed
@@ -127,8 +139,12 @@ def test_a_stage_error_surfaces_its_line_and_leaves_no_artifact(workdir: Path) -
     proc = snakemake(workdir, "plan", check=False)
     assert proc.returncode != 0
     log = (workdir / "results/tiny/logs/plan_parallelism.log").read_text().strip().splitlines()
-    assert log[-1].startswith("error: parallelism: dp * tp must equal the world size (dp=3, tp=None, world=2")
-    assert log[-1] in proc.stdout + proc.stderr  # shown by --show-failed-logs from the default profile
+    assert log[-1].startswith(
+        "error: parallelism: dp * tp must equal the world size (dp=3, tp=None, world=2"
+    )
+    assert (
+        log[-1] in proc.stdout + proc.stderr
+    )  # shown by --show-failed-logs from the default profile
     assert not (workdir / "results/tiny/plan.json").exists()
 
 
@@ -142,9 +158,18 @@ def test_two_run_names_do_not_clobber(workdir: Path) -> None:
     assert (first["world"], second["world"]) == (2, 1)
 
 
-def test_stage_script_runs_on_its_own_and_validates_the_whole_config(workdir: Path, tmp_path: Path) -> None:
+def test_stage_script_runs_on_its_own_and_validates_the_whole_config(
+    workdir: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "hardware.json"
-    cmd = [sys.executable, "scripts/detect_hardware.py", "--config", "config/config.yaml", "--hardware", str(out)]
+    cmd = [
+        sys.executable,
+        "scripts/detect_hardware.py",
+        "--config",
+        "config/config.yaml",
+        "--hardware",
+        str(out),
+    ]
     subprocess.run(cmd, cwd=workdir, check=True, capture_output=True)
     assert json.loads(out.read_text())["nodes"] == 1
 

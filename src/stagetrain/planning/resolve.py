@@ -69,7 +69,9 @@ def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads
     if tp and (heads % tp or kv_heads % tp):
         raise StageError(f"parallelism.tp: must divide the attention and KV heads ({factors})")
     if tp and devices.per_node % tp:
-        raise StageError(f"parallelism.tp: must divide the {devices.per_node} devices of one node ({factors})")
+        raise StageError(
+            f"parallelism.tp: must divide the {devices.per_node} devices of one node ({factors})"
+        )
     if dp and tp and dp * tp != world or dp and world % dp or tp and world % tp:
         raise StageError(f"parallelism: dp * tp must equal the world size ({factors})")
 
