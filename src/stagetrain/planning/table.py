@@ -3,10 +3,9 @@
 Format: {"<GPU key>": {"<world size>": {"dp": int, "tp": int, "micro_batch_size": int}}}.
 The GPU count is the total number of GPUs of the run (dp * tp).
 
-Hub downloads go through huggingface_hub, which reads HF_ENDPOINT, HF_TOKEN,
-HF_HUB_OFFLINE and its cache from the environment; the token is never passed
-around or written. Every failure becomes a `TableMiss` with a one-line reason,
-so the caller can fall back to the planner (recording why) or fail.
+Hub downloads go through `stagetrain.hub.fetch`. Every failure becomes a
+`TableMiss` with a one-line reason, so the caller can fall back to the planner
+(recording why) or fail.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from stagetrain.hub import HubError, fetch
 
 TABLE_FILE = "parallelism_data.json"
 ENTRY_KEYS = ("dp", "tp", "micro_batch_size")
@@ -40,45 +41,11 @@ def read_local(path: str | Path) -> tuple[dict[str, Any], str]:
 
 def download(repo: str, revision: str) -> tuple[dict[str, Any], str]:
     """The table of hub repo `repo` at `revision`, and 'hub:<repo>@<commit>'."""
-    import huggingface_hub
-    from huggingface_hub import errors
-
     where = f"hub repo {repo!r}@{revision}"
     try:
-        path = Path(huggingface_hub.hf_hub_download(repo, TABLE_FILE, revision=revision))
-    except errors.HFValidationError:  # e.g. a local init_from path that does not exist
-        raise TableMiss(f"{where}: not a valid hub repo id (namespace/name)") from None
-    except errors.GatedRepoError:
-        raise TableMiss(f"{where}: unauthorised (gated repo; set HF_TOKEN)") from None
-    except errors.RepositoryNotFoundError as err:
-        status = getattr(err.response, "status_code", None)
-        if status in (401, 403):
-            raise TableMiss(f"{where}: unauthorised (HTTP {status}; check HF_TOKEN)") from None
-        raise TableMiss(f"{where}: repository not found (or private without a token)") from None
-    except errors.RevisionNotFoundError:
-        raise TableMiss(f"{where}: revision not found") from None
-    except errors.RemoteEntryNotFoundError:
-        raise TableMiss(f"{where}: has no {TABLE_FILE}") from None
-    except errors.LocalEntryNotFoundError as err:
-        # An HTTP error on the metadata request that the client does not raise as such (a
-        # plain 403, a 5xx) arrives wrapped in this error, as its cause.
-        status = getattr(getattr(err.__cause__, "response", None), "status_code", None)
-        if status in (401, 403):
-            raise TableMiss(f"{where}: unauthorised (HTTP {status}; check HF_TOKEN)") from None
-        if status is not None:
-            raise TableMiss(f"{where}: HTTP error {status}") from None
-        raise TableMiss(
-            f"{where}: hub unreachable or offline (HF_HUB_OFFLINE) and {TABLE_FILE} not in the cache"
-        ) from None
-    except errors.HfHubHTTPError as err:
-        status = getattr(err.response, "status_code", None)
-        if status in (401, 403):
-            raise TableMiss(f"{where}: unauthorised (HTTP {status}; check HF_TOKEN)") from None
-        raise TableMiss(f"{where}: HTTP error {status}") from None
-    except OSError as err:  # connection refused, DNS, timeouts surface as OSError subclasses
-        raise TableMiss(f"{where}: hub unreachable ({type(err).__name__})") from None
-    # The cache stores files under snapshots/<commit>/, which pins what was read.
-    commit = path.parent.name
+        path, commit = fetch(repo, TABLE_FILE, revision=revision)
+    except HubError as err:
+        raise TableMiss(str(err)) from None
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
