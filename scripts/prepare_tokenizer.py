@@ -1,13 +1,39 @@
-"""prepare_tokenizer: declared in the workflow, not built yet (issue #3).
+"""prepare_tokenizer: tokenizer/, data/train.bin, data/val.bin, data/meta.json, model_config.json.
 
-It fails with one line and writes nothing, so no placeholder artifact can be
-mistaken for a real one.
+Snakemake runs it through the `prepare_tokenizer` rule; on its own:
+    python scripts/prepare_tokenizer.py --config config/config.yaml --plan results/tiny/plan.json \
+        --tokenizer results/tiny/tokenizer --train results/tiny/data/train.bin \
+        --val results/tiny/data/val.bin --meta results/tiny/data/meta.json \
+        --model-config results/tiny/model_config.json
 """
 
-from stagetrain.stage import not_built, run_stage
+import logging
+
+from stagetrain.corpus.prepare import prepare
+from stagetrain.stage import StageIO, run_stage
+
+log = logging.getLogger("stagetrain")
+
+
+def main(io: StageIO) -> None:
+    meta = prepare(
+        run=io.sections["run"],
+        model=io.sections["model"],
+        tokenizer_cfg=io.sections["tokenizer"],
+        data=io.sections["data"],
+        plan=io.read_input("plan"),
+        outputs=io.outputs,
+    )
+    for source in meta["sources"]:
+        log.info("source %s: %d train and %d val tokens", source["name"], source["train_tokens"],
+                 source["val_tokens"])  # fmt: skip
+
 
 run_stage(
-    lambda io: not_built("prepare_tokenizer", "issue #3"),
+    main,
     snakemake=globals().get("snakemake"),
     doc=__doc__,
+    inputs=["plan"],
+    outputs=["tokenizer", "train", "val", "meta", "model_config"],
+    sections=["run", "model", "tokenizer", "data"],
 )

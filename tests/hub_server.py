@@ -13,7 +13,8 @@ into its typed errors:
 - unknown revision: 404 `RevisionNotFound` (`RevisionNotFoundError`);
 - unknown file: 404 `EntryNotFound` (`RemoteEntryNotFoundError`).
 
-Repo ids must be `namespace/name`. Every other path gets a bare 404. Every request is
+Repo ids must be `namespace/name`; dataset repos are keyed `datasets/namespace/name`.
+Every other path gets a bare 404. Every request is
 recorded (`HubServer.requests`).
 
 Usage::
@@ -136,10 +137,14 @@ class HubServer:
     def resolve(self, path: str, authorization: str | None) -> tuple[int, dict[str, str], bytes]:
         """The status, headers and body for a HEAD or GET of `path`."""
         parts = urlsplit(path).path.split("/")
+        # Dataset repos live under /datasets/; they are keyed "datasets/<org>/<name>".
+        prefix = ""
+        if len(parts) > 1 and parts[1] == "datasets":
+            prefix, parts = "datasets/", ["", *parts[2:]]
         # ['', org, name, 'resolve', revision, *file]
         if len(parts) < 6 or parts[3] != "resolve":
             return 404, {}, b"Not Found"
-        repo = f"{unquote(parts[1])}/{unquote(parts[2])}"
+        repo = f"{prefix}{unquote(parts[1])}/{unquote(parts[2])}"
         revision = unquote(parts[4])
         filename = unquote("/".join(parts[5:]))
         if repo not in self.repos:

@@ -27,6 +27,9 @@ def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, A
         out.append((dotted, {**target, **{k: v for k, v in sub.items() if k != "$ref"}}))
         if target.get("type") == "object":
             out.extend(_walk(target, dotted))
+        if target.get("type") == "array" and "properties" in target.get("items", {}):
+            out.append((f"{dotted}[]", target["items"]))
+            out.extend(_walk(target["items"], f"{dotted}[]"))
     return out
 
 

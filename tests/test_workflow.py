@@ -113,17 +113,37 @@ def test_plan_runs_then_nothing_to_do_and_edits_rerun_only_what_follows(workdir:
     assert set(scheduled(workdir, "plan")) == PLAN_JOBS | {"plan"}
 
 
+def test_tokenizer_stage_runs_and_data_edits_rerun_it_but_grpo_edits_do_not(workdir: Path) -> None:
+    edit_config(workdir, "data", train_tokens=20_000, val_tokens=2_000)
+    edit_config(workdir, "tokenizer", training_sample_mb=0.2)
+    snakemake(workdir, "prepare_tokenizer")
+    meta = json.loads((workdir / "results/tiny/data/meta.json").read_text())
+    assert meta["train"]["tokens"] >= 20_000
+
+    edit_config(workdir, "grpo", steps=60, optimizer={"lr": 2e-5})
+    after_grpo = scheduled(workdir, "all")
+    assert "prepare_tokenizer" not in after_grpo and "plan_parallelism" not in after_grpo
+    assert "render_deepspeed_config[grpo]" in after_grpo
+
+    edit_config(workdir, "data", generated={"prose_share": 0.5})
+    after_data = scheduled(workdir, "all")
+    assert "Params have changed" in after_data["prepare_tokenizer"]
+    assert {"pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]"} <= set(after_data)
+    assert "plan_parallelism" not in after_data and "detect_hardware" not in after_data
+
+
 def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> None:
+    edit_config(workdir, "data", train_tokens=20_000, val_tokens=2_000)
+    edit_config(workdir, "tokenizer", training_sample_mb=0.2)
     proc = snakemake(workdir, "pretrain", check=False)
     assert proc.returncode != 0
-    log = (workdir / "results/tiny/logs/prepare_tokenizer.log").read_text()
+    log = (workdir / "results/tiny/logs/pretrain.log").read_text()
     assert (
         log.strip()
-        == "error: prepare_tokenizer: this stage is not built yet (issue #3); no artifact was written"
+        == "error: pretrain: this stage is not built yet (issue #4); no artifact was written"
     )
-    assert not (workdir / "results/tiny/tokenizer").exists()
-    assert not (workdir / "results/tiny/model_config.json").exists()
-    assert (workdir / "results/tiny/plan.json").exists()  # the stages before it completed
+    assert not (workdir / "results/tiny/pretrain").exists()
+    assert (workdir / "results/tiny/model_config.json").exists()  # the stages before it completed
 
 
 def test_bad_config_is_one_line_and_writes_nothing(workdir: Path) -> None:

@@ -108,6 +108,10 @@ def _describe(error: jsonschema.ValidationError) -> str:
         extra = sorted(set(error.instance) - set(allowed))
         where = f"{path}." if error.absolute_path else ""
         return f"{where}{extra[0]}: unknown key (allowed here: {', '.join(allowed) or 'none'})"
+    if kind == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        where = f"{path}." if error.absolute_path else ""
+        return f"{where}{missing[0]}: required key missing"
     if kind == "type":
         return f"{path}: expected {error.validator_value}, got {error.instance!r}"
     if kind == "enum":

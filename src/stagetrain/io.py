@@ -20,6 +20,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give artifacts the usual mode
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -28,6 +29,17 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def public_dir(path: str | os.PathLike[str]) -> None:
+    """Give a folder made by mkdtemp (0700) the usual mode."""
+    os.chmod(path, 0o777 & ~_umask())
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

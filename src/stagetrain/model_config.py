@@ -46,6 +46,10 @@ def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
     if model["init_from"]:
         return _load_pretrained(model, vocab_size)
     arch = model["architecture"]
+    if arch is None:
+        raise StageError(
+            "model.architecture: required for a from-scratch model (llama, mixtral, qwen2_moe)"
+        )
     needed = SHAPE_KEYS + MOE_KEYS[arch]
     missing = [k for k in needed if model.get(k) is None]
     if missing:
@@ -108,5 +112,45 @@ def _load_pretrained(model: Mapping[str, Any], vocab_size: int) -> PretrainedCon
         raise StageError(
             f"model.init_from: cannot load config of {model['init_from']!r}: {first}"
         ) from None
+    if model["architecture"] and config.model_type != model["architecture"]:
+        raise StageError(
+            f"model.architecture: {model['architecture']!r} but {model['init_from']!r} is a "
+            f"{config.model_type!r} model"
+        )
     config.vocab_size = max(config.vocab_size, vocab_size)
+    return config
+
+
+def training_config(
+    model: Mapping[str, Any],
+    *,
+    tokenizer_size: int,
+    special_ids: Mapping[str, int | None],
+    tp: int,
+) -> PretrainedConfig:
+    """The config of the model to train: the tokenizer's vocabulary padded to vocab_multiple * tp.
+
+    A continued model keeps its rows and grows to the padded size; when it may
+    not grow (model.resize_embeddings false) a larger tokenizer is an error and
+    the model's own size is kept.
+
+    Raises:
+        StageError: the tokenizer does not fit and resizing is not allowed.
+    """
+    multiple = model["vocab_multiple"]
+    if not model["init_from"]:
+        config = build_config(model, padded_vocab(tokenizer_size, multiple, tp))
+    else:
+        config = build_config(model, 0)  # the continued model's own vocabulary
+        original = config.vocab_size
+        if not model["resize_embeddings"]:
+            if tokenizer_size > original:
+                raise StageError(
+                    f"model.resize_embeddings: false, but the tokenizer has {tokenizer_size} tokens "
+                    f"and {model['init_from']!r} only {original} embedding rows"
+                )
+        else:
+            config.vocab_size = padded_vocab(max(original, tokenizer_size), multiple, tp)
+    for key, value in special_ids.items():
+        setattr(config, key, value)
     return config

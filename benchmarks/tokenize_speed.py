@@ -1,0 +1,110 @@
+"""Benchmark: shard writing throughput against a bare encode_batch loop, and memory against corpus size.
+
+    python benchmarks/tokenize_speed.py
+
+1. The same pre-generated documents are tokenised twice in this process: by a
+   bare `Tokenizer.encode_batch` loop (the baseline, output discarded) and by
+   `write_documents` (which also builds the token arrays and writes the file).
+   It prints both rates and their ratio (target: at least 0.8). Run order
+   alternates over three rounds and the best of each is kept.
+2. Peak resident memory of the whole prepare step (generation, tokenisation,
+   writing) for 1x and 4x the tokens, each in a fresh process: flat memory
+   means the two peaks are about equal.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from stagetrain import config as stconfig
+from stagetrain.corpus import sources as corpus_sources
+from stagetrain.corpus.prepare import training_sample
+from stagetrain.corpus.shards import BATCH_DOCUMENTS, write_documents
+from stagetrain.tokenizer import train_bpe
+
+REPO = Path(__file__).resolve().parents[1]
+DOCUMENTS = 200_000
+
+
+def _bare(tokenizer, docs: list[str]) -> int:
+    tokens = 0
+    for start in range(0, len(docs), BATCH_DOCUMENTS):
+        for encoding in tokenizer.encode_batch(
+            docs[start : start + BATCH_DOCUMENTS], add_special_tokens=False
+        ):
+            tokens += len(encoding.ids)
+    return tokens
+
+
+def throughput() -> None:
+    cfg = stconfig.load(REPO / "config" / "config.yaml")
+    sources = corpus_sources.build(cfg["data"], seed=1)
+    hf = train_bpe(training_sample(sources, 1.0), cfg["tokenizer"]["vocab_size"])
+    backend = hf.backend_tokenizer
+    docs = [d for _, d in zip(range(DOCUMENTS), sources[0].documents("train"), strict=False)]
+    best_bare, best_ours = float("inf"), float("inf")
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(3):
+            start = time.perf_counter()
+            bare_tokens = _bare(backend, docs)
+            best_bare = min(best_bare, time.perf_counter() - start)
+            start = time.perf_counter()
+            with open(Path(tmp) / "train.bin", "wb") as out:
+                written = write_documents(
+                    backend,
+                    iter(docs),
+                    10**12,
+                    out,
+                    eos_id=hf.eos_token_id,
+                    dtype=np.dtype(np.uint16),
+                )
+            best_ours = min(best_ours, time.perf_counter() - start)
+    bare_rate = bare_tokens / best_bare
+    ours_rate = (
+        written.tokens - written.documents
+    ) / best_ours  # count text tokens only, as the baseline does
+    print(f"{len(docs):,} documents, {bare_tokens:,} tokens")
+    print(f"bare encode_batch loop: {bare_rate:,.0f} tokens/s")
+    print(f"write_documents:        {ours_rate:,.0f} tokens/s")
+    print(f"ratio (target >= 0.8):  {ours_rate / bare_rate:.2f}")
+
+
+PEAK = """
+import json, resource, sys, tempfile
+from pathlib import Path
+from stagetrain import config as stconfig
+from stagetrain.corpus.prepare import prepare
+cfg = stconfig.load(sys.argv[1])
+cfg["data"]["train_tokens"] = int(sys.argv[2])
+cfg["tokenizer"]["training_sample_mb"] = 1
+plan = {"stages": {"pretrain": {"layout": {"tp": 1}}, "grpo": {"layout": {"tp": 1}}}}
+with tempfile.TemporaryDirectory() as out:
+    names = {"tokenizer": "tok", "train": "train.bin", "val": "val.bin", "meta": "meta.json", "model_config": "mc.json"}
+    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], plan=plan,
+            outputs={k: str(Path(out) / v) for k, v in names.items()})
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+"""
+
+
+def peak_memory() -> None:
+    peaks = {}
+    for tokens in (2_000_000, 8_000_000):
+        proc = subprocess.run([sys.executable, "-c", PEAK, str(REPO / "config/config.yaml"), str(tokens)],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        peaks[tokens] = json.loads(proc.stdout.strip().splitlines()[-1]) / 1024
+        print(f"prepare with {tokens:,} train tokens: peak RSS {peaks[tokens]:.0f} MiB")
+    print(
+        f"ratio 4x tokens / 1x tokens: {peaks[8_000_000] / peaks[2_000_000]:.2f} (flat memory: about 1)"
+    )
+
+
+if __name__ == "__main__":
+    throughput()
+    peak_memory()

@@ -1,0 +1,121 @@
+"""The prepare_tokenizer stage: tokenizer, token shards, meta file and model config, from the config.
+
+All files are first written under temporary names and renamed at the end, meta
+last, so a killed stage leaves no file that looks finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from stagetrain.corpus import sources as corpus_sources
+from stagetrain.corpus.shards import sha256_file, token_dtype, write_split
+from stagetrain.errors import StageError
+from stagetrain.io import atomic_write_json, atomic_write_text
+from stagetrain.model_config import training_config
+from stagetrain.tokenizer import load_pretrained, save, train_bpe
+
+log = logging.getLogger("stagetrain")
+
+
+def training_sample(sources: list[corpus_sources.Source], megabytes: float) -> Iterator[str]:
+    """Training-split documents for the BPE, each source giving its weight's share of the bytes."""
+    weights = sum(s.weight for s in sources)
+    for source in sources:
+        budget, used = megabytes * 1e6 * source.weight / weights, 0
+        for document in source.documents("train"):
+            yield document
+            used += len(document.encode("utf-8"))
+            if used >= budget:
+                break
+
+
+def make_tokenizer(
+    cfg: Mapping[str, Any], sources: list[corpus_sources.Source]
+) -> PreTrainedTokenizerBase:
+    """Train or load the tokenizer, and check it against the vocabulary the planner counted."""
+    if cfg["source"] == "train":
+        tokenizer = train_bpe(
+            training_sample(sources, cfg["training_sample_mb"]), cfg["vocab_size"]
+        )
+    else:
+        tokenizer = load_pretrained(cfg)
+    if len(tokenizer) > cfg["vocab_size"]:
+        raise StageError(
+            f"tokenizer.vocab_size: {cfg['vocab_size']}, but the tokenizer has {len(tokenizer)} tokens "
+            "with its special tokens; raise it (the planner counts this many embedding rows)"
+        )
+    return tokenizer
+
+
+def prepare(
+    *,
+    run: Mapping[str, Any],
+    model: Mapping[str, Any],
+    tokenizer_cfg: Mapping[str, Any],
+    data: Mapping[str, Any],
+    plan: Mapping[str, Any],
+    outputs: Mapping[str, str],
+) -> dict[str, Any]:
+    """Write every output of the stage; return data/meta.json's content."""
+    tp = math.lcm(*(stage["layout"]["tp"] for stage in plan["stages"].values()))
+    sources = corpus_sources.build(data, run["seed"])
+    tokenizer = make_tokenizer(tokenizer_cfg, sources)
+    special = {
+        f"{k}_id": getattr(tokenizer, f"{k}_id") for k in ("bos_token", "eos_token", "pad_token")
+    }
+    config = training_config(model, tokenizer_size=len(tokenizer), special_ids=special, tp=tp)
+    log.info("tokenizer: %d tokens; model vocabulary %d (multiple of %d)", len(tokenizer), config.vocab_size,
+             model["vocab_multiple"] * tp)  # fmt: skip
+
+    dtype = token_dtype(len(tokenizer))
+    backend = tokenizer.backend_tokenizer
+    eos = tokenizer.eos_token_id
+    shards = {split: Path(outputs[split]) for split in ("train", "val")}
+    written = {}
+    for split, path in shards.items():
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        total = data[f"{split}_tokens"]
+        written[split] = write_split(backend, sources, split, total, tmp, eos_id=eos, dtype=dtype)
+        log.info("%s: %d tokens in %d documents", split, sum(w.tokens for w in written[split]),
+                 sum(w.documents for w in written[split]))  # fmt: skip
+
+    tokenizer_hash = save(tokenizer, Path(outputs["tokenizer"]))
+    atomic_write_text(outputs["model_config"], config.to_json_string(use_diff=False))
+    for path in shards.values():
+        os.replace(path.with_name(f".{path.name}.tmp"), path)
+    meta = {
+        "dtype": dtype.name,
+        "tokenizer_size": len(tokenizer),
+        "model_vocab_size": config.vocab_size,
+        "tokenizer_sha256": tokenizer_hash,
+        **special,
+        **{
+            split: {
+                "tokens": sum(w.tokens for w in written[split]),
+                "documents": sum(w.documents for w in written[split]),
+                "sha256": sha256_file(path),
+            }
+            for split, path in shards.items()
+        },
+        "sources": [
+            {
+                "name": source.name,
+                "weight": source.weight,
+                "record": source.record,
+                **{f"{split}_tokens": written[split][i].tokens for split in shards},
+                **{f"{split}_documents": written[split][i].documents for split in shards},
+            }
+            for i, source in enumerate(sources)
+        ],
+    }
+    atomic_write_json(outputs["meta"], meta)
+    return meta

@@ -1,0 +1,130 @@
+"""Streaming tokenisation of the corpus into flat token files (nanoGPT's train.bin / val.bin).
+
+Documents are encoded in batches by the Rust tokenizer (`encode_batch_fast`,
+parallel over the cores) and appended to the file as they come, each followed by
+the eos token, so memory holds one batch whatever the corpus size. The dtype is
+uint16 when every id fits, else uint32; it is chosen by a check, not assumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from stagetrain.corpus.sources import Source, Split
+
+log = logging.getLogger("stagetrain")
+BATCH_DOCUMENTS = 4096
+PROGRESS_EVERY_S = 5.0
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 if every id of a `vocab_size` vocabulary fits in 16 bits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+@dataclass(kw_only=True, slots=True)
+class Written:
+    """What one source contributed to one split."""
+
+    tokens: int = 0
+    documents: int = 0
+
+
+class _Progress:
+    """Logs tokens written, tokens/s and the ETA every few seconds."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start, self.last = total, 0, time.monotonic(), time.monotonic()
+
+    def add(self, tokens: int) -> None:
+        self.done += tokens
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            rate = self.done / (now - self.start)
+            eta = (self.total - self.done) / rate if rate else float("inf")
+            log.info(
+                "tokenised %d / %d tokens, %.0f tokens/s, ETA %.0f s",
+                self.done,
+                self.total,
+                rate,
+                eta,
+            )
+
+
+def write_documents(
+    tokenizer: Tokenizer,
+    documents: Iterator[str],
+    budget: int,
+    out: BinaryIO,
+    *,
+    eos_id: int,
+    dtype: np.dtype,
+    progress: _Progress | None = None,
+) -> Written:
+    """Encode whole documents into `out` until at least `budget` tokens are written or they run out."""
+    written = Written()
+    while written.tokens < budget:
+        batch = list(islice(documents, BATCH_DOCUMENTS))
+        if not batch:
+            break
+        ids = []
+        for encoding in tokenizer.encode_batch_fast(batch, add_special_tokens=False):
+            ids.append(encoding.ids)
+            ids.append([eos_id])
+            written.documents += 1
+            written.tokens += len(encoding.ids) + 1
+            if written.tokens >= budget:
+                break
+        chunk = np.fromiter(chain.from_iterable(ids), dtype=dtype)
+        chunk.tofile(out)
+        if progress:
+            progress.add(len(chunk))
+    return written
+
+
+def write_split(
+    tokenizer: Tokenizer,
+    sources: list[Source],
+    split: Split,
+    total: int,
+    path: Path,
+    *,
+    eos_id: int,
+    dtype: np.dtype,
+) -> list[Written]:
+    """Write one split from every source, each taking its weight's share of `total` tokens."""
+    weights = sum(s.weight for s in sources)
+    progress = _Progress(total)
+    with open(path, "wb") as out:
+        return [
+            write_documents(
+                tokenizer,
+                source.documents(split),
+                round(total * source.weight / weights),
+                out,
+                eos_id=eos_id,
+                dtype=dtype,
+                progress=progress,
+            )  # fmt: skip
+            for source in sources
+        ]
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,439 @@
+"""The prepare_tokenizer stage: tokenizer training and loading, sources, shards, model config."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import REPO, default_config
+from hub_server import commit_sha, serve_hub
+from test_planning import _cpu_hardware, _plan
+from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from stagetrain import config as stconfig
+from stagetrain.corpus import sources as corpus_sources
+from stagetrain.corpus.prepare import prepare
+from stagetrain.corpus.shards import token_dtype, write_split
+from stagetrain.errors import StageError
+from stagetrain.model_config import training_config
+from stagetrain.tasks import ANSWER_TOKEN, PROBLEM_TOKEN, split_of
+from stagetrain.tokenizer import SPECIAL_TOKENS, load_pretrained, save, train_bpe
+
+TEXTS = [
+    "The cat sees 3 apples.",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\n\n",
+    "unicode: naïve café, 東京, emoji 🙂",
+    f"{PROBLEM_TOKEN}12+34{ANSWER_TOKEN}46",
+    "1234567890 -42 3.14",
+]
+
+
+@pytest.fixture(scope="module")
+def sources() -> list[corpus_sources.Source]:
+    return corpus_sources.build(default_config()["data"], seed=7)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sources: list[corpus_sources.Source]) -> PreTrainedTokenizerFast:
+    from stagetrain.corpus.prepare import training_sample
+
+    return train_bpe(training_sample(sources, 0.3), 512)
+
+
+def _small(**data: Any) -> dict[str, Any]:
+    cfg = default_config()
+    cfg["data"] = {**cfg["data"], "train_tokens": 20_000, "val_tokens": 2_000, **data}
+    cfg["tokenizer"]["training_sample_mb"] = 0.2
+    return cfg
+
+
+def _prepare(cfg: dict[str, Any], out: Path, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    outputs = {
+        "tokenizer": str(out / "tokenizer"), "train": str(out / "data/train.bin"), "val": str(out / "data/val.bin"),
+        "meta": str(out / "data/meta.json"), "model_config": str(out / "model_config.json"),
+    }  # fmt: skip
+    return prepare(
+        run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
+        plan=plan or _plan(cfg, _cpu_hardware()), outputs=outputs,
+    )  # fmt: skip
+
+
+# --- tokenizer ------------------------------------------------------------------
+
+
+def test_trained_tokenizer_round_trips_exactly_and_fits(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    assert len(tokenizer) <= 512
+    save(tokenizer, tmp_path / "tok")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    for text in TEXTS:
+        ids = loaded(text, add_special_tokens=False)["input_ids"]
+        assert loaded.decode(ids) == text
+    for name, token in SPECIAL_TOKENS.items():
+        assert getattr(loaded, name) == token
+    assert loaded.convert_tokens_to_ids(PROBLEM_TOKEN) < 8  # special, not split into bytes
+    assert len(loaded(f"{PROBLEM_TOKEN}{ANSWER_TOKEN}", add_special_tokens=False)["input_ids"]) == 2
+
+
+def test_digits_are_single_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer("12345", add_special_tokens=False)["input_ids"]
+    assert [tokenizer.decode([i]) for i in ids] == ["1", "2", "3", "4", "5"]
+
+
+def test_training_is_deterministic(sources: list[corpus_sources.Source], tmp_path: Path) -> None:
+    from stagetrain.corpus.prepare import training_sample
+
+    hashes = {
+        save(train_bpe(training_sample(sources, 0.1), 400), tmp_path / f"t{i}") for i in range(2)
+    }
+    assert len(hashes) == 1
+
+
+def _bare_tokenizer(folder: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
+    """A 'pretrained' tokenizer with an eos but no pad token and no task markers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, **{chr(c): i + 1 for i, c in enumerate(range(97, 123))}, "<unk>": 27}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>"
+    ).save_pretrained(folder)
+    return folder
+
+
+def _pretrained_cfg(folder: Path, **changes: Any) -> dict[str, Any]:
+    return {**default_config()["tokenizer"], "source": "pretrained", "path": str(folder), **changes}
+
+
+def test_pretrained_tokenizer_gets_pad_and_markers(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    folder = _bare_tokenizer(tmp_path / "bare", tokenizer)
+    loaded = load_pretrained(_pretrained_cfg(folder))
+    assert loaded.pad_token == "<|pad|>" and loaded.eos_token == "<eos>"
+    assert len(loaded) == 28 + 3  # pad and the two task markers added
+    assert len(loaded(PROBLEM_TOKEN, add_special_tokens=False)["input_ids"]) == 1
+    with_pad = load_pretrained(_pretrained_cfg(folder, pad_token="<eos>", add_special_tokens=True))
+    assert with_pad.pad_token == "<eos>" and len(with_pad) == 30
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"add_special_tokens": False}, "tokenizer.add_special_tokens: false, but .* lacks pad, <\\|problem\\|>"),
+        ({"pad_token": "<nope>"}, "tokenizer.pad_token: '<nope>' is not a token of"),
+        ({"path": None}, "tokenizer.path: required when tokenizer.source is 'pretrained'"),
+        ({"path": "/nonexistent/tokenizer/dir"}, "tokenizer.path: cannot load '/nonexistent/tokenizer/dir'"),
+    ],
+)  # fmt: skip
+def test_pretrained_tokenizer_errors(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, changes: dict, message: str
+) -> None:
+    folder = _bare_tokenizer(tmp_path / "bare", tokenizer)
+    with pytest.raises(StageError, match=message):
+        load_pretrained(_pretrained_cfg(folder, **changes))
+
+
+def test_remote_code_is_off_unless_configured(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+    original = AutoTokenizer.from_pretrained
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("trust_remote_code"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", record)
+    folder = _bare_tokenizer(tmp_path / "bare", tokenizer)
+    load_pretrained(_pretrained_cfg(folder))
+    load_pretrained(_pretrained_cfg(folder, trust_remote_code=True))
+    assert seen == [False, True]
+
+
+# --- sources ---------------------------------------------------------------------
+
+
+def test_generated_problems_stay_in_their_split(sources: list[corpus_sources.Source]) -> None:
+    pattern = re.compile(re.escape(PROBLEM_TOKEN) + "(.*?)" + re.escape(ANSWER_TOKEN))
+    for split in ("train", "val"):
+        documents = [d for _, d in zip(range(3000), sources[0].documents(split), strict=False)]
+        questions = [m.group(1) for d in documents if (m := pattern.search(d))]
+        assert len(questions) > 2000
+        assert {split_of(q) for q in questions} == {split}
+    again = [d for _, d in zip(range(50), sources[0].documents("train"), strict=False)]
+    assert again == [
+        d
+        for _, d in zip(
+            range(50),
+            corpus_sources.build(default_config()["data"], 7)[0].documents("train"),
+            strict=False,
+        )
+    ]
+
+
+def test_file_sources_read_txt_and_jsonl_with_a_stable_split(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a whole file is one document")
+    rows = [json.dumps({"text": f"line document {i}"}) for i in range(200)]
+    (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n\n")
+    source = corpus_sources.files(
+        {"path": str(tmp_path / "*"), "weight": 1.0, "text_field": "text"}, 0, 0.25
+    )
+    train, val = list(source.documents("train")), list(source.documents("val"))
+    assert len(train) + len(val) == 201 and not set(train) & set(val)
+    assert 20 < len(val) < 80
+    assert val == [d for d in list(source.documents("val"))]
+    assert source.record["files"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("bad.jsonl", '{"text": "ok"}\n{not json}\n', "bad.jsonl:2: invalid JSON"),
+        (
+            "bad.jsonl",
+            '{"text": "ok"}\n\n{"body": "x"}\n',
+            "bad.jsonl:3: expected an object with a string field 'text'",
+        ),
+        ("bad.csv", "a,b\n", "bad.csv: expected a .txt or .jsonl file"),
+    ],
+)
+def test_bad_files_name_the_file_and_line(
+    tmp_path: Path, name: str, content: str, message: str
+) -> None:
+    (tmp_path / name).write_text(content)
+    source = corpus_sources.files(
+        {"path": str(tmp_path / name), "weight": 1.0, "text_field": "text"}, 0, 0.1
+    )
+    with pytest.raises(StageError, match=re.escape(message)):
+        list(source.documents("train"))
+
+
+def test_a_glob_matching_nothing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(StageError, match=r"data.files.3.path: '.*nothing\*' matches no file"):
+        corpus_sources.files(
+            {"path": str(tmp_path / "nothing*"), "weight": 1.0, "text_field": "text"}, 3, 0.1
+        )
+
+
+def test_unknown_family_and_no_source_are_errors() -> None:
+    data = default_config()["data"]
+    with pytest.raises(StageError, match="data.generated.families: unknown family 'poetry'"):
+        corpus_sources.build(
+            {**data, "generated": {**data["generated"], "families": ["poetry"]}}, 1
+        )
+    with pytest.raises(StageError, match="data: no source"):
+        corpus_sources.build({**data, "generated": {**data["generated"], "weight": 0}}, 1)
+
+
+# --- shards ------------------------------------------------------------------------
+
+
+def test_token_dtype_is_checked() -> None:
+    assert token_dtype(512) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+
+
+def test_shard_readback_equals_the_token_stream(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    docs = [f"document number {i} with {i * 7} items." for i in range(5000)]
+    source = corpus_sources.Source(name="list", weight=1.0, documents=lambda split: iter(docs))
+    eos = tokenizer.eos_token_id
+    path = tmp_path / "train.bin"
+    written = write_split(
+        tokenizer.backend_tokenizer,
+        [source],
+        "train",
+        20_000,
+        path,
+        eos_id=eos,
+        dtype=np.dtype(np.uint16),
+    )
+    shard = np.memmap(path, dtype=np.uint16, mode="r")
+    expected = []
+    for doc in docs[: written[0].documents]:
+        expected += tokenizer(doc, add_special_tokens=False)["input_ids"] + [eos]
+    assert shard.tolist() == expected
+    assert written[0].tokens == len(expected) >= 20_000
+    assert len(expected) - 20_000 < 20  # stops at the first whole document past the budget
+
+
+def test_weights_split_the_tokens(tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
+    def make(word: str, weight: float) -> corpus_sources.Source:
+        return corpus_sources.Source(
+            name=word,
+            weight=weight,
+            documents=lambda split: iter([f"{word} {i}" for i in range(10**5)]),
+        )
+
+    written = write_split(tokenizer.backend_tokenizer, [make("alpha", 3.0), make("beta", 1.0)], "train", 40_000,
+                          tmp_path / "t.bin", eos_id=tokenizer.eos_token_id, dtype=np.dtype(np.uint16))  # fmt: skip
+    assert 29_990 <= written[0].tokens < 30_020 and 9_990 <= written[1].tokens < 10_020
+
+
+def test_a_short_source_gives_what_it_has(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    source = corpus_sources.Source(
+        name="short", weight=1.0, documents=lambda split: iter(["only one"])
+    )
+    written = write_split(tokenizer.backend_tokenizer, [source], "val", 1000, tmp_path / "v.bin",
+                          eos_id=tokenizer.eos_token_id, dtype=np.dtype(np.uint16))  # fmt: skip
+    assert written[0].documents == 1 and written[0].tokens < 10
+
+
+# --- the whole stage -------------------------------------------------------------
+
+
+def test_prepare_writes_everything_and_reruns_byte_identical(tmp_path: Path) -> None:
+    cfg = _small()
+    first = _prepare(cfg, tmp_path / "a")
+    second = _prepare(cfg, tmp_path / "b")
+    assert first == second
+    for rel in ("data/train.bin", "data/val.bin", "data/meta.json", "model_config.json", "tokenizer/tokenizer.json",
+                "tokenizer/tokenizer_config.json"):  # fmt: skip
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+    assert (
+        first["dtype"] == "uint16"
+        and first["train"]["tokens"] >= 20_000
+        and first["val"]["tokens"] >= 2_000
+    )
+    train = np.memmap(tmp_path / "a/data/train.bin", dtype=np.uint16, mode="r")
+    assert len(train) == first["train"]["tokens"] and train[-1] == first["eos_token_id"]
+    model_config = json.loads((tmp_path / "a/model_config.json").read_text())
+    assert (
+        model_config["vocab_size"] == 512 and model_config["eos_token_id"] == first["eos_token_id"]
+    )
+    assert not [
+        p for p in (tmp_path / "a").rglob(".*") if p.name != ".snakemake_timestamp"
+    ]  # no temp files left
+
+
+def test_vocab_is_padded_for_the_plans_tp(tmp_path: Path) -> None:
+    cfg = _small()
+    plan = _plan(cfg, _cpu_hardware())
+    plan["stages"]["grpo"]["layout"]["tp"] = 4
+    meta = _prepare(cfg, tmp_path, plan)
+    assert meta["model_vocab_size"] == 512 and meta["model_vocab_size"] % 256 == 0
+    cfg["tokenizer"]["vocab_size"] = 700
+    meta = _prepare(cfg, tmp_path / "big", plan)
+    assert meta["tokenizer_size"] <= 700 and meta["model_vocab_size"] == 768
+
+
+def test_tokenizer_larger_than_planned_is_an_error(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    cfg = _small()
+    folder = tmp_path / "tok"
+    save(tokenizer, folder)
+    cfg["tokenizer"] = {
+        **cfg["tokenizer"],
+        "source": "pretrained",
+        "path": str(folder),
+        "vocab_size": 300,
+    }
+    with pytest.raises(
+        StageError, match="tokenizer.vocab_size: 300, but the tokenizer has 512 tokens"
+    ):
+        _prepare(cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def _init_model(tmp_path: Path, vocab: int) -> Path:
+    folder = tmp_path / "init"
+    LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+def test_continued_model_grows_or_refuses(tmp_path: Path) -> None:
+    folder = _init_model(tmp_path, 300)
+    model = {**stconfig.validate({})["model"], "init_from": str(folder)}
+    ids = {"eos_token_id": 1}
+    assert training_config(model, tokenizer_size=512, special_ids=ids, tp=2).vocab_size == 512
+    assert training_config(model, tokenizer_size=200, special_ids=ids, tp=1).vocab_size == 320
+    with pytest.raises(
+        StageError,
+        match="model.resize_embeddings: false, but the tokenizer has 512 tokens .* only 300",
+    ):
+        training_config(
+            {**model, "resize_embeddings": False}, tokenizer_size=512, special_ids=ids, tp=1
+        )
+    assert (
+        training_config(
+            {**model, "resize_embeddings": False}, tokenizer_size=200, special_ids=ids, tp=1
+        ).vocab_size
+        == 300
+    )
+    with pytest.raises(StageError, match="model.architecture: 'mixtral' but .* is a 'llama' model"):
+        training_config(
+            {**model, "architecture": "mixtral"}, tokenizer_size=200, special_ids=ids, tp=1
+        )
+
+
+def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
+    """The real huggingface_hub client fetches dataset files; meta records the commit."""
+    rows = "".join(
+        json.dumps({"text": f"hub document {i} says hello."}) + "\n" for i in range(3000)
+    )
+    sha = commit_sha("corpus")
+    cfg_path = tmp_path / "config.yaml"
+    raw = stconfig.load_yaml(REPO / "config" / "config.yaml")
+    raw["data"] = {"train_tokens": 5000, "val_tokens": 500, "generated": {"weight": 1.0},
+                   "hub": [{"repo": "org/corpus", "files": ["train.jsonl"], "weight": 1.0}]}  # fmt: skip
+    raw["tokenizer"]["training_sample_mb"] = 0.1
+    import yaml
+
+    cfg_path.write_text(yaml.safe_dump(raw))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(_plan(stconfig.load(cfg_path), _cpu_hardware())))
+    out = tmp_path / "out"
+    with serve_hub({"datasets/org/corpus": {"main": (sha, {"train.jsonl": rows.encode()})}}) as hub:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env.update(
+            HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1"
+        )
+        cmd = [sys.executable, str(REPO / "scripts/prepare_tokenizer.py"), "--config", str(cfg_path), "--plan", str(plan),
+               "--tokenizer", str(out / "tok"), "--train", str(out / "train.bin"), "--val", str(out / "val.bin"),
+               "--meta", str(out / "meta.json"), "--model-config", str(out / "mc.json")]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    hub_source = meta["sources"][1]
+    assert hub_source["name"] == "hub:org/corpus" and hub_source["record"]["commit"] == sha
+    assert hub_source["train_tokens"] >= 2500 and hub_source["val_tokens"] > 0
+    assert any("/datasets/org/corpus/resolve/main/train.jsonl" in r.path for r in hub.requests)
+
+    proc = subprocess.run(
+        cmd,
+        env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, "the cached file serves a rerun without the hub"
+    raw["data"]["hub"][0]["repo"] = "org/missing"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    with serve_hub({}) as hub:
+        proc = subprocess.run(
+            cmd,
+            env={**env, "HF_ENDPOINT": hub.endpoint},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: data.hub.0: hub dataset 'org/missing'@main: repository not found (or private without a token)"
+    )
