@@ -437,3 +437,30 @@ def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: data.hub.0: hub dataset 'org/missing'@main: repository not found (or private without a token)"
     )
+
+
+def test_user_task_files_join_the_corpus_in_their_split(tmp_path: Path) -> None:
+    rows = [
+        json.dumps({"prompt": f"capital of country {i}?", "answer": f"city {i}", "level": 1})
+        for i in range(400)
+    ]
+    (tmp_path / "capitals.jsonl").write_text("\n".join(rows) + "\n")
+    data = default_config()["data"]
+    gen = {
+        **data["generated"],
+        "families": ["arithmetic"],
+        "task_files": [str(tmp_path / "capitals.jsonl")],
+        "prose_share": 0.0,
+    }
+    source = corpus_sources.build({**data, "generated": gen}, seed=3)[0]
+    pattern = re.compile(re.escape(PROBLEM_TOKEN) + "(capital of .*?)" + re.escape(ANSWER_TOKEN))
+    for split in ("train", "val"):
+        docs = [d for _, d in zip(range(2000), source.documents(split), strict=False)]
+        mine = [m.group(1) for d in docs if (m := pattern.search(d))]
+        assert len(mine) > 500, split
+        assert {split_of(q) for q in mine} == {split}
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "y"}\n')
+    with pytest.raises(StageError, match="bad.jsonl:1"):
+        corpus_sources.build(
+            {**data, "generated": {**gen, "task_files": [str(tmp_path / "bad.jsonl")]}}, seed=3
+        )

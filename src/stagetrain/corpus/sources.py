@@ -20,7 +20,7 @@ from typing import Any, Literal
 from stagetrain.corpus.prose import paragraph
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
-from stagetrain.tasks import FAMILIES, sample, training_text
+from stagetrain.tasks import FAMILIES, load_user_tasks, sample, split_of, training_text
 
 Split = Literal["train", "val"]
 
@@ -43,20 +43,35 @@ def text_split(text: str, val_share: float) -> Split:
 
 
 def generated(cfg: Mapping[str, Any], seed: int) -> Source:
-    """Task problems with worked answers, mixed with templated prose."""
+    """Task problems with worked answers (built-in families and task files), mixed with templated prose."""
     unknown = [f for f in cfg["families"] if f not in FAMILIES]
     if unknown:
         raise StageError(
             f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(FAMILIES)})"
         )
+    user = [
+        p
+        for path in cfg["task_files"]
+        for p in load_user_tasks(path)
+        if p.level <= cfg["max_level"]
+    ]
+    families = [*cfg["families"], *sorted({p.family for p in user})]
 
     def documents(split: Split) -> Iterator[str]:
         rng = random.Random(f"{seed}:generated:{split}")
+        own = {
+            f: [p for p in user if p.family == f and split_of(p.key) == split]
+            for f in families[len(cfg["families"]) :]
+        }
+        pool = [f for f in families if f in FAMILIES or own[f]]
         while True:
             if rng.random() < cfg["prose_share"]:
                 yield paragraph(rng)
                 continue
-            family = rng.choice(cfg["families"])
+            family = rng.choice(pool)
+            if family in own:
+                yield training_text(rng.choice(own[family]))
+                continue
             level = rng.randint(1, min(cfg["max_level"], FAMILIES[family].max_level))
             yield training_text(sample(family, level, split, rng))
 
