@@ -34,13 +34,9 @@ def test_presets_render_complete_configs(preset: str, stage: str) -> None:
     config = _render(cfg, stage, plan)
     layout = plan["stages"][stage]["layout"]
     assert _no_auto(config)
-    assert config["train_batch_size"] == layout["global_batch"]
-    assert (
-        config["train_micro_batch_size_per_gpu"]
-        * config["gradient_accumulation_steps"]
-        * layout["dp"]
-        == config["train_batch_size"]
-    )
+    assert config["train_batch_size"] == layout["global_batch"] * layout["tp"]
+    per_rank = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+    assert per_rank * layout["dp"] == layout["global_batch"]
     assert config["zero_optimization"]["stage"] == layout["zero_stage"]
     assert config["bf16"] == {"enabled": True}
     assert config["optimizer"]["params"]["lr"] == cfg[stage]["optimizer"]["lr"]
@@ -55,7 +51,7 @@ def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
     config = _render(cfg, "pretrain")
     assert config["zero_optimization"]["stage"] == zero
     if tp > 1:
-        assert config["tensor_parallel"] == {"autotp_size": 2}
+        assert config["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
     if zero == 3:
         assert (
             config["zero_optimization"]["stage3_max_live_parameters"]
@@ -121,13 +117,13 @@ def test_deepspeed_itself_rejects_bad_keys_and_batch_arithmetic() -> None:
     """check() runs DeepSpeed's parser: a typo in a ZeRO key or a wrong batch fails here, in one line."""
     cfg = default_config()
     good = _render(cfg, "pretrain", _plan(cfg, _cpu_hardware()))
-    check(good, dp=2, where="x.json")
+    check(good, ranks=2, where="x.json")
     typo = {**good, "zero_optimization": {"stagee": 2}}
     with pytest.raises(StageError, match="x.json: DeepSpeed rejects the config:.*stagee") as err:
-        check(typo, dp=2, where="x.json")
+        check(typo, ranks=2, where="x.json")
     assert "\n" not in str(err.value)
     with pytest.raises(StageError, match="x.json: DeepSpeed rejects the config"):
-        check(good, dp=3, where="x.json")  # 32 != 16 * 1 * 3
+        check(good, ranks=3, where="x.json")  # 32 != 16 * 1 * 3
 
 
 def test_unknown_stage_is_an_error() -> None:

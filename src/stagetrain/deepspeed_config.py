@@ -3,7 +3,7 @@
 Nothing is left as "auto": batch sizes, ZeRO stage and options, precision,
 optimizer and schedule, clipping, AutoTP and activation checkpointing all come
 from plan.json and the config. The result is parsed by DeepSpeed's own
-`DeepSpeedConfig` (with the plan's data-parallel size), so a key DeepSpeed's
+`DeepSpeedConfig` (at the plan's world size), so a key DeepSpeed's
 config models reject or a batch that does not add up fails here, on the laptop,
 not on the cluster. DeepSpeed ignores unknown top-level keys, so `render` emits
 only keys from its own fixed set.
@@ -102,7 +102,9 @@ def render(
         )
     offloaded = layout["offload"] != "none"
     config: dict[str, Any] = {
-        "train_batch_size": layout["global_batch"],
+        # DeepSpeed counts every rank here, tensor-parallel ones included (it is given no
+        # mpu), so with tp > 1 this is the global batch in sequences times tp.
+        "train_batch_size": layout["global_batch"] * layout["tp"],
         "train_micro_batch_size_per_gpu": layout["micro_batch_size"],
         "gradient_accumulation_steps": layout["grad_accum"],
         "gradient_clipping": optimizer["grad_clip"],
@@ -124,19 +126,21 @@ def render(
         "scheduler": _scheduler(optimizer, steps),
     }
     if layout["tp"] > 1:
-        config["tensor_parallel"] = {"autotp_size": layout["tp"]}
+        # Full logits on every tp rank (the output projection gathers its columns), so the
+        # loss is the ordinary cross-entropy; the planner counts the logits unsplit.
+        config["tensor_parallel"] = {"autotp_size": layout["tp"], "vocab_parallel_lm_head": False}
     if layout["activation_checkpointing"]:
         config["activation_checkpointing"] = {
             "partition_activations": False,
             "cpu_checkpointing": False,
             "contiguous_memory_optimization": False,
         }
-    check(config, dp=layout["dp"], where=f"deepspeed/{stage}.json")
+    check(config, ranks=layout["dp"] * layout["tp"], where=f"deepspeed/{stage}.json")
     return config
 
 
-def check(config: Mapping[str, Any], *, dp: int, where: str) -> None:
-    """Parse `config` with DeepSpeed's own DeepSpeedConfig as if on `dp` data-parallel ranks.
+def check(config: Mapping[str, Any], *, ranks: int, where: str) -> None:
+    """Parse `config` with DeepSpeed's own DeepSpeedConfig as if on `ranks` ranks.
 
     Raises:
         StageError: DeepSpeed rejected the config; its first line is kept.
@@ -145,9 +149,9 @@ def check(config: Mapping[str, Any], *, dp: int, where: str) -> None:
 
     class _AtWorldSize(DeepSpeedConfig):
         # Outside a process group DeepSpeedConfig assumes one rank; the batch
-        # arithmetic must be checked with the plan's data-parallel size.
+        # arithmetic must be checked with the plan's world size.
         def _configure_train_batch_size(self) -> None:
-            self.world_size = dp
+            self.world_size = ranks
             super()._configure_train_batch_size()
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

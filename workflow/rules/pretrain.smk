@@ -10,13 +10,21 @@ rule pretrain:
     output:
         summary=f"{RUN}/pretrain/summary.json",
         metrics=f"{RUN}/pretrain/metrics.jsonl",
+        loss_plot=report(
+            f"{RUN}/pretrain/loss.png",
+            caption="../report/pretrain_loss.rst",
+            category="Pretrain",
+        ),
     log:
         logged("pretrain"),
     benchmark:
         benchmarked("pretrain")
     params:
         run=config["run"],
+        model=config["model"],
         pretrain=config["pretrain"],
+    # The ranks use every core; running other jobs beside them would only slow both.
+    threads: workflow.cores
     conda:
         "../envs/stagetrain.yaml"
     script:

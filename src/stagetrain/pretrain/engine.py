@@ -1,0 +1,110 @@
+"""Building the model and the DeepSpeed engine, in the order that keeps every rank's memory small.
+
+1. Under ZeRO-3 an `HfDeepSpeedConfig` is kept alive first: transformers then
+   constructs (or loads) the model inside `deepspeed.zero.Init`, so each rank
+   holds only its partition from the start, never the whole model. A
+   from-scratch model is then initialised parameter by parameter from
+   generators seeded by the parameter's name (`init_weights`), so the initial
+   weights are the same whatever the ZeRO stage, tp or world size; transformers'
+   own initialisation consumes the random stream differently under zero.Init.
+2. The embeddings are resized to model_config.json's padded vocabulary
+   (stagetrain.embeddings), before the engine exists.
+3. MoE sparse blocks become ZeRO-3 leaf modules, so a rank whose tokens skip an
+   expert does not wait forever for that expert's parameters.
+4. Activation checkpointing follows the plan.
+5. `deepspeed.initialize` wraps it; AutoTP splits it when the config asks for tp > 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations import HfDeepSpeedConfig
+
+from stagetrain.embeddings import resize_embeddings
+
+SPARSE_BLOCKS = {
+    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
+    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+}
+
+
+def load_model_config(path: str | Path) -> PretrainedConfig:
+    """model_config.json back into its transformers config class."""
+    raw = json.loads(Path(path).read_text())
+    return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big") >> 1
+
+
+def init_weights(model: torch.nn.Module, *, seed: int, std: float) -> None:
+    """Llama-style initialisation (transformers' scheme: normal(0, std) for matrices and
+    embeddings, ones for norm weights, zeros for biases), one seeded generator per parameter."""
+    for name, param in model.named_parameters():
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        if len(shape) == 1:
+            value = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        else:
+            value = torch.empty(shape).normal_(
+                0.0, std, generator=torch.Generator().manual_seed(_name_seed(seed, name))
+            )
+        gather = (
+            deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+            if hasattr(param, "ds_id")
+            else nullcontext()
+        )
+        with gather, torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+
+def local_elements(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameter elements this rank holds, elements of the whole model), ZeRO-3 aware."""
+    local = sum(
+        p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters()
+    )
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return local, total
+
+
+def build(
+    *,
+    config: PretrainedConfig,
+    ds_config: Mapping[str, Any],
+    init_from: str | None,
+    activation_checkpointing: bool,
+    seed: int,
+) -> tuple[Any, dict[str, int], HfDeepSpeedConfig | None]:
+    """The DeepSpeed engine, this rank's parameter count after construction, and the HF hook to keep alive."""
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
+    hook = HfDeepSpeedConfig(dict(ds_config)) if zero3 else None
+    torch.manual_seed(seed)
+    if init_from:
+        model = AutoModelForCausalLM.from_pretrained(init_from, trust_remote_code=False)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+        init_weights(model, seed=seed, std=config.initializer_range)
+    local, total = local_elements(model)
+    resize_embeddings(model, config.vocab_size, seed=seed)
+    if zero3 and config.model_type in SPARSE_BLOCKS:
+        module, name = SPARSE_BLOCKS[config.model_type]
+        block = getattr(__import__(module, fromlist=[name]), name)
+        deepspeed.utils.set_z3_leaf_modules(model, [block])
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config=dict(ds_config),
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+    )
+    return engine, {"local_param_elements": local, "param_elements": total}, hook

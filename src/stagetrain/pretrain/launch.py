@@ -1,0 +1,105 @@
+"""The command that starts the training ranks: torchrun on one node, srun + torchrun on several.
+
+World size always comes from plan.json. On one node torchrun runs standalone;
+on several, Slurm starts one torchrun per node (`srun --ntasks-per-node 1`) and
+they meet through c10d rendezvous on the allocation's first host.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from stagetrain.errors import StageError
+
+RDZV_PORT = 29400
+log = logging.getLogger("stagetrain")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list ('n[01-03,7],gpu5') as host names, in order."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            width = len(first)
+            for number in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}")
+    return hosts
+
+
+def torchrun_command(
+    *,
+    nodes: int,
+    procs_per_node: int,
+    module: str,
+    args: Sequence[str],
+    env: Mapping[str, str],
+) -> list[str]:
+    """The argv that starts `nodes * procs_per_node` ranks running `python -m module args`.
+
+    Raises:
+        StageError: several nodes outside a Slurm allocation, or an allocation
+            whose node count differs from the plan's.
+    """
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        return [*torchrun, "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs_per_node),
+                "-m", module, *args]  # fmt: skip
+    if "SLURM_JOB_NODELIST" not in env:
+        raise StageError(
+            f"plan.json: {nodes} nodes need a Slurm allocation to start them (run through profiles/slurm)"
+        )
+    hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+    if len(hosts) != nodes:
+        raise StageError(
+            f"plan.json: {nodes} nodes, but the Slurm allocation has {len(hosts)}: {','.join(hosts)}"
+        )
+    return [
+        "srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+        *torchrun, "--nnodes", str(nodes), "--nproc_per_node", str(procs_per_node),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0]}:{RDZV_PORT}",
+        "--rdzv_id", env.get("SLURM_JOB_ID", "stagetrain"),
+        "-m", module, *args,
+    ]  # fmt: skip
+
+
+def prebuild_cpu_ops() -> None:
+    """Compile DeepSpeed's CPU shared-memory op once, before ranks start compiling it at once.
+
+    Two ranks building the op together have crashed at teardown (shared/NOTES.md);
+    once built it is cached, and the ranks load it.
+    """
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
+def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
+    """Run the ranks, passing every output line to the log; a failure becomes one line.
+
+    Raises:
+        StageError: the ranks failed; the message is a rank's own `error:` line
+            when there is one (bad input), else the exit status.
+    """
+    log.info("launch: %s", " ".join(cmd))
+    first_error = None
+    with subprocess.Popen(
+        cmd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            log.info("%s", line)
+            if first_error is None and line.startswith("error: "):
+                first_error = line.removeprefix("error: ")
+    if proc.returncode != 0:
+        raise StageError(
+            first_error or f"{stage}: the training ranks exited with status {proc.returncode}"
+        )

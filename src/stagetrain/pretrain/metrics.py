@@ -1,0 +1,78 @@
+"""Training metrics: one registry of names, MFU, the JSON-lines log and the console progress line.
+
+Every key written to metrics.jsonl is listed in METRICS with what it means and
+when it is logged; a test checks that nothing else is emitted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("stagetrain")
+
+METRICS: dict[str, str] = {
+    "step": "optimizer steps completed; every record",
+    "train/loss": "mean cross-entropy over the step's tokens on all data-parallel ranks; every record",
+    "train/lr": "learning rate used by the step; every record",
+    "train/grad_norm": "global gradient norm before clipping (null where DeepSpeed does not report it); every record",
+    "train/tokens": "training tokens seen so far over all ranks; every record",
+    "throughput/tokens_per_s": "training tokens per second over all ranks since the previous record; every record",
+    "throughput/mfu(%)": "model FLOPs utilisation, (6N + 12 L h s) x tokens/s over the peak of all devices; null on CPUs or GPUs missing from the catalog",
+    "memory/max_allocated(GiB)": "peak GPU memory allocated by torch on rank 0 since the previous record; GPU only",
+    "memory/max_rss(GiB)": "peak resident memory of rank 0's process; CPU only",
+    "eval/loss": "mean loss on the fixed validation batches; every eval_every steps and at the end",
+    "time/elapsed_s": "seconds since this process started training; every record",
+}
+
+
+def max_rss_gib() -> float:
+    """Peak resident memory of this process, GiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLog:
+    """Appends records to a JSON-lines file, keeping only keys from METRICS."""
+
+    def __init__(self, path: Path, resume_step: int) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if path.exists():  # after a restart, keep what the resumed checkpoint had reached
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if json.loads(line)["step"] <= resume_step
+            ]
+        path.write_text("".join(f"{line}\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (unknown keys are a bug: raise)."""
+        unknown = set(record) - set(METRICS)
+        if unknown:
+            raise KeyError(f"metrics not in the registry: {sorted(unknown)}")
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+class Progress:
+    """Console line: step, loss, tokens/s, ETA."""
+
+    def __init__(self, total_steps: int, first_step: int) -> None:
+        self.total, self.first, self.start = total_steps, first_step, time.monotonic()
+
+    def line(self, step: int, loss: float, tokens_per_s: float) -> str:
+        elapsed = time.monotonic() - self.start
+        done = step - self.first
+        eta = elapsed / done * (self.total - step) if done else float("nan")
+        return (
+            f"step {step}/{self.total} loss {loss:.4f} tokens/s {tokens_per_s:,.0f} "
+            f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta)) if eta == eta else '?'}"
+        )

@@ -1,0 +1,30 @@
+"""The loss curve the Snakemake report shows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def loss_plot(summary: Mapping[str, Any], path: str | Path) -> None:
+    """Training loss per logged step and validation loss, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    train = {int(k): v for k, v in summary["losses"].items()}
+    evals = {int(k): v for k, v in summary["eval_losses"].items()}
+    ax.plot(list(train), list(train.values()), label="train")
+    ax.plot(list(evals), list(evals.values()), "o-", label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"{summary['stage']}: final validation loss {summary['final_eval_loss']:.3f}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,300 @@
+"""The pretraining loop, run on every rank by torchrun: `python -m stagetrain.pretrain.train --spec job.json`.
+
+The spec (written by scripts/pretrain.py) names the artifacts to read and
+write and carries the config sections. Rank 0 writes the metrics, the summary
+and the loss plot; every rank takes part in forward, backward, step, evaluation
+and checkpointing, since under ZeRO-3 or AutoTP none can do them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from stagetrain.errors import StageError
+from stagetrain.hardware.catalog import gpu_spec
+from stagetrain.io import atomic_write_json, read_json
+from stagetrain.planning.shape import ModelShape
+from stagetrain.planning.throughput import flops_per_token
+from stagetrain.pretrain import engine as engines
+from stagetrain.pretrain.batches import Sampler, read_windows, window_count
+from stagetrain.pretrain.checkpoints import Checkpoints
+from stagetrain.pretrain.metrics import MetricsLog, Progress, max_rss_gib
+from stagetrain.pretrain.plot import loss_plot
+
+log = logging.getLogger("stagetrain")
+NOT_MATHS = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
+
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything the loop needs, built once by `setup`."""
+
+    spec: dict[str, Any]
+    engine: Any
+    device: torch.device
+    layout: dict[str, Any]
+    sampler: Sampler
+    dp_rank: int
+    train: np.ndarray
+    eval_windows: np.ndarray
+    val: np.ndarray
+    checkpoints: Checkpoints
+    flops_per_token: float
+    peak_flops: float | None
+    params: dict[str, Any]
+
+
+def components(
+    spec: Mapping[str, Any], meta: Mapping[str, Any], ds_config: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What the checkpoint fingerprint is made of: everything that changes the maths."""
+    return {
+        "model_config": json.loads(Path(spec["model_config"]).read_text()),
+        "init_from": spec["model"]["init_from"],
+        "tokenizer": meta["tokenizer_sha256"],
+        "data": meta["train"]["sha256"],
+        "training": {k: v for k, v in spec["pretrain"].items() if k not in NOT_MATHS},
+        "precision": [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
+        or ["fp32"],
+        "global_batch": ds_config["train_batch_size"],
+        "seed": spec["seed"],
+    }
+
+
+def _device(backend: str) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    local = int(__import__("os").environ.get("LOCAL_RANK", 0))
+    if torch.cuda.device_count() <= local:
+        raise StageError(
+            f"rank with LOCAL_RANK={local} has no GPU (this node shows {torch.cuda.device_count()})"
+        )
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def setup(spec: dict[str, Any]) -> Run:
+    """Start the process group, check the world against the plan, build the engine and the data."""
+    plan, meta, ds_config = (
+        read_json(spec["plan"]),
+        read_json(spec["meta"]),
+        read_json(spec["deepspeed_config"]),
+    )
+    deepspeed.init_distributed(dist_backend=plan["backend"])
+    if dist.get_world_size() != plan["world"]:
+        raise StageError(
+            f"plan.json: world size {plan['world']}, but {dist.get_world_size()} processes started"
+        )
+    device = _device(plan["backend"])
+    layout = plan["stages"]["pretrain"]["layout"]
+    config = engines.load_model_config(spec["model_config"])
+    engine, params, spec["_hook"] = engines.build(
+        config=config, ds_config=ds_config, init_from=spec["model"]["init_from"],
+        activation_checkpointing=layout["activation_checkpointing"], seed=spec["seed"],
+    )  # fmt: skip
+    if engine.dp_world_size != layout["dp"]:
+        raise StageError(
+            f"plan.json: dp={layout['dp']}, but DeepSpeed formed dp={engine.dp_world_size}"
+        )
+    seq = spec["pretrain"]["seq_len"]
+    train = np.memmap(spec["train"], dtype=meta["dtype"], mode="r")
+    val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
+    n_eval = min(
+        window_count(len(val), seq), spec["pretrain"]["eval_batches"] * layout["micro_batch_size"]
+    )
+    if n_eval == 0:
+        raise StageError(f"{spec['val']}: fewer than {seq + 1} tokens, not one validation window")
+    shape = ModelShape(**{k: v for k, v in plan["model"].items() if k in ModelShape.__slots__})
+    layout_key = {k: layout[k] for k in ("dp", "tp", "zero_stage")}
+    return Run(
+        spec=spec, engine=engine, device=device, layout=layout,
+        dp_rank=dist.get_rank(group=engine.data_parallel_group),
+        sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout["global_batch"],
+                        dp=layout["dp"], micro_batch_size=layout["micro_batch_size"], seed=spec["seed"]),
+        train=train, val=val, eval_windows=np.arange(n_eval),
+        checkpoints=Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config), layout_key,
+                                spec["pretrain"]["keep_checkpoints"]),
+        flops_per_token=flops_per_token(shape, seq),
+        peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
+        params=params,
+    )  # fmt: skip
+
+
+def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
+    """Mean next-token cross-entropy of the model on `windows` of `shard` (fp32 logits)."""
+    tokens = torch.from_numpy(read_windows(shard, windows, run.spec["pretrain"]["seq_len"])).to(
+        run.device
+    )
+    logits = run.engine(input_ids=tokens[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def evaluate(run: Run) -> float:
+    """Loss on the fixed validation windows, the same on every rank."""
+    run.engine.eval()
+    mbs = run.layout["micro_batch_size"]
+    with torch.no_grad():
+        losses = [
+            loss_on(run, run.eval_windows[i : i + mbs], run.val).item()
+            for i in range(0, len(run.eval_windows), mbs)
+        ]
+    run.engine.train()
+    return float(np.mean(losses))
+
+
+def train_step(run: Run, step: int) -> float:
+    """One optimizer step over this rank's micro batches; the loss averaged over all ranks."""
+    losses = []
+    for micro in run.sampler.rank_micro_batches(step, run.dp_rank):
+        loss = loss_on(run, micro, run.train)
+        run.engine.backward(loss)
+        run.engine.step()
+        losses.append(loss.detach().float())
+    mean = torch.stack(losses).mean()
+    dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+    return mean.item() / dist.get_world_size()
+
+
+def record(
+    run: Run, step: int, loss: float, seconds: float, tokens: int, elapsed: float
+) -> dict[str, Any]:
+    """One metrics record for `step`."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    grad_norm = run.engine.get_global_grad_norm()
+    out = {
+        "step": step, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
+        "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "train/tokens": step * run.layout["global_batch"] * run.spec["pretrain"]["seq_len"],
+        "throughput/tokens_per_s": rate,
+        "throughput/mfu(%)": 100 * run.flops_per_token * rate / run.peak_flops if run.peak_flops else None,
+        "time/elapsed_s": elapsed,
+    }  # fmt: skip
+    if run.device.type == "cuda":
+        out["memory/max_allocated(GiB)"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        out["memory/max_rss(GiB)"] = max_rss_gib()
+    return out
+
+
+def loop(run: Run) -> dict[str, Any]:
+    """Train from the latest checkpoint (or step 0) to the configured steps; return the summary."""
+    cfg = run.spec["pretrain"]
+    rank0 = dist.get_rank() == 0
+    start = 0
+    pointer = run.checkpoints.latest()
+    if pointer:
+        _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
+        start = client["step"]
+        log.info("resuming from %s at step %d", pointer["tag"], start)
+    elif rank0 and (why := run.checkpoints.why_fresh()):
+        log.info(why)
+    metrics = MetricsLog(run.checkpoints.folder / "metrics.jsonl", start) if rank0 else None
+    progress, began = Progress(cfg["steps"], start), time.monotonic()
+    tokens_per_step = run.layout["global_batch"] * cfg["seq_len"]
+    last = {"train/loss": None, "eval/loss": None}
+    for step in range(start + 1, cfg["steps"] + 1):
+        t0 = time.monotonic()
+        loss = train_step(run, step - 1)
+        entry = record(
+            run, step, loss, time.monotonic() - t0, tokens_per_step, time.monotonic() - began
+        )
+        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+            entry["eval/loss"] = evaluate(run)
+        last.update({k: v for k, v in entry.items() if v is not None})
+        if metrics and (
+            step % cfg["log_every"] == 0 or "eval/loss" in entry or step == cfg["steps"]
+        ):
+            metrics.write(entry)
+            log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))
+        if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
+            run.checkpoints.save(run.engine, step, {"step": step, "eval_loss": last["eval/loss"]})
+    return {"final_step": cfg["steps"], "final_loss": last["train/loss"], "final_eval_loss": last["eval/loss"],
+            "resumed_from_step": start}  # fmt: skip
+
+
+def checksum(module: torch.nn.Module) -> list[float]:
+    """(sum, sum of squares) of the parameters this rank holds, in float64.
+
+    Data-parallel ranks under ZeRO 0-2 hold full copies that must stay equal;
+    comparing these across ranks catches copies that drifted apart. Under ZeRO-3
+    and AutoTP each rank holds a different shard, and the numbers differ by design.
+    """
+    total, squares = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for param in module.parameters():
+        values = param.detach().double().cpu()
+        total += values.sum()
+        squares += values.pow(2).sum()
+    return [total.item(), squares.item()]
+
+
+def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
+    """summary.json: the stage's declared output."""
+    records = [
+        json.loads(line)
+        for line in (run.checkpoints.folder / "metrics.jsonl").read_text().splitlines()
+    ]
+    rates = [r["throughput/tokens_per_s"] for r in records[1:]] or [
+        records[0]["throughput/tokens_per_s"]
+    ]
+    mfus = [r["throughput/mfu(%)"] for r in records[1:] if r.get("throughput/mfu(%)") is not None]
+    return {
+        "stage": "pretrain", **result, "layout": run.layout, "fingerprint": run.checkpoints.folder.name,
+        "checkpoint": {"folder": str(run.checkpoints.folder), "tag": f"step{result['final_step']:08d}"},
+        "losses": {r["step"]: r["train/loss"] for r in records},
+        "eval_losses": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
+        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(),
+                       "seq_len": run.spec["pretrain"]["seq_len"], "micro_batch_size": run.layout["micro_batch_size"]},
+        "tokens_per_s": float(np.median(rates)),
+        "mfu(%)": float(np.median(mfus)) if mfus else None,
+        "mfu_reason": None if mfus else "no MFU on CPUs or GPUs missing from the catalog",
+        **run.params,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True)
+    spec = json.loads(Path(parser.parse_args(argv).spec).read_text())
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    try:
+        run = setup(spec)
+        if dist.get_rank() != 0:
+            logging.getLogger("stagetrain").setLevel(logging.WARNING)
+        result = loop(run)
+        for key, value in (("local_param_elements", run.params["local_param_elements"]),
+                           ("param_checksum", checksum(run.engine.module))):  # fmt: skip
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, value)
+            run.params[f"{key}_per_rank"] = gathered
+        if dist.get_rank() == 0:
+            summary = summarise(run, result)
+            Path(spec["metrics"]).write_bytes(
+                (run.checkpoints.folder / "metrics.jsonl").read_bytes()
+            )
+            loss_plot(summary, spec["loss_plot"])
+            atomic_write_json(spec["summary"], summary)
+    except StageError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Running the real pretrain entry point under torchrun with a chosen layout, for the distributed tests.
+
+One small corpus and tokenizer are prepared per test session; each run gets
+its own plan (layout fixed through the config's parallelism section, so the
+planner's own validation applies), its DeepSpeed config from the renderer, and
+its own checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from conftest import default_config
+from test_planning import _cpu_hardware, _plan
+
+from stagetrain.corpus.prepare import prepare
+from stagetrain.deepspeed_config import render
+from stagetrain.io import atomic_write_json
+from stagetrain.model_config import training_config
+
+SEQ_LEN = 32
+GLOBAL_BATCH = 8
+
+
+def small_config() -> dict[str, Any]:
+    """The default config shrunk for multi-rank tests: fp32 (exact comparisons), short sequences."""
+    cfg = default_config()
+    cfg["data"].update(train_tokens=30_000, val_tokens=3_000)
+    cfg["tokenizer"]["training_sample_mb"] = 0.2
+    cfg["deepspeed"]["precision"] = "fp32"
+    cfg["pretrain"].update(
+        seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, steps=4, log_every=1, eval_every=4,
+        checkpoint_every=4, eval_batches=2,
+        optimizer={**cfg["pretrain"]["optimizer"], "lr": 3e-3, "warmup_steps": 1},
+    )  # fmt: skip
+    return cfg
+
+
+def prepare_data(out: Path) -> dict[str, str]:
+    """Tokenizer, shards and model config for the small config; their paths."""
+    cfg = small_config()
+    paths = {
+        "tokenizer": out / "tokenizer", "train": out / "data/train.bin", "val": out / "data/val.bin",
+        "meta": out / "data/meta.json", "model_config": out / "model_config.json",
+    }  # fmt: skip
+    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
+            plan=_plan(cfg, _cpu_hardware()), outputs={k: str(v) for k, v in paths.items()})  # fmt: skip
+    return {k: str(v) for k, v in paths.items()}
+
+
+def launch(
+    data: dict[str, str],
+    out: Path,
+    *,
+    world: int,
+    layout: dict[str, Any],
+    config_changes: dict[str, dict[str, Any]] | None = None,
+    model_config: str | None = None,
+    checkpoints: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the pretrain entry point on `world` CPU ranks with `layout` fixed; don't check the exit."""
+    cfg = small_config()
+    for section, changes in (config_changes or {}).items():
+        cfg[section] = {**cfg[section], **changes}
+    cfg["parallelism"].update({"activation_checkpointing": False, "offload": "none", **layout})
+    plan = _plan(cfg, _cpu_hardware(ranks=world))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "plan.json", plan)
+    atomic_write_json(
+        out / "ds.json",
+        render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
+    )
+    spec = {
+        **data, "plan": str(out / "plan.json"), "deepspeed_config": str(out / "ds.json"),
+        "model_config": model_config or data["model_config"],
+        "checkpoints": str(checkpoints or out / "checkpoints"), "summary": str(out / "summary.json"),
+        "metrics": str(out / "metrics.jsonl"), "loss_plot": str(out / "loss.png"),
+        "pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"],
+    }  # fmt: skip
+    atomic_write_json(out / "job.json", spec)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           "-m", "stagetrain.pretrain.train", "--spec", str(out / "job.json")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run(data: dict[str, str], out: Path, **kwargs: Any) -> dict[str, Any]:
+    """`launch`, requiring success; the run's summary.json."""
+    proc = launch(data, out, **kwargs)
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return json.loads((out / "summary.json").read_text())
+
+
+def final_params(summary: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The fp32 weights of the run's final checkpoint, by parameter name."""
+    folder, tag = summary["checkpoint"]["folder"], summary["checkpoint"]["tag"]
+    if summary["layout"]["zero_stage"] == 0:
+        states = torch.load(
+            Path(folder) / tag / "mp_rank_00_model_states.pt",
+            map_location="cpu",
+            weights_only=False,
+        )
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return {
+        k: v.float() for k, v in get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag).items()
+    }
+
+
+def model_config(out: Path, **changes: Any) -> str:
+    """A model_config.json with the shared tokenizer's vocabulary and `changes` to the model section."""
+    model = {**copy.deepcopy(small_config()["model"]), **changes}
+    ids = {"eos_token_id": 1, "pad_token_id": 2}
+    config = training_config(model, tokenizer_size=512, special_ids=ids, tp=1)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model_config.json"
+    path.write_text(config.to_json_string(use_diff=False))
+    return str(path)
