@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
-from conftest import edit_config, snakemake
+import torch
+from conftest import SNAKEMAKE, edit_config, snakemake
+
+from stagetrain.pretrain.metrics import METRICS
 
 pytestmark = pytest.mark.slow
 PLAN_JOBS = {
@@ -132,18 +141,98 @@ def test_tokenizer_stage_runs_and_data_edits_rerun_it_but_grpo_edits_do_not(work
     assert "plan_parallelism" not in after_data and "detect_hardware" not in after_data
 
 
-def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> None:
-    edit_config(workdir, "data", train_tokens=20_000, val_tokens=2_000)
+def small_run(workdir: Path, steps: int = 12) -> None:
+    """Shrink the default config so the training stages take seconds."""
+    edit_config(workdir, "data", train_tokens=30_000, val_tokens=3_000)
     edit_config(workdir, "tokenizer", training_sample_mb=0.2)
-    proc = snakemake(workdir, "pretrain", check=False)
+    edit_config(workdir, "pretrain", seq_len=32, global_batch_size=8, steps=steps, log_every=1, eval_every=4,
+                checkpoint_every=4, eval_batches=2, optimizer={"warmup_steps": 2})  # fmt: skip
+
+
+def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> None:
+    small_run(workdir, steps=4)
+    proc = snakemake(workdir, "grpo", check=False)
     assert proc.returncode != 0
-    log = (workdir / "results/tiny/logs/pretrain.log").read_text()
+    log = (workdir / "results/tiny/logs/consolidate_pretrain.log").read_text()
     assert (
         log.strip()
-        == "error: pretrain: this stage is not built yet (issue #4); no artifact was written"
+        == "error: consolidate: this stage is not built yet (issue #5); no artifact was written"
     )
-    assert not (workdir / "results/tiny/pretrain").exists()
-    assert (workdir / "results/tiny/model_config.json").exists()  # the stages before it completed
+    assert not (workdir / "results/tiny/model/pretrain").exists()
+    summary = json.loads((workdir / "results/tiny/pretrain/summary.json").read_text())
+    assert summary["final_step"] == 4  # the stages before it completed
+    records = [
+        json.loads(line)
+        for line in (workdir / "results/tiny/pretrain/metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(set(r) <= set(METRICS) for r in records)
+    assert (workdir / "results/tiny/pretrain/loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _final_weights(workdir: Path) -> dict[str, torch.Tensor]:
+    summary = json.loads((workdir / "results/tiny/pretrain/summary.json").read_text())
+    folder = Path(summary["checkpoint"]["folder"]) / summary["checkpoint"]["tag"]
+    return torch.load(
+        folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+    )["module"]
+
+
+def test_killed_training_resumes_to_the_same_result(
+    workdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SIGKILL mid-training, then --rerun-incomplete: same losses and bitwise-same weights as a straight run."""
+    small_run(workdir)
+    straight = tmp_path_factory.mktemp("straight") / "wf"
+    shutil.copytree(workdir, straight)
+    snakemake(straight, "pretrain")
+
+    proc = subprocess.Popen([SNAKEMAKE, "--cores", "2", "pretrain"], cwd=workdir, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    pointer = workdir / "results/tiny/checkpoints/pretrain"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(
+        json.loads(p.read_text())["step"] >= 4 for p in pointer.glob("*/latest.json")
+    ):
+        time.sleep(0.2)
+    victims = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in victims:  # torchrun starts its ranks in sessions of their own: kill each one
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert not (workdir / "results/tiny/pretrain/summary.json").exists()
+    snakemake(workdir, "--unlock")
+    snakemake(workdir, "--rerun-incomplete", "pretrain")
+
+    resumed = json.loads((workdir / "results/tiny/pretrain/summary.json").read_text())
+    reference = json.loads((straight / "results/tiny/pretrain/summary.json").read_text())
+    assert 4 <= resumed["resumed_from_step"] < 12  # killed mid-run, after a checkpoint
+    assert (
+        resumed["losses"] == reference["losses"]
+        and resumed["final_eval_loss"] == reference["final_eval_loss"]
+    )
+    a, b = _final_weights(workdir), _final_weights(straight)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [
+        json.loads(line)["step"]
+        for line in (workdir / "results/tiny/pretrain/metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == list(range(1, 13))
+
+    edit_config(workdir, "pretrain", optimizer={"lr": 1e-3})
+    snakemake(workdir, "pretrain")
+    log = (workdir / "results/tiny/logs/pretrain.log").read_text()
+    assert (
+        f"config changed since checkpoint {reference['fingerprint']} (training): starting fresh"
+        in log
+    )
+
+    edit_config(workdir, "hardware", cpu_ranks=1)
+    proc = snakemake(workdir, "pretrain", check=False)
+    assert proc.returncode != 0
+    last = (workdir / "results/tiny/logs/pretrain.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("error: ") and "this run is {'dp': 1, 'tp': 1, 'zero_stage': 0}" in last
+    assert "ds_to_universal" in last
 
 
 def test_bad_config_is_one_line_and_writes_nothing(workdir: Path) -> None:

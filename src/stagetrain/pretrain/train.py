@@ -206,7 +206,7 @@ def loop(run: Run) -> dict[str, Any]:
     metrics = MetricsLog(run.checkpoints.folder / "metrics.jsonl", start) if rank0 else None
     progress, began = Progress(cfg["steps"], start), time.monotonic()
     tokens_per_step = run.layout["global_batch"] * cfg["seq_len"]
-    last = {"train/loss": None, "eval/loss": None}
+    last_eval = None
     for step in range(start + 1, cfg["steps"] + 1):
         t0 = time.monotonic()
         loss = train_step(run, step - 1)
@@ -215,16 +215,15 @@ def loop(run: Run) -> dict[str, Any]:
         )
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             entry["eval/loss"] = evaluate(run)
-        last.update({k: v for k, v in entry.items() if v is not None})
+        last_eval = entry.get("eval/loss", last_eval)
         if metrics and (
             step % cfg["log_every"] == 0 or "eval/loss" in entry or step == cfg["steps"]
         ):
             metrics.write(entry)
             log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))
         if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
-            run.checkpoints.save(run.engine, step, {"step": step, "eval_loss": last["eval/loss"]})
-    return {"final_step": cfg["steps"], "final_loss": last["train/loss"], "final_eval_loss": last["eval/loss"],
-            "resumed_from_step": start}  # fmt: skip
+            run.checkpoints.save(run.engine, step, {"step": step, "eval_loss": last_eval})
+    return {"final_step": cfg["steps"], "resumed_from_step": start}
 
 
 def checksum(module: torch.nn.Module) -> list[float]:
@@ -255,6 +254,8 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "stage": "pretrain", **result, "layout": run.layout, "fingerprint": run.checkpoints.folder.name,
         "checkpoint": {"folder": str(run.checkpoints.folder), "tag": f"step{result['final_step']:08d}"},
+        "final_loss": records[-1]["train/loss"],
+        "final_eval_loss": [r["eval/loss"] for r in records if "eval/loss" in r][-1],
         "losses": {r["step"]: r["train/loss"] for r in records},
         "eval_losses": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
         "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(),

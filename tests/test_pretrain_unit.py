@@ -1,0 +1,167 @@
+"""Pure parts of the pretrain stage: data order, launch commands, checkpoint fingerprints, metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stagetrain.errors import StageError
+from stagetrain.pretrain.batches import Sampler, read_windows, window_count
+from stagetrain.pretrain.checkpoints import Checkpoints, fingerprint
+from stagetrain.pretrain.launch import expand_nodelist, torchrun_command
+from stagetrain.pretrain.metrics import METRICS, MetricsLog
+
+
+def _sampler(**changes: int) -> Sampler:
+    return Sampler(
+        **{"windows": 100, "global_batch": 8, "dp": 2, "micro_batch_size": 2, "seed": 1, **changes}
+    )
+
+
+def test_ranks_read_disjoint_samples_and_an_epoch_uses_each_once() -> None:
+    sampler = _sampler(windows=96)  # 12 steps per epoch
+    seen = []
+    for step in range(12):
+        per_rank = [np.concatenate(sampler.rank_micro_batches(step, r)) for r in range(2)]
+        assert not set(per_rank[0]) & set(per_rank[1])
+        assert all(len(m) == 2 for r in range(2) for m in sampler.rank_micro_batches(step, r))
+        seen.extend(np.concatenate(per_rank).tolist())
+    assert sorted(seen) == list(range(96))
+
+
+def test_epochs_carry_over_when_the_batch_does_not_divide_them() -> None:
+    sampler = _sampler(windows=100)
+    stream = np.concatenate([sampler.step_windows(s) for s in range(25)])  # 200 = two epochs
+    assert sorted(stream[:100].tolist()) == list(range(100))
+    assert sorted(stream[100:].tolist()) == list(range(100))
+    assert not np.array_equal(stream[:100], stream[100:])  # a new permutation each epoch
+
+
+def test_data_position_is_the_step() -> None:
+    """A restarted run (a new Sampler) reads exactly what the first would have read."""
+    first, second = _sampler(), _sampler()
+    for step in (0, 7, 31):
+        for rank in range(2):
+            assert all(np.array_equal(a, b) for a, b in zip(first.rank_micro_batches(step, rank),
+                                                              second.rank_micro_batches(step, rank), strict=True))  # fmt: skip
+    assert not np.array_equal(_sampler(seed=2).step_windows(0), first.step_windows(0))
+
+
+def test_global_batch_is_the_same_whatever_the_split() -> None:
+    """2 ranks x micro 2 x accumulation 2 and 1 rank x micro 4 x accumulation 2 read the same windows per step."""
+    two = _sampler(dp=2, micro_batch_size=2)
+    one = _sampler(dp=1, micro_batch_size=4)
+    for step in range(5):
+        a = np.concatenate([np.concatenate(two.rank_micro_batches(step, r)) for r in range(2)])
+        b = np.concatenate(one.rank_micro_batches(step, 0))
+        assert np.array_equal(a, b)
+
+
+def test_windows_and_too_little_data() -> None:
+    shard = np.arange(100, dtype=np.uint16)
+    assert window_count(100, 10) == 9
+    windows = read_windows(shard, np.array([0, 3]), 10)
+    assert windows.dtype == np.int64 and windows.tolist() == [
+        list(range(0, 11)),
+        list(range(30, 41)),
+    ]
+    with pytest.raises(ValueError, match="holds 4 windows, fewer than one global batch of 8"):
+        _sampler(windows=4)
+
+
+def test_single_node_launch() -> None:
+    cmd = torchrun_command(nodes=1, procs_per_node=2, module="m", args=["--spec", "s"], env={})
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
+                       "-m", "m", "--spec", "s"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("nodes", "nodelist", "first"),
+    [(2, "gpu[07-08]", "gpu07"), (16, "n[1-8],m[01-08]", "n1")],
+)
+def test_multi_node_launch_is_one_torchrun_per_node_with_c10d(
+    nodes: int, nodelist: str, first: str
+) -> None:
+    env = {"SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": "42"}
+    cmd = torchrun_command(nodes=nodes, procs_per_node=8, module="m", args=[], env=env)
+    assert cmd[:8] == [
+        "srun",
+        "--nodes",
+        str(nodes),
+        "--ntasks",
+        str(nodes),
+        "--ntasks-per-node",
+        "1",
+        "--kill-on-bad-exit=1",
+    ]
+    text = " ".join(cmd)
+    assert f"--nnodes {nodes} --nproc_per_node 8" in text
+    assert f"--rdzv_backend c10d --rdzv_endpoint {first}:29400 --rdzv_id 42" in text
+    assert "--standalone" not in text
+
+
+def test_nodelists_expand_as_slurm_does() -> None:
+    assert expand_nodelist("node1") == ["node1"]
+    assert expand_nodelist("n[01-03,7],gpu5") == [
+        "n01",
+        "n02",
+        "n03",
+        "n7",
+        "gpu5",
+    ]  # each part keeps its width
+    assert len(expand_nodelist("n[1-8],m[01-08]")) == 16
+
+
+def test_multi_node_needs_an_allocation_of_the_right_size() -> None:
+    with pytest.raises(StageError, match="2 nodes need a Slurm allocation"):
+        torchrun_command(nodes=2, procs_per_node=8, module="m", args=[], env={})
+    with pytest.raises(StageError, match="2 nodes, but the Slurm allocation has 3: a1,a2,a3"):
+        torchrun_command(
+            nodes=2, procs_per_node=8, module="m", args=[], env={"SLURM_JOB_NODELIST": "a[1-3]"}
+        )
+
+
+def test_fingerprint_follows_the_maths(tmp_path: Path) -> None:
+    base = {"training": {"lr": 1e-3}, "seed": 1}
+    assert fingerprint(base) == fingerprint(dict(reversed(base.items())))
+    assert fingerprint(base) != fingerprint({**base, "seed": 2})
+    old = Checkpoints(tmp_path, base, {"dp": 2, "tp": 1, "zero_stage": 0}, keep=2)
+    old.folder.mkdir(parents=True)
+    (old.folder / "components.json").write_text(json.dumps(base))
+    new = Checkpoints(
+        tmp_path, {**base, "training": {"lr": 2e-3}}, {"dp": 2, "tp": 1, "zero_stage": 0}, keep=2
+    )
+    assert (
+        new.why_fresh()
+        == f"config changed since checkpoint {old.folder.name} (training): starting fresh"
+    )
+    assert new.latest() is None
+
+
+def test_a_checkpoint_from_another_layout_is_refused(tmp_path: Path) -> None:
+    ckpt = Checkpoints(tmp_path, {"seed": 1}, {"dp": 2, "tp": 1, "zero_stage": 0}, keep=2)
+    ckpt.folder.mkdir(parents=True)
+    (ckpt.folder / "latest.json").write_text(
+        json.dumps(
+            {"tag": "step00000004", "step": 4, "layout": {"dp": 2, "tp": 1, "zero_stage": 0}}
+        )
+    )
+    assert ckpt.latest()["step"] == 4
+    other = Checkpoints(tmp_path, {"seed": 1}, {"dp": 1, "tp": 1, "zero_stage": 0}, keep=2)
+    with pytest.raises(StageError, match="written with layout .* this run is .* ds_to_universal"):
+        other.latest()
+
+
+def test_metrics_log_keeps_only_registered_keys_and_truncates_on_resume(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, resume_step=0)
+    for step in range(1, 6):
+        log.write({"step": step, "train/loss": 1.0 / step})
+    with pytest.raises(KeyError, match="not in the registry"):
+        log.write({"step": 6, "loss": 0.1})
+    MetricsLog(path, resume_step=3)  # a restart from the step-3 checkpoint
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert all("/" in key or key == "step" for key in METRICS)
