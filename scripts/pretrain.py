@@ -16,7 +16,12 @@ import os
 from pathlib import Path
 
 from stagetrain.io import atomic_write_json, read_json
-from stagetrain.pretrain.launch import prebuild_cpu_ops, run_ranks, torchrun_command
+from stagetrain.pretrain.launch import (
+    prebuild_cpu_ops,
+    rank_environment,
+    run_ranks,
+    torchrun_command,
+)
 from stagetrain.stage import StageIO, run_stage
 
 INPUTS = ["plan", "deepspeed_config", "tokenizer", "train", "val", "meta", "model_config"]
@@ -34,10 +39,11 @@ def main(io: StageIO) -> None:
         "seed": io.sections["run"]["seed"],
     }
     atomic_write_json(root / "job.json", spec)
-    env = dict(os.environ)
+    env = rank_environment(
+        os.environ, cores=len(os.sched_getaffinity(0)), ranks_per_node=plan["ranks_per_node"]
+    )
     if plan["backend"] == "gloo":
         prebuild_cpu_ops()
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan["ranks_per_node"]))
     cmd = torchrun_command(
         nodes=plan["nodes"], procs_per_node=plan["ranks_per_node"], module="stagetrain.pretrain.train",
         args=["--spec", str(root / "job.json")], env=env,

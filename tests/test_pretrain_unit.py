@@ -165,3 +165,15 @@ def test_metrics_log_keeps_only_registered_keys_and_truncates_on_resume(tmp_path
     MetricsLog(path, resume_step=3)  # a restart from the step-3 checkpoint
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     assert all("/" in key or key == "step" for key in METRICS)
+
+
+def test_ranks_get_their_share_of_the_cores_whatever_snakemake_set() -> None:
+    from stagetrain.pretrain.launch import THREAD_VARIABLES, rank_environment
+
+    env = rank_environment(
+        {"OMP_NUM_THREADS": "16", "MKL_NUM_THREADS": "16", "PATH": "/bin"},
+        cores=16,
+        ranks_per_node=8,
+    )
+    assert all(env[v] == "2" for v in THREAD_VARIABLES) and env["PATH"] == "/bin"
+    assert rank_environment({}, cores=2, ranks_per_node=4)["OMP_NUM_THREADS"] == "1"

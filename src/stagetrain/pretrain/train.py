@@ -206,21 +206,23 @@ def loop(run: Run) -> dict[str, Any]:
     metrics = MetricsLog(run.checkpoints.folder / "metrics.jsonl", start) if rank0 else None
     progress, began = Progress(cfg["steps"], start), time.monotonic()
     tokens_per_step = run.layout["global_batch"] * cfg["seq_len"]
-    last_eval = None
+    last_eval, window_s, window_steps = None, 0.0, 0
     for step in range(start + 1, cfg["steps"] + 1):
         t0 = time.monotonic()
         loss = train_step(run, step - 1)
-        entry = record(
-            run, step, loss, time.monotonic() - t0, tokens_per_step, time.monotonic() - began
-        )
-        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            entry["eval/loss"] = evaluate(run)
-        last_eval = entry.get("eval/loss", last_eval)
-        if metrics and (
-            step % cfg["log_every"] == 0 or "eval/loss" in entry or step == cfg["steps"]
-        ):
-            metrics.write(entry)
-            log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))
+        window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
+        evaluating = step % cfg["eval_every"] == 0 or step == cfg["steps"]
+        if evaluating or step % cfg["log_every"] == 0:
+            # tokens/s over the training time since the last record (evaluation and saving excluded)
+            entry = record(
+                run, step, loss, window_s, window_steps * tokens_per_step, time.monotonic() - began
+            )
+            window_s, window_steps = 0.0, 0
+            if evaluating:
+                entry["eval/loss"] = last_eval = evaluate(run)
+            if metrics:
+                metrics.write(entry)
+                log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))
         if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
             run.checkpoints.save(run.engine, step, {"step": step, "eval_loss": last_eval})
     return {"final_step": cfg["steps"], "resumed_from_step": start}
