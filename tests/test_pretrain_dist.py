@@ -137,3 +137,42 @@ def test_a_world_that_differs_from_the_plan_fails_at_start(
     )
     assert proc.returncode != 0
     assert "error: plan.json: world size 4, but 2 processes started" in proc.stderr
+
+
+def test_activation_checkpointing_changes_memory_not_maths(
+    data: dict[str, str], baseline: dict[str, Any], tmp_path: Path
+) -> None:
+    layout = {
+        "dp": 2,
+        "tp": 1,
+        "micro_batch_size": 2,
+        "zero_stage": 0,
+        "activation_checkpointing": True,
+    }
+    summary = run(data, tmp_path, world=2, layout=layout)
+    assert summary["layout"]["activation_checkpointing"] is True
+    _same_losses(baseline, summary)
+    _same_params(baseline, summary)
+
+
+def test_init_from_loads_partitioned_and_grows_the_embeddings(
+    data: dict[str, str], tmp_path: Path
+) -> None:
+    """A saved model with fewer embedding rows than model_config.json continues under ZeRO-3."""
+    from transformers import AutoModelForCausalLM
+
+    from stagetrain.model_config import SHAPE_KEYS
+    from stagetrain.pretrain.engine import load_model_config
+
+    config = load_model_config(data["model_config"])
+    config.vocab_size = 300
+    start = AutoModelForCausalLM.from_config(config)
+    start.save_pretrained(tmp_path / "init")
+    summary = run(data, tmp_path / "run", world=2, layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 3},
+                  config_changes={"model": {"init_from": str(tmp_path / "init"), **dict.fromkeys(SHAPE_KEYS)}})  # fmt: skip
+    local, total = summary["local_param_elements_per_rank"], summary["param_elements"]
+    assert all(abs(n / total - 0.5) < 0.02 for n in local), (local, total)
+    assert total == sum(p.numel() for p in start.parameters())  # before the resize
+    weights = final_params(summary)
+    assert weights["model.embed_tokens.weight"].shape[0] == 512
+    assert _losses(summary)[-1] < _losses(summary)[0]
