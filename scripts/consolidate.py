@@ -1,13 +1,50 @@
-"""consolidate: declared in the workflow, not built yet (issue #5).
+"""consolidate: model/<stage>/, a Hugging Face folder of the stage's final checkpoint, verified by reloading it.
 
-It fails with one line and writes nothing, so no placeholder artifact can be
-mistaken for a real one.
+Snakemake runs it through the `consolidate` rule (wildcard: stage); on its own:
+    python scripts/consolidate.py --config config/config.yaml --stage pretrain \
+        --summary results/tiny/pretrain/summary.json --tokenizer results/tiny/tokenizer \
+        --model-config results/tiny/model_config.json --meta results/tiny/data/meta.json \
+        --val results/tiny/data/val.bin --model results/tiny/model/pretrain
 """
 
-from stagetrain.stage import not_built, run_stage
+import argparse
+import logging
+import sys
+
+from stagetrain.consolidate.folder import consolidate
+from stagetrain.stage import StageIO, run_stage
+
+log = logging.getLogger("stagetrain")
+smk = globals().get("snakemake")
+if smk is not None:
+    STAGE = smk.wildcards.stage
+else:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--stage", choices=["pretrain", "grpo"], required=True)
+    args, rest = parser.parse_known_args()
+    STAGE, sys.argv[1:] = args.stage, rest
+
+
+def main(io: StageIO) -> None:
+    manifest = consolidate(
+        stage=STAGE,
+        summary_path=io.inputs["summary"],
+        tokenizer_dir=io.inputs["tokenizer"],
+        model_config_path=io.inputs["model_config"],
+        meta_path=io.inputs["meta"],
+        out=io.outputs["model"],
+        cfg=io.sections["consolidate"],
+    )
+    size = sum(f["bytes"] for name, f in manifest["files"].items() if name.endswith(".safetensors"))
+    log.info("%s: step %d as %s, %.1f MB of weights in %s", STAGE, manifest["step"], manifest["dtype"],
+             size / 1e6, io.outputs["model"])  # fmt: skip
+
 
 run_stage(
-    lambda io: not_built("consolidate", "issue #5"),
-    snakemake=globals().get("snakemake"),
+    main,
+    snakemake=smk,
     doc=__doc__,
+    inputs=["summary", "tokenizer", "model_config", "meta", "val"],
+    outputs=["model"],
+    sections=["consolidate"],
 )

@@ -153,12 +153,12 @@ def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> No
     small_run(workdir, steps=4)
     proc = snakemake(workdir, "grpo", check=False)
     assert proc.returncode != 0
-    log = (workdir / "results/tiny/logs/consolidate_pretrain.log").read_text()
+    log = (workdir / "results/tiny/logs/grpo.log").read_text()
     assert (
         log.strip()
-        == "error: consolidate: this stage is not built yet (issue #5); no artifact was written"
+        == "error: grpo: this stage is not built yet (issue #6); no artifact was written"
     )
-    assert not (workdir / "results/tiny/model/pretrain").exists()
+    assert not (workdir / "results/tiny/grpo").exists()
     summary = json.loads((workdir / "results/tiny/pretrain/summary.json").read_text())
     assert summary["final_step"] == 4  # the stages before it completed
     records = [
@@ -168,6 +168,12 @@ def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> No
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(set(r) <= set(METRICS) for r in records)
     assert (workdir / "results/tiny/pretrain/loss.png").read_bytes()[:4] == b"\x89PNG"
+    manifest = json.loads((workdir / "results/tiny/model/pretrain/MANIFEST.json").read_text())
+    assert manifest["step"] == 4 and manifest["dtype"] == "bf16"
+    assert (
+        "verified: validation loss"
+        in (workdir / "results/tiny/logs/consolidate_pretrain.log").read_text()
+    )
 
 
 def _final_weights(workdir: Path) -> dict[str, torch.Tensor]:

@@ -3,6 +3,9 @@ rule consolidate:
         summary=f"{RUN}/{{stage}}/summary.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         model_config=rules.prepare_tokenizer.output.model_config,
+        meta=rules.prepare_tokenizer.output.meta,
+        # The verification reloads the model on the validation windows the stage recorded.
+        val=rules.prepare_tokenizer.output.val,
     output:
         model=directory(f"{RUN}/model/{{stage}}"),
     log:

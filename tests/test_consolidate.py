@@ -1,0 +1,174 @@
+"""The consolidate stage: from real two-rank DeepSpeed checkpoints to a verified Hugging Face folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pretrain_harness import final_params, prepare_data, run
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stagetrain.consolidate.folder import MANIFEST, consolidate, eval_loss
+from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
+from stagetrain.errors import StageError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from stagetrain.pretrain.launch import prebuild_cpu_ops
+
+    prebuild_cpu_ops()
+    return prepare_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def runs(
+    data: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """fp32 two-rank runs whose checkpoints take each reading path: ZeRO 0, 2, 3 and AutoTP."""
+    layouts = {
+        "zero0": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0},
+        "zero2": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 2},
+        "zero3": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 3},
+        "tp2": {"dp": 1, "tp": 2, "micro_batch_size": 4, "zero_stage": 1},
+    }
+    return {
+        name: run(data, tmp_path_factory.mktemp(name), world=2, layout=layout)
+        for name, layout in layouts.items()
+    }
+
+
+def _consolidate(
+    data: dict[str, str], summary: dict[str, Any], out: Path, **cfg: Any
+) -> dict[str, Any]:
+    summary_path = out.parent / f"{out.name}-summary.json"
+    summary_path.write_text(json.dumps(summary))
+    return consolidate(
+        stage="pretrain", summary_path=str(summary_path), tokenizer_dir=data["tokenizer"],
+        model_config_path=data["model_config"], meta_path=data["meta"], out=str(out),
+        cfg={"dtype": "fp32", "max_shard_size": "2GB", **cfg},
+    )  # fmt: skip
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / INDEX).read_text())
+    out = {}
+    for filename in sorted(set(index["weight_map"].values())):
+        out.update(load_file(folder / filename))
+    return out
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero2", "zero3"])
+def test_fp32_output_equals_deepspeeds_fp32_state_dict(
+    data: dict[str, str], runs: dict, tmp_path: Path, name: str
+) -> None:
+    manifest = _consolidate(data, runs[name], tmp_path / "model")
+    written, reference = _weights(tmp_path / "model"), final_params(runs[name])
+    assert set(written) == set(reference) - {
+        "lm_head.weight"
+    }  # tied to the embedding, as transformers saves it
+    assert all(torch.equal(written[k], reference[k]) for k in written)
+    assert manifest["verification"]["relative_tolerance"] == 1e-4
+    assert manifest["vocab_size"] == 512 and manifest["step"] == 4
+
+
+def test_the_folder_loads_with_transformers_and_reproduces_the_loss(
+    data: dict[str, str], runs: dict, tmp_path: Path
+) -> None:
+    summary = runs["zero3"]
+    _consolidate(data, summary, tmp_path / "model", dtype="bf16", max_shard_size="1MB")
+    folder = tmp_path / "model"
+    index = json.loads((folder / INDEX).read_text())
+    assert len(set(index["weight_map"].values())) >= 2  # sharded at 1 MB
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.dtype == torch.bfloat16 and model.config.vocab_size == 512
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert (
+        tokenizer.decode(tokenizer("12+34=46", add_special_tokens=False)["input_ids"]) == "12+34=46"
+    )
+    loss = eval_loss(model.float(), summary["eval_batch"], "uint16")
+    assert loss == pytest.approx(summary["final_eval_loss"], rel=2e-2)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert set(manifest["files"]) == {p.name for p in folder.iterdir() if p.name != MANIFEST}
+    assert {"torch", "deepspeed", "transformers"} == set(manifest["versions"])
+
+
+def test_autotp_slices_are_gathered(data: dict[str, str], runs: dict, tmp_path: Path) -> None:
+    """tp=2 files hold halves of the split layers; the folder holds whole tensors that reproduce the loss."""
+    manifest = _consolidate(data, runs["tp2"], tmp_path / "model")
+    written = _weights(tmp_path / "model")
+    assert written["model.layers.0.self_attn.q_proj.weight"].shape == (128, 128)
+    assert written["model.layers.0.self_attn.o_proj.weight"].shape == (128, 128)
+    assert written["model.layers.0.mlp.down_proj.weight"].shape == (128, 512)
+    assert manifest["verification"]["eval_loss"] == pytest.approx(
+        runs["tp2"]["final_eval_loss"], rel=1e-4
+    )
+
+
+def test_consolidating_twice_gives_identical_bytes(
+    data: dict[str, str], runs: dict, tmp_path: Path
+) -> None:
+    _consolidate(data, runs["zero2"], tmp_path / "a", dtype="bf16")
+    _consolidate(data, runs["zero2"], tmp_path / "b", dtype="bf16")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert all(
+        (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes() for n in names
+    )
+
+
+def _broken_copy(summary: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(summary["checkpoint"]["folder"], folder)
+    return {
+        **summary,
+        "checkpoint": {**summary["checkpoint"], "folder": str(folder)},
+    }, folder / summary["checkpoint"]["tag"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("pointer", "latest.json: missing: no complete checkpoint"),
+        ("rank file", "zero_pp_rank_1_mp_rank_00_model_states.pt: missing from the checkpoint"),
+        (
+            "truncated",
+            "zero_pp_rank_0_mp_rank_00_model_states.pt: unreadable, truncated or corrupt",
+        ),
+    ],
+)
+def test_a_broken_checkpoint_is_one_line_and_writes_nothing(data: dict[str, str], runs: dict, tmp_path: Path,
+                                                            damage: str, message: str) -> None:  # fmt: skip
+    summary, tag_dir = _broken_copy(runs["zero3"], tmp_path)
+    if damage == "pointer":
+        (tag_dir.parent / "latest.json").unlink()
+    elif damage == "rank file":
+        (tag_dir / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    else:
+        path = tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(StageError, match=message) as err:
+        _consolidate(data, summary, tmp_path / "model")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "model").exists() and not (tmp_path / ".model.tmp").exists()
+
+
+def test_a_loss_that_does_not_match_fails_and_writes_nothing(
+    data: dict[str, str], runs: dict, tmp_path: Path
+) -> None:
+    summary = {**runs["zero0"], "final_eval_loss": runs["zero0"]["final_eval_loss"] * 1.1}
+    with pytest.raises(StageError, match="validation loss .* differs from .* nothing was written"):
+        _consolidate(data, summary, tmp_path / "model")
+    assert not (tmp_path / "model").exists() and not (tmp_path / ".model.tmp").exists()
+
+
+def test_shard_planning() -> None:
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("500KB") == 500_000
+    assert plan_shards({"a": 6, "b": 5, "c": 5, "d": 20}, 10) == [["a"], ["b", "c"], ["d"]]
