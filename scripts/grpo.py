@@ -1,11 +1,35 @@
-"""grpo: declared in the workflow, not built yet (issue #6).
+"""grpo: improve the consolidated pretrain model with curriculum GRPO on verifiable tasks.
 
-It fails with one line and writes nothing, so no placeholder artifact can be
-mistaken for a real one.
+Snakemake runs it through the `grpo` rule; the ranks run `python -m stagetrain.grpo.train`
+with checkpoints in results/<run>/checkpoints/grpo/<fingerprint>/. On its own:
+    python scripts/grpo.py --config config/config.yaml --model results/tiny/model/pretrain \
+        --plan results/tiny/plan.json --deepspeed-config results/tiny/deepspeed/grpo.json \
+        --tokenizer results/tiny/tokenizer --model-config results/tiny/model_config.json \
+        --meta results/tiny/data/meta.json --val results/tiny/data/val.bin \
+        --summary results/tiny/grpo/summary.json --metrics results/tiny/grpo/metrics.jsonl \
+        --reward-plot results/tiny/grpo/reward.png
 """
 
-from stagetrain.stage import not_built, run_stage
+from stagetrain.pretrain.launch import launch_stage
+from stagetrain.stage import StageIO, run_stage
+
+
+def main(io: StageIO) -> None:
+    extra = {"grpo": io.sections["grpo"], "seed": io.sections["run"]["seed"]}
+    launch_stage(
+        stage="grpo",
+        module="stagetrain.grpo.train",
+        inputs=io.inputs,
+        outputs=io.outputs,
+        extra=extra,
+    )
+
 
 run_stage(
-    lambda io: not_built("grpo", "issue #6"), snakemake=globals().get("snakemake"), doc=__doc__
+    main,
+    snakemake=globals().get("snakemake"),
+    doc=__doc__,
+    inputs=["model", "plan", "deepspeed_config", "tokenizer", "model_config", "meta", "val"],
+    outputs=["summary", "metrics", "reward_plot"],
+    sections=["run", "grpo"],
 )

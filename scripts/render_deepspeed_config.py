@@ -29,7 +29,10 @@ def main(io: StageIO) -> None:
         stage=STAGE,
         plan=io.read_input("plan"),
         deepspeed=io.sections["deepspeed"],
-        training={"steps": training["steps"], "optimizer": training["optimizer"]},
+        training={
+            "steps": training["steps"] * training.get("passes", 1),
+            "optimizer": training["optimizer"],
+        },
     )
     zero = config["zero_optimization"]["stage"]
     log.info(

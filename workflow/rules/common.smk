@@ -47,6 +47,6 @@ def get_plan_section(section):
 
 
 def get_training(wildcards):
-    """The optimizer and step count of one training stage, for its DeepSpeed config."""
+    """The optimizer and optimizer-step count of one training stage, for its DeepSpeed config."""
     stage = config[wildcards.stage]
-    return {"steps": stage["steps"], "optimizer": stage["optimizer"]}
+    return {"steps": stage["steps"] * stage.get("passes", 1), "optimizer": stage["optimizer"]}

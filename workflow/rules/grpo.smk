@@ -4,9 +4,17 @@ rule grpo:
         plan=rules.plan_parallelism.output.plan,
         deepspeed_config=f"{RUN}/deepspeed/grpo.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
+        model_config=rules.prepare_tokenizer.output.model_config,
+        meta=rules.prepare_tokenizer.output.meta,
+        val=rules.prepare_tokenizer.output.val,
     output:
         summary=f"{RUN}/grpo/summary.json",
         metrics=f"{RUN}/grpo/metrics.jsonl",
+        reward_plot=report(
+            f"{RUN}/grpo/reward.png",
+            caption="../report/grpo_reward.rst",
+            category="GRPO",
+        ),
     log:
         logged("grpo"),
     benchmark:
@@ -14,6 +22,8 @@ rule grpo:
     params:
         run=config["run"],
         grpo=config["grpo"],
+    # The ranks use every core; running other jobs beside them would only slow both.
+    threads: workflow.cores
     conda:
         "../envs/stagetrain.yaml"
     script:

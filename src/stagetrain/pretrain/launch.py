@@ -120,3 +120,41 @@ def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
         raise StageError(
             first_error or f"{stage}: the training ranks exited with status {proc.returncode}"
         )
+
+
+def launch_stage(
+    *,
+    stage: str,
+    module: str,
+    inputs: Mapping[str, str],
+    outputs: Mapping[str, str],
+    extra: Mapping[str, object],
+) -> None:
+    """Write the job spec of a training stage and run its ranks as the plan says.
+
+    The spec holds absolute paths of the stage's inputs and outputs, its
+    checkpoint folder results/<run>/checkpoints/<stage>/ (outside the declared
+    outputs, so reruns resume) and `extra` (config sections, seed).
+    """
+    import json
+    import os
+    from pathlib import Path
+
+    from stagetrain.io import atomic_write_json
+
+    plan = json.loads(Path(inputs["plan"]).read_text())
+    root = Path(outputs["summary"]).resolve().parents[1] / "checkpoints" / stage
+    spec = {
+        **{k: str(Path(v).resolve()) for k, v in {**inputs, **outputs}.items()},
+        "checkpoints": str(root),
+        **extra,
+    }
+    atomic_write_json(root / "job.json", spec)
+    env = rank_environment(
+        os.environ, cores=len(os.sched_getaffinity(0)), ranks_per_node=plan["ranks_per_node"]
+    )
+    if plan["backend"] == "gloo":
+        prebuild_cpu_ops()
+    cmd = torchrun_command(nodes=plan["nodes"], procs_per_node=plan["ranks_per_node"], module=module,
+                           args=["--spec", str(root / "job.json")], env=env)  # fmt: skip
+    run_ranks(cmd, env, stage)

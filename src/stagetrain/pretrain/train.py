@@ -134,13 +134,18 @@ def setup(spec: dict[str, Any]) -> Run:
     )  # fmt: skip
 
 
-def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
+def window_loss(
+    engine: Any, device: torch.device, shard: np.ndarray, windows: np.ndarray, seq_len: int
+) -> torch.Tensor:
     """Mean next-token cross-entropy of the model on `windows` of `shard` (fp32 logits)."""
-    tokens = torch.from_numpy(read_windows(shard, windows, run.spec["pretrain"]["seq_len"])).to(
-        run.device
-    )
-    logits = run.engine(input_ids=tokens[:, :-1]).logits
+    tokens = torch.from_numpy(read_windows(shard, windows, seq_len)).to(device)
+    logits = engine(input_ids=tokens[:, :-1]).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
+    """The training loss of `run`'s model on `windows` of `shard`."""
+    return window_loss(run.engine, run.device, shard, windows, run.spec["pretrain"]["seq_len"])
 
 
 def evaluate(run: Run) -> float:

@@ -1,0 +1,1 @@
+"""The curriculum MCTS/GRPO stage."""

@@ -1,0 +1,141 @@
+"""Rollouts: completions of each prompt, their rewards and per-token advantages.
+
+flat   group_size samples per prompt in one `generate` call (KV cache), and the
+       group advantage (r - mean) / (std + eps) on every token.
+tree   a search tree per prompt (`grpo.tree`): UCT selects a partial completion,
+       `generate` samples `branching` continuations of `segment_tokens` tokens
+       from it (prefix shared), finished leaves are scored by the verifier and
+       their rewards backed up, until group_size leaves or the token budget.
+       Token advantages: the segment's value among its siblings plus the leaf's
+       group advantage (`grpo.advantages.tree_token_advantages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from stagetrain.grpo.advantages import group_advantages, tree_token_advantages
+from stagetrain.grpo.tree import TreeConfig, flat_equivalent_tokens, search, segments
+
+
+@dataclass(kw_only=True)
+class Group:
+    """One prompt's completions with their rewards and token advantages."""
+
+    prompt: list[int]
+    completions: list[list[int]]
+    rewards: list[float]
+    advantages: list[torch.Tensor]
+    """Per completion, one advantage per completion token."""
+    generated_tokens: int
+    flat_tokens: int
+
+    @property
+    def varies(self) -> bool:
+        """Whether the rewards differ (a group that does not carries no signal)."""
+        return len(set(self.rewards)) > 1
+
+
+def _cut(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:
+    """Tokens up to and including the first eos, without padding."""
+    out = []
+    for token in tokens:
+        if token == pad_id and token != eos_id:
+            break
+        out.append(token)
+        if token == eos_id:
+            break
+    return out
+
+
+def sample(
+    model: PreTrainedModel,
+    prefixes: Sequence[list[int]],
+    n: int,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_p: float,
+    eos_id: int,
+    pad_id: int,
+) -> list[list[int]]:
+    """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order."""
+    width = max(len(p) for p in prefixes)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prefixes])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
+    device = next(model.parameters()).device
+    out = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
+        top_p=top_p, max_new_tokens=max_new_tokens, num_return_sequences=n, eos_token_id=eos_id,
+        pad_token_id=pad_id, use_cache=True,
+    )  # fmt: skip
+    return [_cut(row[width:].tolist(), eos_id, pad_id) for row in out]
+
+
+def flat_groups(
+    model: PreTrainedModel,
+    prompts: Sequence[list[int]],
+    score: Callable[[int, list[int]], float],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_id: int,
+    pad_id: int,
+) -> list[Group]:
+    """group_size samples per prompt; group advantages on every token."""
+    completions = sample(model, prompts, group_size, max_new_tokens, temperature=temperature, top_p=top_p,
+                         eos_id=eos_id, pad_id=pad_id)  # fmt: skip
+    groups = []
+    for i, prompt in enumerate(prompts):
+        mine = completions[i * group_size : (i + 1) * group_size]
+        rewards = [score(i, c) for c in mine]
+        adv, _ = group_advantages(torch.tensor([rewards], dtype=torch.float32))
+        tokens = sum(len(c) for c in mine)
+        groups.append(
+            Group(prompt=prompt, completions=mine, rewards=rewards, generated_tokens=tokens, flat_tokens=tokens,
+                  advantages=[torch.full((len(c),), float(a)) for c, a in zip(mine, adv[0], strict=True)])
+        )  # fmt: skip
+    return groups
+
+
+def tree_groups(
+    model: PreTrainedModel,
+    prompts: Sequence[list[int]],
+    score: Callable[[int, list[int]], float],
+    cfg: TreeConfig,
+    *,
+    temperature: float,
+    top_p: float,
+    pad_id: int,
+) -> list[Group]:
+    """A search tree per prompt; its finished leaves are the group."""
+    groups = []
+    for i, prompt in enumerate(prompts):
+
+        def expand(
+            prefixes: list[list[int]], n: int, k: int, prompt: list[int] = prompt
+        ) -> list[list[int]]:
+            return sample(model, [prompt + p for p in prefixes], n, k, temperature=temperature, top_p=top_p,
+                          eos_id=cfg.eos_id, pad_id=pad_id)  # fmt: skip
+
+        tree = search(cfg, expand, lambda completion, i=i: score(i, completion))
+        rows, _ = segments(tree)
+        per_leaf = tree_token_advantages(rows)
+        leaves = tree.leaves()
+        groups.append(
+            Group(
+                prompt=prompt,
+                completions=[tree.completion(leaf) for leaf in leaves],
+                rewards=[leaf.value for leaf in leaves],
+                advantages=[per_leaf[leaf.id] for leaf in leaves],
+                generated_tokens=tree.generated_tokens,
+                flat_tokens=flat_equivalent_tokens(tree),
+            )
+        )
+    return groups

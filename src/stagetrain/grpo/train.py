@@ -1,0 +1,258 @@
+"""The GRPO loop, run on every rank by torchrun: `python -m stagetrain.grpo.train --spec job.json`.
+
+Per step: each data-parallel rank draws its share of the prompts from the
+curriculum, rolls them out (flat or tree) with the policy's KV-cached
+`generate` (under ZeRO-3 with the parameters gathered for the whole phase and
+released after it, as TRL's ds3 gather does), scores them with the verifiers,
+and trains through the DeepSpeed engine: `engine.backward` and `engine.step`
+for exactly the configured accumulation steps, `passes` times. Outcomes are
+gathered from all ranks so every rank updates the same curriculum state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stagetrain.errors import StageError
+from stagetrain.grpo import steps as grpo_steps
+from stagetrain.grpo.curriculum import CurriculumConfig, CurriculumState
+from stagetrain.grpo.metrics import METRICS
+from stagetrain.grpo.tree import TreeConfig
+from stagetrain.io import atomic_write_json, read_json
+from stagetrain.pretrain import engine as engines
+from stagetrain.pretrain.batches import window_count
+from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
+from stagetrain.pretrain.metrics import MetricsLog
+from stagetrain.pretrain.train import _device, window_loss
+from stagetrain.tasks import Problem, problems
+
+log = logging.getLogger("stagetrain")
+NOT_MATHS = (
+    "eval_problems",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+)
+
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything the loop needs, built once by `setup`."""
+
+    spec: dict[str, Any]
+    cfg: dict[str, Any]
+    engine: Any
+    reference: Any
+    tokenizer: Any
+    device: torch.device
+    layout: dict[str, Any]
+    dp_rank: int
+    curriculum: CurriculumConfig
+    tree: TreeConfig | None
+    eval_set: list[Problem]
+    checkpoints: Checkpoints
+    val: np.ndarray
+    eval_windows: np.ndarray
+
+
+def _reference(
+    model_dir: str, ds_config: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> Any:
+    """The frozen reference policy: partitioned like the policy under ZeRO-3, a plain copy otherwise."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.requires_grad_(False)
+    if ds_config["zero_optimization"]["stage"] == 3:
+        config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        return engine.eval()
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def setup(spec: dict[str, Any]) -> Run:
+    """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
+    plan, meta, ds_config = (
+        read_json(spec["plan"]),
+        read_json(spec["meta"]),
+        read_json(spec["deepspeed_config"]),
+    )
+    deepspeed.init_distributed(dist_backend=plan["backend"])
+    if dist.get_world_size() != plan["world"]:
+        raise StageError(
+            f"plan.json: world size {plan['world']}, but {dist.get_world_size()} processes started"
+        )
+    device, cfg, layout = _device(plan["backend"]), spec["grpo"], plan["stages"]["grpo"]["layout"]
+    config = engines.load_model_config(spec["model_config"])
+    engine, _, spec["_hook"] = engines.build(
+        config=config, ds_config=ds_config, init_from=spec["model"],
+        activation_checkpointing=layout["activation_checkpointing"], seed=spec["seed"],
+    )  # fmt: skip
+    dtype = next(engine.module.parameters()).dtype
+    reference = _reference(spec["model"], ds_config, device, dtype) if cfg["kl_coef"] > 0 else None
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    curriculum = CurriculumConfig(**{k: v for k, v in cfg["curriculum"].items() if k != "families"})
+    tree = None
+    if cfg["rollout"] == "tree":
+        tree = TreeConfig(**cfg["tree"], max_leaves=cfg["group_size"], max_tokens=cfg["group_size"] * cfg["max_new_tokens"],
+                          max_new_tokens=cfg["max_new_tokens"], eos_id=tokenizer.eos_token_id)  # fmt: skip
+    seq = cfg["max_prompt_len"] + cfg["max_new_tokens"]
+    val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
+    components = {
+        "model": read_json(Path(spec["model"]) / "MANIFEST.json")["files"], "tokenizer": meta["tokenizer_sha256"],
+        "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
+        "precision": layout["precision"], "seed": spec["seed"],
+    }  # fmt: skip
+    eval_set = [p for family in cfg["curriculum"]["families"]
+                for p in problems([family], [curriculum.start_level], "test", cfg["eval_problems"], seed=spec["seed"])]  # fmt: skip
+    return Run(
+        spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
+        dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
+        checkpoints=Checkpoints(Path(spec["checkpoints"]), components, {k: layout[k] for k in ("dp", "tp", "zero_stage")},
+                                cfg["keep_checkpoints"]),
+        val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout["micro_batch_size"])),
+    )  # fmt: skip
+
+
+def gathered(run: Run) -> contextlib.AbstractContextManager:
+    """Under ZeRO-3, the whole policy gathered on every rank for a generation phase; else nothing."""
+    if run.layout["zero_stage"] != 3:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(
+        list(run.engine.module.parameters()), modifier_rank=None
+    )
+
+
+def accuracy(run: Run) -> dict[str, float]:
+    """Greedy accuracy per family on the fixed held-out problems (every rank evaluates all of them)."""
+    run.engine.eval()
+    with gathered(run), torch.no_grad():
+        correct = grpo_steps.greedy_scores(run.engine.module, run.tokenizer, run.eval_set, run.cfg)
+    run.engine.train()
+    families = sorted({p.family for p in run.eval_set})
+    return {
+        f: float(np.mean([c for c, p in zip(correct, run.eval_set, strict=True) if p.family == f]))
+        for f in families
+    }
+
+
+def val_loss(run: Run) -> float:
+    """Language-model loss on the fixed validation windows (what consolidation re-checks)."""
+    run.engine.eval()
+    mbs, seq = run.layout["micro_batch_size"], run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
+    with torch.no_grad():
+        losses = [window_loss(run.engine, run.device, run.val, run.eval_windows[i : i + mbs], seq).item()
+                  for i in range(0, len(run.eval_windows), mbs)]  # fmt: skip
+    run.engine.train()
+    return float(np.mean(losses))
+
+
+def loop(run: Run) -> dict[str, Any]:
+    """Train from the latest checkpoint (or the pretrained model) to grpo.steps; return the summary's core."""
+    cfg, rank0 = run.cfg, dist.get_rank() == 0
+    state, start = CurriculumState.start(run.curriculum), 0
+    pointer = run.checkpoints.latest()
+    if pointer:
+        _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
+        start, state = client["step"], CurriculumState.from_json(client["curriculum"])
+        log.info("resuming from %s at step %d (level %d)", pointer["tag"], start, state.level)
+    elif rank0 and (why := run.checkpoints.why_fresh()):
+        log.info(why)
+    metrics = (
+        MetricsLog(run.checkpoints.folder / "metrics.jsonl", start, METRICS) if rank0 else None
+    )
+    began = time.monotonic()
+    if start == 0 and metrics:
+        metrics.write({"step": 0, "eval/accuracy": float(np.mean(list(accuracy(run).values())))})
+    elif start == 0:
+        accuracy(run)
+    for step in range(start + 1, cfg["steps"] + 1):
+        rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
+        torch.manual_seed(rng.getrandbits(63))
+        t0 = time.monotonic()
+        record = grpo_steps.step(run, state, step, rng, gathered)
+        record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
+        record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
+        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+            record["eval/accuracy"] = float(np.mean(list(accuracy(run).values())))
+        if metrics and (
+            step % cfg["log_every"] == 0
+            or "eval/accuracy" in record
+            or "curriculum/event" in record
+        ):
+            metrics.write(record)
+            log.info("step %d/%d reward %.3f level %d loss %.4f tokens/s %.0f", step, cfg["steps"],
+                     record["reward/mean"], record["curriculum/level"], record["train/loss"],
+                     record["throughput/tokens_per_s"])  # fmt: skip
+        if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
+            run.checkpoints.save(run.engine, step, {"step": step, "curriculum": state.to_json()})
+    return {"final_step": cfg["steps"], "resumed_from_step": start, "curriculum": state.to_json(),
+            "optimizer_steps": run.engine.global_steps}  # fmt: skip
+
+
+def summarise(
+    run: Run, core: dict[str, Any], final_accuracy: dict[str, float], loss: float
+) -> dict[str, Any]:
+    """summary.json of the GRPO stage (the same checkpoint and evaluation keys as pretrain's)."""
+    records = [
+        json.loads(line)
+        for line in (run.checkpoints.folder / "metrics.jsonl").read_text().splitlines()
+    ]
+    trained = [r for r in records if "train/loss" in r]
+    seq = run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
+    return {
+        "stage": "grpo", **core, "layout": run.layout, "fingerprint": run.checkpoints.folder.name,
+        "checkpoint": {"folder": str(run.checkpoints.folder), "tag": tag_of(core["final_step"])},
+        "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
+        "rewards": {r["step"]: r["reward/mean"] for r in trained},
+        "accuracy": {"start": records[0].get("eval/accuracy"), "end": float(np.mean(list(final_accuracy.values()))),
+                     "end_by_family": final_accuracy},
+        "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
+        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(), "seq_len": seq,
+                       "micro_batch_size": run.layout["micro_batch_size"]},
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True)
+    spec = json.loads(Path(parser.parse_args(argv).spec).read_text())
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    try:
+        run = setup(spec)
+        if dist.get_rank() != 0:
+            logging.getLogger("stagetrain").setLevel(logging.WARNING)
+        core = loop(run)
+        final_accuracy, loss = accuracy(run), val_loss(run)
+        if dist.get_rank() == 0:
+            summary = summarise(run, core, final_accuracy, loss)
+            Path(spec["metrics"]).write_bytes(
+                (run.checkpoints.folder / "metrics.jsonl").read_bytes()
+            )
+            grpo_steps.reward_plot(summary, spec["reward_plot"])
+            atomic_write_json(spec["summary"], summary)
+    except StageError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""Pure maths of the GRPO stage: advantages (group and tree), the clipped loss, the curriculum."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections import namedtuple
+
+import pytest
+import torch
+
+from stagetrain.errors import StageError
+from stagetrain.grpo.advantages import (
+    Segment,
+    group_advantages,
+    leaf_paths,
+    sibling_advantages,
+    tree_token_advantages,
+)
+from stagetrain.grpo.curriculum import CurriculumConfig, CurriculumState, levels_for, update
+from stagetrain.grpo.loss import grpo_loss
+
+# --- group advantages ---------------------------------------------------------------------------
+
+
+def test_group_advantages_use_the_sample_std_per_group() -> None:
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 4.0, 6.0, 8.0]])
+    adv, zero = group_advantages(rewards, eps=0.0)
+    for g in range(2):
+        row = rewards[g].tolist()
+        mean, std = statistics.fmean(row), statistics.stdev(row)  # stdev: divisor n - 1
+        assert adv[g].tolist() == pytest.approx([(r - mean) / std for r in row])
+    assert zero.tolist() == [False, False]
+    assert adv.sum(dim=1).abs().max() < 1e-6
+
+
+def test_groups_with_equal_rewards_get_zero_advantages_and_are_flagged() -> None:
+    rewards = torch.tensor([[0.3, 0.3, 0.3], [1.0, 0.0, 1.0], [0, 0, 0]], dtype=torch.float32)
+    adv, zero = group_advantages(rewards)
+    assert zero.tolist() == [True, False, True]
+    assert torch.equal(adv[0], torch.zeros(3)) and torch.equal(adv[2], torch.zeros(3))
+    assert zero.float().mean().item() == pytest.approx(2 / 3)  # frac_reward_zero_std
+
+
+def test_group_advantages_take_integer_rewards_and_refuse_groups_of_one() -> None:
+    adv, _ = group_advantages(torch.tensor([[1, 0]]), eps=0.0)
+    assert adv[0].tolist() == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)])
+    with pytest.raises(StageError, match=r"^grpo\.group_size: "):
+        group_advantages(torch.ones(3, 1))
+
+
+def test_sibling_advantages() -> None:
+    assert sibling_advantages([]) == []
+    assert sibling_advantages([0.7]) == [0.0]
+    assert sibling_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
+    s = statistics.stdev([0.0, 0.5, 1.0])  # 0.5
+    assert sibling_advantages([0.0, 0.5, 1.0], eps=1e-4) == pytest.approx(
+        [-0.5 / (s + 1e-4), 0.0, 0.5 / (s + 1e-4)]
+    )
+
+
+# --- tree advantages ----------------------------------------------------------------------------
+
+
+def _example_tree() -> list[Segment]:
+    """The module docstring's tree: root -> A (-> A1, A2), B."""
+    return [
+        Segment(node_id="A", parent_id=None, value=0.5, length=3),
+        Segment(node_id="B", parent_id=None, value=1.0, length=4),
+        Segment(node_id="A1", parent_id="A", value=1.0, length=2),
+        Segment(node_id="A2", parent_id="A", value=0.0, length=1),
+    ]
+
+
+def test_tree_token_advantages_match_the_hand_computed_example() -> None:
+    eps = 1e-4
+    # Siblings {A: 0.5, B: 1}: mean 0.75, sample std sqrt(2 * 0.25^2 / 1).
+    sib_a = -0.25 / (math.sqrt(0.125) + eps)
+    # Siblings {A1: 1, A2: 0}: mean 0.5, sample std sqrt(2 * 0.5^2 / 1).
+    sib_a1 = 0.5 / (math.sqrt(0.5) + eps)
+    # Leaves {A1: 1, A2: 0, B: 1}: mean 2/3, sample std sqrt((1/9 + 4/9 + 1/9) / 2).
+    leaf_std = math.sqrt(1 / 3) + eps
+    leaf_a1, leaf_a2, leaf_b = (1 / 3) / leaf_std, (-2 / 3) / leaf_std, (1 / 3) / leaf_std
+
+    adv = tree_token_advantages(_example_tree(), eps=eps)
+    assert set(adv) == {"A1", "A2", "B"}
+    assert adv["A1"].tolist() == pytest.approx([sib_a + leaf_a1] * 3 + [sib_a1 + leaf_a1] * 2)
+    assert adv["A2"].tolist() == pytest.approx([sib_a + leaf_a2] * 3 + [-sib_a1 + leaf_a2])
+    assert adv["B"].tolist() == pytest.approx([-sib_a + leaf_b] * 4)
+    # The rounded numbers the docstring shows.
+    assert adv["A1"][0].item() == pytest.approx(-0.1298, abs=1e-3)
+    assert adv["A2"][0].item() == pytest.approx(-1.8618, abs=1e-3)
+    assert adv["B"][0].item() == pytest.approx(1.2845, abs=1e-3)
+
+
+def test_leaf_paths_run_root_to_leaf_and_lengths_line_up() -> None:
+    tree = _example_tree()
+    paths = leaf_paths(tree)
+    assert {k: [s.node_id for s in v] for k, v in paths.items()} == {
+        "A1": ["A", "A1"],
+        "A2": ["A", "A2"],
+        "B": ["B"],
+    }
+    adv = tree_token_advantages(tree)
+    assert all(len(adv[k]) == sum(s.length for s in p) for k, p in paths.items())
+    assert all(a.dtype == torch.float32 for a in adv.values())
+
+
+def test_a_chain_and_equal_leaves_give_zero_advantages() -> None:
+    chain = [
+        Segment(node_id=0, parent_id=None, value=1.0, length=2),
+        Segment(node_id=1, parent_id=0, value=1.0, length=3),
+    ]
+    assert tree_token_advantages(chain)[1].tolist() == [0.0] * 5
+    flat = [Segment(node_id=i, parent_id=None, value=0.0, length=1) for i in range(4)]
+    assert all(a.tolist() == [0.0] for a in tree_token_advantages(flat).values())
+
+
+def test_a_flat_tree_equals_group_advantages() -> None:
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0]
+    flat = [Segment(node_id=i, parent_id=None, value=r, length=2) for i, r in enumerate(rewards)]
+    group, _ = group_advantages(torch.tensor([rewards]))
+    adv = tree_token_advantages(flat)
+    for i in range(5):
+        assert adv[i].tolist() == pytest.approx([2 * group[0, i].item()] * 2, rel=1e-5)
+
+
+def test_any_row_with_the_four_fields_is_a_segment() -> None:
+    row = namedtuple("row", "node_id parent_id value visits start length")
+    rows = [row(s.node_id, s.parent_id, s.value, 1, 0, s.length) for s in _example_tree()]
+    expected = tree_token_advantages(_example_tree())
+    assert all(torch.equal(a, expected[k]) for k, a in tree_token_advantages(rows).items())
+
+
+def test_malformed_trees_are_refused() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        leaf_paths([Segment(node_id=1, parent_id=None, value=0, length=1)] * 2)
+    with pytest.raises(ValueError, match="name no segment"):
+        leaf_paths([Segment(node_id=1, parent_id=7, value=0, length=1)])
+    cycle = [
+        Segment(node_id=1, parent_id=2, value=0, length=1),
+        Segment(node_id=2, parent_id=1, value=0, length=1),
+        Segment(node_id=3, parent_id=1, value=0, length=1),
+    ]
+    with pytest.raises(ValueError, match="cycle"):
+        leaf_paths(cycle)
+
+
+# --- loss ---------------------------------------------------------------------------------------
+
+
+def _batch(seed: int, b: int = 4, t: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g) * 3
+    mask = (torch.rand(b, t, generator=g) > 0.3).float()
+    mask[0] = 0.0  # one sequence without tokens
+    mask[1, 0] = 1.0
+    return {
+        "logprobs": logp,
+        "old_logprobs": logp + (torch.rand(b, t, generator=g) - 0.5) * 0.6,
+        "ref_logprobs": logp + (torch.rand(b, t, generator=g) - 0.5) * 0.6,
+        "advantages": torch.randn(b, generator=g),
+        "mask": mask,
+    }
+
+
+def _loop_loss(batch: dict[str, torch.Tensor], eps_low, eps_high, beta, loss_type, max_length):
+    """The loss written token by token with Python floats."""
+    lp, old, ref = (
+        batch["logprobs"].tolist(),
+        batch["old_logprobs"].tolist(),
+        batch["ref_logprobs"].tolist(),
+    )
+    mask, adv = batch["mask"].tolist(), batch["advantages"].tolist()
+    per_seq, total, tokens = [], 0.0, 0
+    for i in range(len(lp)):
+        seq_sum, seq_tokens = 0.0, 0
+        for t in range(len(lp[i])):
+            if not mask[i][t]:
+                continue
+            a = adv[i] if isinstance(adv[i], float) else adv[i][t]
+            r = math.exp(lp[i][t] - old[i][t])
+            clipped = min(max(r, 1 - eps_low), 1 + eps_high)
+            loss = -min(r * a, clipped * a)
+            if beta:
+                d = ref[i][t] - lp[i][t]
+                loss += beta * (math.exp(d) - d - 1)
+            seq_sum += loss
+            seq_tokens += 1
+        if seq_tokens:
+            per_seq.append(seq_sum / seq_tokens)
+        total += seq_sum
+        tokens += seq_tokens
+    if loss_type == "grpo":
+        return sum(per_seq) / len(per_seq)
+    if loss_type == "dapo":
+        return total / tokens
+    return total / (len(lp) * max_length)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_aggregations_match_a_loop(loss_type: str, beta: float, per_token_adv: bool) -> None:
+    for seed in range(3):
+        batch = _batch(seed)
+        if per_token_adv:
+            batch["advantages"] = torch.randn(
+                batch["logprobs"].shape, generator=torch.Generator().manual_seed(seed)
+            )
+        max_length = 10 if loss_type == "dr_grpo" and seed == 1 else 6
+        loss, stats = grpo_loss(
+            **batch,
+            eps_low=0.2,
+            eps_high=0.28,
+            beta=beta,
+            loss_type=loss_type,
+            max_length=max_length,
+        )
+        assert loss.item() == pytest.approx(
+            _loop_loss(batch, 0.2, 0.28, beta, loss_type, max_length), rel=1e-5
+        )
+        assert stats.tokens == int(batch["mask"].sum())
+
+
+def test_ratio_one_is_the_policy_gradient() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
+    adv, mask = torch.tensor([0.5, -2.0]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, stats = grpo_loss(
+        logp, logp.detach(), None, adv, mask, eps_low=0.2, eps_high=0.2, beta=0.0, loss_type="grpo"
+    )
+    assert loss.item() == pytest.approx(-(0.5 - 2.0) / 2)
+    assert stats.clip_ratio_low == stats.clip_ratio_high == 0.0
+    loss.backward()
+    # d/dlogp of -ratio * A at ratio 1 is -A, over the sequence's tokens, over sequences.
+    expected = torch.tensor([[-0.5 / 2, -0.5 / 2, 0.0], [2.0 / 3, 2.0 / 3, 2.0 / 3]]) / 2
+    assert torch.allclose(logp.grad, expected)
+
+
+def test_clip_stats_count_only_the_active_side() -> None:
+    ratios = torch.tensor([[0.5, 0.5, 1.5, 1.5, 1.0], [0.5, 0.5, 1.5, 1.5, 1.0]])
+    adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, 1.0], [-1.0, -1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0] * 5, [1.0, 1.0, 1.0, 0.0, 1.0]])
+    old = torch.zeros(2, 5)
+    loss, stats = grpo_loss(
+        ratios.log(), old, None, adv, mask, eps_low=0.2, eps_high=0.2, beta=0.0, loss_type="dapo"
+    )
+    # Low: ratio 0.5 with A < 0 -> (0,0), (1,0), (1,1). High: ratio 1.5 with A > 0 -> (0,2), (1,2).
+    assert stats.tokens == 9
+    assert stats.clip_ratio_low == pytest.approx(3 / 9)
+    assert stats.clip_ratio_high == pytest.approx(2 / 9)
+    # Clipped tokens contribute their clipped value: -0.8 * -1 = 0.8, -1.2 * 1 = -1.2.
+    per_token = [0.8, -0.5, -1.2, 1.5, -1.0, 0.8, 0.8, -1.2, -1.0]
+    assert loss.item() == pytest.approx(sum(per_token) / 9)
+
+
+def test_kl_is_k3_nonnegative_and_zero_at_the_reference() -> None:
+    b = _batch(5)
+    kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.1, "loss_type": "dapo"}
+    _, stats = grpo_loss(
+        b["logprobs"], b["old_logprobs"], b["ref_logprobs"], b["advantages"], b["mask"], **kw
+    )
+    assert stats.kl_mean is not None and stats.kl_mean > 0
+    _, same = grpo_loss(
+        b["logprobs"], b["old_logprobs"], b["logprobs"], b["advantages"], b["mask"], **kw
+    )
+    assert same.kl_mean == 0.0
+    # k3 of a single token, by hand.
+    one = torch.ones(1, 1)
+    _, stats = grpo_loss(-one, -one, -one + 0.5, torch.zeros(1), one, **kw)
+    assert stats.kl_mean == pytest.approx(math.exp(0.5) - 0.5 - 1)
+
+
+def test_beta_zero_ignores_the_reference() -> None:
+    b = _batch(6)
+    kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "loss_type": "grpo"}
+    with_ref, stats = grpo_loss(**b, **kw)
+    b["ref_logprobs"] = torch.full_like(b["logprobs"], float("nan"))
+    nan_ref, _ = grpo_loss(**b, **kw)
+    b["ref_logprobs"] = None
+    no_ref, _ = grpo_loss(**b, **kw)
+    assert stats.kl_mean is None
+    assert with_ref.item() == nan_ref.item() == no_ref.item()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_gradient_is_finite_even_with_empty_sequences_and_garbage_padding(loss_type: str) -> None:
+    b = _batch(7)
+    b["logprobs"] = b["logprobs"].masked_fill(b["mask"] == 0, float("inf")).requires_grad_()
+    b["old_logprobs"] = b["old_logprobs"].masked_fill(b["mask"] == 0, float("-inf"))
+    loss, stats = grpo_loss(**b, eps_low=0.2, eps_high=0.28, beta=0.04, loss_type=loss_type)
+    loss.backward()
+    assert math.isfinite(loss.item()) and math.isfinite(stats.kl_mean)
+    assert torch.isfinite(b["logprobs"].grad).all()
+    assert (b["logprobs"].grad[b["mask"] == 0] == 0).all()
+    assert (b["logprobs"].grad[b["mask"] == 1] != 0).any()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_an_empty_batch_gives_zero_loss(loss_type: str) -> None:
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, stats = grpo_loss(
+        logp,
+        torch.zeros(2, 3),
+        None,
+        torch.ones(2),
+        torch.zeros(2, 3),
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.0,
+        loss_type=loss_type,
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and stats.tokens == 0 and stats.clip_ratio_low == 0.0
+
+
+def test_masking_a_sequence_out_equals_dropping_it_for_grpo() -> None:
+    b = _batch(8)
+    kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "loss_type": "grpo"}
+    masked, _ = grpo_loss(**b, **kw)  # row 0 has no tokens
+    dropped, _ = grpo_loss(**{k: v[1:] for k, v in b.items()}, **kw)
+    assert masked.item() == pytest.approx(dropped.item())
+
+
+def test_bad_loss_arguments_are_refused() -> None:
+    b = _batch(9)
+    kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "loss_type": "grpo"}
+    with pytest.raises(
+        StageError, match=r"^grpo\.loss_type: must be one of grpo, dapo, dr_grpo \(got 'ppo'\)$"
+    ):
+        grpo_loss(**b, **{**kw, "loss_type": "ppo"})
+    with pytest.raises(StageError, match=r"^grpo\.kl_coef: "):
+        grpo_loss(**{**b, "ref_logprobs": None}, **{**kw, "beta": 0.1})
+    with pytest.raises(ValueError, match="advantages shaped"):
+        grpo_loss(**{**b, "advantages": torch.zeros(3)}, **kw)
+
+
+# --- curriculum ---------------------------------------------------------------------------------
+
+
+def _cfg(**changes) -> CurriculumConfig:
+    base = {
+        "start_level": 2,
+        "max_level": 3,
+        "window": 4,
+        "promote_at": 0.75,
+        "demote_below": 0.25,
+        "min_steps": 3,
+        "earlier_share": 0.25,
+    }
+    return CurriculumConfig(**{**base, **changes})
+
+
+def test_promotion_waits_for_min_steps_and_a_full_window() -> None:
+    cfg, state = _cfg(), CurriculumState.start(_cfg())
+    assert update(state, cfg, 1, [1.0, 1.0, 1.0, 1.0, 1.0]) is None  # window full, step 1 < 3
+    assert state.recent == [1, 1, 1, 1]
+    assert update(state, cfg, 2, [1.0]) is None  # step 2 < 3
+    event = update(state, cfg, 3, [0.0])  # window 1, 1, 1, 0: rate 0.75 >= 0.75
+    assert event == {
+        "step": 3,
+        "kind": "promote",
+        "from": 2,
+        "to": 3,
+        "success_rate": 0.75,
+        "window": 4,
+    }
+    assert (
+        state.level == 3
+        and state.steps_at_level == 0
+        and state.recent == []
+        and state.events == [event]
+    )
+    for step in range(4, 7):  # min_steps passed, window not full
+        assert update(state, cfg, step, [1.0]) is None
+    assert update(state, cfg, 7, [1.0]) is None  # full and perfect, but 3 is max_level
+    assert state.level == 3 and state.steps_at_level == 4
+
+
+def test_demotion_goes_below_the_start_level_down_to_one() -> None:
+    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg())
+    assert update(state, cfg, 10, [0.0, 0.5, 0.99, 1.0]) == {
+        "step": 10,
+        "kind": "demote",
+        "from": 2,
+        "to": 1,
+        "success_rate": 0.25,
+        "window": 4,
+    }
+    assert update(state, cfg, 11, [0.0] * 4) is None  # level 1 is the floor
+    assert state.level == 1 and len(state.events) == 1
+
+
+def test_a_middling_success_rate_keeps_the_level() -> None:
+    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg())
+    for step in range(10):
+        assert update(state, cfg, step, [1.0, 0.0]) is None
+    assert state.level == 2 and state.steps_at_level == 10 and len(state.recent) == 4
+
+
+def test_state_round_trips_through_json() -> None:
+    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg())
+    update(state, cfg, 1, [1.0] * 4)
+    update(state, cfg, 2, [1.0, 0.0])
+    text = json.dumps(state.to_json())
+    assert CurriculumState.from_json(json.loads(text)) == state
+
+
+def test_levels_for_draws_earlier_levels_at_the_configured_share() -> None:
+    cfg, rng = _cfg(earlier_share=0.3, max_level=5), random.Random(0)
+    state = CurriculumState(level=4)
+    levels = levels_for(state, cfg, 20_000, rng)
+    assert set(levels) == {1, 2, 3, 4}
+    earlier = [lv for lv in levels if lv < 4]
+    assert len(earlier) / len(levels) == pytest.approx(0.3, abs=0.02)
+    for lv in (1, 2, 3):
+        assert earlier.count(lv) / len(earlier) == pytest.approx(1 / 3, abs=0.03)
+    assert levels_for(state, cfg, 50, random.Random(1)) == levels_for(
+        state, cfg, 50, random.Random(1)
+    )
+    assert levels_for(CurriculumState(level=1), cfg, 100, rng) == [1] * 100
+    assert levels_for(state, _cfg(earlier_share=0.0), 100, rng) == [4] * 100
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"start_level": 0}, "start_level"),
+        ({"max_level": 1}, "max_level"),
+        ({"window": 0}, "window"),
+        ({"min_steps": 0}, "min_steps"),
+        ({"promote_at": 1.5}, "promote_at"),
+        ({"earlier_share": -0.1}, "earlier_share"),
+        ({"demote_below": 0.75}, "demote_below"),
+    ],
+)
+def test_bad_curriculum_config_names_the_key(changes: dict, key: str) -> None:
+    with pytest.raises(StageError, match=rf"^grpo\.curriculum\.{key}: "):
+        _cfg(**changes)

@@ -1,0 +1,297 @@
+"""The MCTS tree of the GRPO stage: UCT selection, backup, budgets and the export, with fake callbacks."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Any
+
+import pytest
+
+from stagetrain.errors import StageError
+from stagetrain.grpo.tree import (
+    Node,
+    SearchTree,
+    TreeConfig,
+    flat_equivalent_tokens,
+    search,
+    segments,
+)
+
+EOS = 0
+
+
+def _cfg(**changes: Any) -> TreeConfig:
+    base = TreeConfig(
+        branching=2,
+        segment_tokens=3,
+        max_leaves=8,
+        max_tokens=1000,
+        max_new_tokens=12,
+        uct_c=1.0,
+        eos_id=EOS,
+    )
+    return replace(base, **changes)
+
+
+def _fake_expand(calls: list[tuple[list[list[int]], int, int]] | None = None):
+    """Deterministic continuations: token values from the prefix; some end with eos."""
+
+    def expand(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
+        if calls is not None:
+            calls.append(([list(p) for p in prefixes], b, k))
+        out = []
+        for prefix in prefixes:
+            for i in range(b):
+                seed = (31 * sum(prefix) + 17 * len(prefix) + 7 * i) % 101
+                tokens = [(seed + 5 * j) % 9 + 1 for j in range(k)]
+                if seed % 4 == 0:
+                    tokens[-1] = EOS
+                out.append(tokens)
+        return out
+
+    return expand
+
+
+def _even_score(completion: list[int]) -> float:
+    """1.0 when the last token before eos is even."""
+    body = completion[:-1] if completion[-1] == EOS else completion
+    return 1.0 if body and body[-1] % 2 == 0 else 0.0
+
+
+def _grow(tree: SearchTree, node: Node, *continuations: list[int]) -> list[Node]:
+    return tree.expand(node, list(continuations))
+
+
+# --- selection -------------------------------------------------------------------------------
+
+
+def test_unvisited_children_are_selected_first_in_creation_order() -> None:
+    tree = SearchTree(_cfg())
+    a, b, c = _grow(tree, tree.root, [1], [2], [3])
+    assert tree.select() is a
+    (leaf, _) = _grow(tree, a, [4, EOS], [5])
+    tree.backup(leaf, 1.0)
+    assert tree.select() is b  # unvisited beats a's finite UCT (1 + 0)
+    (leaf, _) = _grow(tree, b, [6, EOS], [7])
+    tree.backup(leaf, 1.0)
+    assert tree.select() is c
+
+
+def _two_branch_tree(uct_c: float) -> tuple[SearchTree, dict[str, Node]]:
+    """root -> A (3 leaves: 1, 0, 0; open child a3), B (1 leaf: 0; open child b2)."""
+    tree = SearchTree(_cfg(uct_c=uct_c))
+    a, b = _grow(tree, tree.root, [1], [2])
+    a1, a2, a3, a4 = _grow(tree, a, [EOS], [3, EOS], [4, EOS], [5])
+    b1, b2 = _grow(tree, b, [EOS], [6])
+    for leaf, reward in ((a1, 1.0), (a2, 0.0), (a3, 0.0), (b1, 0.0)):
+        tree.backup(leaf, reward)
+    return tree, {"a": a, "b": b, "a4": a4, "b2": b2}
+
+
+def test_exploration_term_makes_the_less_visited_child_win() -> None:
+    tree, n = _two_branch_tree(uct_c=1.0)
+    # By hand: root visits 4, ln 4 = 1.386294; A = 1/3 + sqrt(ln 4 / 3), B = 0 + sqrt(ln 4 / 1).
+    assert tree.uct(tree.root, n["a"]) == pytest.approx(1.0131113, abs=1e-7)
+    assert tree.uct(tree.root, n["b"]) == pytest.approx(1.1774100, abs=1e-7)
+    assert tree.select() is n["b2"]
+
+
+def test_without_exploration_the_higher_mean_wins() -> None:
+    tree, n = _two_branch_tree(uct_c=0.0)
+    assert tree.uct(tree.root, n["a"]) == pytest.approx(1 / 3)
+    assert tree.select() is n["a4"]
+
+
+def test_finished_leaves_are_never_selected_and_a_closed_tree_selects_none() -> None:
+    tree = SearchTree(_cfg())
+    a, b = _grow(tree, tree.root, [1, EOS], [2])
+    tree.backup(a, 5.0)  # a high value must not attract selection to a finished leaf
+    assert tree.select() is b
+    _grow(tree, b, [3, EOS], [4, EOS])
+    assert tree.select() is None
+
+
+# --- backup, completion, expansion -----------------------------------------------------------
+
+
+def test_backup_makes_each_value_the_mean_reward_of_the_leaves_under_it() -> None:
+    tree = SearchTree(_cfg())
+    a, b = _grow(tree, tree.root, [1], [2, EOS])
+    a1, a2 = _grow(tree, a, [3, EOS], [4, EOS])
+    assert a.value == 0.0 and a.visits == 0
+    for leaf, reward in ((a1, 1.0), (a2, 0.0), (b, 1.0)):
+        tree.backup(leaf, reward)
+    assert (a.visits, a.value) == (2, 0.5)
+    assert (b.visits, b.value) == (1, 1.0)
+    assert tree.root.visits == 3
+    assert tree.root.value == pytest.approx(2 / 3)
+    assert [leaf.id for leaf in tree.leaves()] == [b.id, a1.id, a2.id]
+
+
+def test_completion_concatenates_segments_from_the_root() -> None:
+    tree = SearchTree(_cfg())
+    (a, b) = _grow(tree, tree.root, [1, 2], [9])
+    (a1, a2) = _grow(tree, a, [3, 4, 5], [6, EOS])
+    (x, _) = _grow(tree, a1, [7, EOS], [8])
+    assert tree.completion(tree.root) == []
+    assert tree.completion(x) == [1, 2, 3, 4, 5, 7, EOS]
+    assert tree.completion(a2) == [1, 2, 6, EOS]
+    assert tree.path(x) == [a.id, a1.id, x.id]
+    assert tree.siblings(a1) == [a2]
+    assert tree.siblings(a) == [b]
+    assert tree.siblings(tree.root) == []
+    assert tree.generated_tokens == 3 + 5 + 3
+
+
+def test_expand_marks_finished_at_eos_or_max_new_tokens_and_cuts_after_eos() -> None:
+    tree = SearchTree(_cfg(max_new_tokens=4))
+    (a, b) = _grow(tree, tree.root, [1, 2], [3, EOS, 7, 7])
+    assert not a.finished
+    assert b.finished and b.tokens == [3, EOS]
+    assert tree.segment_limit(a) == 2  # K = 3, but only 2 tokens are left to max_new_tokens
+    (a1, a2) = _grow(tree, a, [4], [5, 6])
+    assert not a1.finished and a2.finished
+    with pytest.raises(ValueError, match="1..1 tokens"):
+        _grow(tree, a1, [8], [8, 9])
+    assert a1.children == [] and tree.generated_tokens == 7  # a rejected expansion adds nothing
+    with pytest.raises(ValueError, match="already expanded"):
+        _grow(tree, a, [1], [1])
+    with pytest.raises(ValueError, match="1..3 tokens"):
+        _grow(SearchTree(_cfg()), SearchTree(_cfg()).root, [1], [])
+
+
+# --- search end to end -----------------------------------------------------------------------
+
+
+def test_search_respects_the_leaf_budget_and_finishes_every_leaf() -> None:
+    cfg = _cfg(branching=3, max_leaves=6)
+    tree = search(cfg, _fake_expand(), _even_score)
+    leaves = tree.leaves()
+    assert tree.select() is not None  # the budget stopped it, not a lack of nodes to expand
+    assert cfg.max_leaves <= len(leaves) < cfg.max_leaves + cfg.branching
+    for leaf in leaves:
+        completion = tree.completion(leaf)
+        assert not leaf.children and leaf.visits == 1
+        assert completion[-1] == EOS or len(completion) == cfg.max_new_tokens
+        assert leaf.value == _even_score(completion)
+    assert all(len(tree.completion(n)) <= cfg.max_new_tokens for n in tree.nodes)
+    assert tree.root.visits == len(leaves)
+
+
+def test_search_respects_the_token_budget() -> None:
+    cfg = _cfg(max_leaves=1000, max_tokens=20)
+    tree = search(cfg, _fake_expand(), _even_score)
+    assert (
+        cfg.max_tokens
+        <= tree.generated_tokens
+        < cfg.max_tokens + cfg.branching * cfg.segment_tokens
+    )
+    assert tree.generated_tokens == sum(len(n.tokens) for n in tree.nodes)
+
+
+def test_search_calls_expand_once_per_iteration_with_the_segment_limit() -> None:
+    calls: list[tuple[list[list[int]], int, int]] = []
+    cfg = _cfg(max_new_tokens=5)
+    tree = search(cfg, _fake_expand(calls), _even_score)
+    expanded = [n for n in tree.nodes if n.children]
+    assert len(calls) == len(expanded)
+    for (prefixes, b, k), node in zip(calls, expanded, strict=True):
+        assert prefixes == [tree.completion(node)] and b == cfg.branching
+        assert k == min(cfg.segment_tokens, cfg.max_new_tokens - len(prefixes[0]))
+
+
+def test_sharing_prefixes_generates_fewer_tokens_than_flat_sampling() -> None:
+    tree = search(_cfg(branching=3, max_leaves=16), _fake_expand(), _even_score)
+    assert len(tree.leaves()) >= 16
+    assert tree.generated_tokens < flat_equivalent_tokens(tree)
+
+
+def test_exhaustive_search_of_a_full_binary_tree_has_exact_counts() -> None:
+    """No eos, K = 1, max_new_tokens = 3: 2 + 4 + 8 nodes, 8 leaves of 3 tokens each."""
+    cfg = _cfg(segment_tokens=1, max_new_tokens=3, max_leaves=100)
+    scores: list[list[int]] = []
+
+    def never_eos(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
+        return [[i + 1] * k for _ in prefixes for i in range(b)]
+
+    def score(completion: list[int]) -> float:
+        scores.append(completion)
+        return float(completion[-1] == 2)
+
+    tree = search(cfg, never_eos, score)
+    assert tree.select() is None
+    assert len(tree.nodes) == 15 and len(tree.leaves()) == 8
+    assert tree.generated_tokens == 14 and flat_equivalent_tokens(tree) == 24
+    assert sorted(scores) == sorted([[a, b, c] for a in (1, 2) for b in (1, 2) for c in (1, 2)])
+    assert tree.root.value == 0.5
+
+
+def test_search_is_deterministic_for_the_same_callbacks() -> None:
+    first = search(_cfg(branching=3, max_leaves=10), _fake_expand(), _even_score)
+    second = search(_cfg(branching=3, max_leaves=10), _fake_expand(), _even_score)
+    assert [asdict(n) for n in first.nodes] == [asdict(n) for n in second.nodes]
+    assert first.generated_tokens == second.generated_tokens
+
+
+def test_search_rejects_a_wrong_number_of_continuations() -> None:
+    with pytest.raises(ValueError, match="expected 2"):
+        search(_cfg(), lambda prefixes, b, k: [[1]], _even_score)
+
+
+# --- export ----------------------------------------------------------------------------------
+
+
+def test_segments_export_scored_nodes_and_leaf_paths() -> None:
+    tree = SearchTree(_cfg())
+    a, b, c = _grow(tree, tree.root, [1, 2], [3, EOS], [4])  # c is never scored
+    a1, a2 = _grow(tree, a, [5, 6, EOS], [7])  # a2 is never scored
+    tree.backup(a1, 1.0)
+    tree.backup(b, 0.0)
+    rows, paths = segments(tree)
+    got = [(r.node_id, r.parent_id, r.value, r.visits, r.start, r.length) for r in rows]
+    assert got == [
+        (a.id, None, 1.0, 1, 0, 2),
+        (b.id, None, 0.0, 1, 0, 2),
+        (a1.id, a.id, 1.0, 1, 2, 3),
+    ]
+    assert paths == [[b.id], [a.id, a1.id]]
+
+
+def test_segments_of_a_search_cover_every_leaf_path() -> None:
+    tree = search(_cfg(branching=3, max_leaves=10), _fake_expand(), _even_score)
+    rows, paths = segments(tree)
+    by_id = {r.node_id: r for r in rows}
+    assert len(paths) == len(tree.leaves())
+    for leaf, path in zip(tree.leaves(), paths, strict=True):
+        assert path[-1] == leaf.id and all(i in by_id for i in path)
+        assert by_id[path[0]].parent_id is None
+        assert sum(by_id[i].length for i in path) == len(tree.completion(leaf))
+    parents = {r.parent_id for r in rows}
+    assert {r.node_id for r in rows if r.node_id not in parents} == {
+        leaf.id for leaf in tree.leaves()
+    }
+
+
+# --- config ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("branching", 1),
+        ("segment_tokens", 0),
+        ("max_leaves", 0),
+        ("max_tokens", 0),
+        ("max_new_tokens", 0),
+        ("eos_id", -1),
+        ("branching", 2.5),
+        ("max_leaves", True),
+        ("uct_c", -0.1),
+        ("uct_c", float("nan")),
+        ("uct_c", float("inf")),
+        ("uct_c", "1"),
+    ],
+)
+def test_config_errors_name_the_key(key: str, value: Any) -> None:
+    with pytest.raises(StageError, match=rf"^grpo\.tree\.{key}: expected"):
+        _cfg(**{key: value})
