@@ -126,3 +126,64 @@ def model_config(out: Path, **changes: Any) -> str:
     path = out / "model_config.json"
     path.write_text(config.to_json_string(use_diff=False))
     return str(path)
+
+
+def grpo_config(**changes: Any) -> dict[str, Any]:
+    """The small config with a short GRPO stage; `changes` override grpo keys."""
+    cfg = small_config()
+    cfg["grpo"].update(
+        {
+            "prompts_per_step": 4, "group_size": 4, "max_prompt_len": 32, "max_new_tokens": 8, "steps": 3,
+            "eval_problems": 8, "eval_every": 3, "checkpoint_every": 3, "eval_batches": 1, "log_every": 1,
+            "optimizer": {**cfg["grpo"]["optimizer"], "lr": 1e-4, "warmup_steps": 1},
+            **changes,
+        }
+    )  # fmt: skip
+    return cfg
+
+
+def launch_grpo(
+    data: dict[str, str], model_dir: str, out: Path, *, world: int, layout: dict[str, Any], cfg: dict[str, Any],
+    checkpoints: Path | None = None, popen: bool = False,
+) -> Any:  # fmt: skip
+    """Run the GRPO entry point on `world` CPU ranks; a CompletedProcess, or a Popen if `popen`."""
+    cfg["parallelism"].update({"activation_checkpointing": False, "offload": "none", **layout})
+    plan = _plan(cfg, _cpu_hardware(ranks=world))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "plan.json", plan)
+    training = {
+        "steps": cfg["grpo"]["steps"] * cfg["grpo"]["passes"],
+        "optimizer": cfg["grpo"]["optimizer"],
+    }
+    atomic_write_json(
+        out / "ds.json",
+        render(stage="grpo", plan=plan, deepspeed=cfg["deepspeed"], training=training),
+    )
+    spec = {
+        **data, "model": model_dir, "plan": str(out / "plan.json"), "deepspeed_config": str(out / "ds.json"),
+        "checkpoints": str(checkpoints or out / "checkpoints"), "summary": str(out / "summary.json"),
+        "metrics": str(out / "metrics.jsonl"), "reward_plot": str(out / "reward.png"),
+        "grpo": cfg["grpo"], "seed": cfg["run"]["seed"],
+    }  # fmt: skip
+    atomic_write_json(out / "job.json", spec)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           "-m", "stagetrain.grpo.train", "--spec", str(out / "job.json")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if popen:
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_grpo(data: dict[str, str], model_dir: str, out: Path, **kwargs: Any) -> dict[str, Any]:
+    """`launch_grpo`, requiring success; the run's summary.json."""
+    proc = launch_grpo(data, model_dir, out, **kwargs)
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return json.loads((out / "summary.json").read_text())

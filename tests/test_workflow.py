@@ -149,31 +149,28 @@ def small_run(workdir: Path, steps: int = 12) -> None:
                 checkpoint_every=4, eval_batches=2, optimizer={"warmup_steps": 2})  # fmt: skip
 
 
-def test_unbuilt_stage_fails_in_one_line_and_writes_nothing(workdir: Path) -> None:
+def test_the_whole_pipeline_runs_and_reports(workdir: Path) -> None:
+    """`snakemake all` on a shrunk default config: every stage, both consolidations, the report."""
     small_run(workdir, steps=4)
-    proc = snakemake(workdir, "grpo", check=False)
-    assert proc.returncode != 0
-    log = (workdir / "results/tiny/logs/grpo.log").read_text()
-    assert (
-        log.strip()
-        == "error: grpo: this stage is not built yet (issue #6); no artifact was written"
-    )
-    assert not (workdir / "results/tiny/grpo").exists()
-    summary = json.loads((workdir / "results/tiny/pretrain/summary.json").read_text())
-    assert summary["final_step"] == 4  # the stages before it completed
+    edit_config(workdir, "grpo", steps=2, prompts_per_step=4, group_size=4, max_new_tokens=8, eval_problems=8,
+                eval_every=2, checkpoint_every=2, eval_batches=1, optimizer={"warmup_steps": 1})  # fmt: skip
+    snakemake(workdir, "all")
+    run = workdir / "results/tiny"
     records = [
-        json.loads(line)
-        for line in (workdir / "results/tiny/pretrain/metrics.jsonl").read_text().splitlines()
+        json.loads(line) for line in (run / "pretrain/metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(set(r) <= set(METRICS) for r in records)
-    assert (workdir / "results/tiny/pretrain/loss.png").read_bytes()[:4] == b"\x89PNG"
-    manifest = json.loads((workdir / "results/tiny/model/pretrain/MANIFEST.json").read_text())
-    assert manifest["step"] == 4 and manifest["dtype"] == "bf16"
-    assert (
-        "verified: validation loss"
-        in (workdir / "results/tiny/logs/consolidate_pretrain.log").read_text()
-    )
+    for png in ("pretrain/loss.png", "grpo/reward.png"):
+        assert (run / png).read_bytes()[:4] == b"\x89PNG"
+    for stage, step in (("pretrain", 4), ("grpo", 2)):
+        manifest = json.loads((run / f"model/{stage}/MANIFEST.json").read_text())
+        assert (manifest["stage"], manifest["step"], manifest["dtype"]) == (stage, step, "bf16")
+        assert "verified: validation loss" in (run / f"logs/consolidate_{stage}.log").read_text()
+    grpo = json.loads((run / "grpo/summary.json").read_text())
+    assert grpo["optimizer_steps"] == 2 and grpo["accuracy"]["end"] is not None
+    snakemake(workdir, "--report", "report.html")
+    assert (workdir / "report.html").stat().st_size > 10_000
 
 
 def _final_weights(workdir: Path) -> dict[str, torch.Tensor]:
@@ -295,7 +292,7 @@ def test_stage_script_runs_on_its_own_and_validates_the_whole_config(
     render_cmd = [sys.executable, "scripts/render_deepspeed_config.py", "--config", "config/config.yaml",
                   "--stage", "grpo", "--plan", str(plan), "--deepspeed-config", str(tmp_path / "grpo.json")]  # fmt: skip
     subprocess.run(render_cmd, cwd=workdir, check=True, capture_output=True)
-    assert json.loads((tmp_path / "grpo.json").read_text())["train_batch_size"] == 64
+    assert json.loads((tmp_path / "grpo.json").read_text())["train_batch_size"] == 128
 
     edit_config(workdir, "model", num_kv_heads=3)
     plan.unlink()

@@ -72,6 +72,10 @@ def sample(
         input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
         top_p=top_p, max_new_tokens=max_new_tokens, num_return_sequences=n, eos_token_id=eos_id,
         pad_token_id=pad_id, use_cache=True,
+        # Parameters are gathered and ZeRO-3's hooks are off (grpo.train.gathered): each rank
+        # generates alone. transformers would otherwise keep ranks in lockstep under ZeRO-3,
+        # which deadlocks when ranks make different numbers of generate calls (tree search).
+        synced_gpus=False,
     )  # fmt: skip
     return [_cut(row[width:].tolist(), eos_id, pad_id) for row in out]
 

@@ -36,7 +36,7 @@ def greedy_scores(
         tokens = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=device)
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
         gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=cfg["max_new_tokens"],
-                             eos_token_id=eos, pad_token_id=pad, use_cache=True)  # fmt: skip
+                             eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=False)  # fmt: skip
         texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=False)
         out.extend(score(t, p) for t, p in zip(texts, chunk, strict=True))
     return out

@@ -18,6 +18,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,34 @@ def setup(spec: dict[str, Any]) -> Run:
     )  # fmt: skip
 
 
-def gathered(run: Run) -> contextlib.AbstractContextManager:
-    """Under ZeRO-3, the whole policy gathered on every rank for a generation phase; else nothing."""
+@contextlib.contextmanager
+def gathered(run: Run) -> Iterator[None]:
+    """Under ZeRO-3, the whole policy gathered on every rank, and ZeRO-3's module hooks off, for a
+    generation phase; nothing otherwise.
+
+    Ranks generate different numbers of tokens (their own prompts, early stops,
+    tree searches of different shapes); with ZeRO-3's hooks on, each forward
+    would all-gather parameters and ranks that stop early would leave the others
+    waiting. TRL's `unwrap_model_for_generation` does the same: gather, remove
+    the hooks, generate, put the hooks back. Cost: one full 16-bit copy of the
+    model on every rank while it lasts.
+    """
     if run.layout["zero_stage"] != 3:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters(
+        yield
+        return
+    offload = run.engine.optimizer.parameter_offload
+    with deepspeed.zero.GatheredParameters(
         list(run.engine.module.parameters()), modifier_rank=None
-    )
+    ):
+        for param in run.engine.module.parameters():
+            param.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
 
 
 def accuracy(run: Run) -> dict[str, float]:

@@ -1,0 +1,128 @@
+"""The GRPO stage run for real on two CPU ranks: through the DeepSpeed engine, flat and tree, resumable."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from pretrain_harness import final_params, grpo_config, launch_grpo, prepare_data, run, run_grpo
+from safetensors.torch import load_file
+
+from stagetrain.consolidate.folder import consolidate
+from stagetrain.grpo.metrics import METRICS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str]:
+    """Prepared data and a consolidated (fp32) pretrain model to start GRPO from."""
+    from stagetrain.pretrain.launch import prebuild_cpu_ops
+
+    prebuild_cpu_ops()
+    root = tmp_path_factory.mktemp("grpo")
+    data = prepare_data(root / "data")
+    summary = run(
+        data,
+        root / "pretrain",
+        world=2,
+        layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0},
+    )
+    (root / "summary.json").write_text(json.dumps(summary))
+    consolidate(stage="pretrain", summary_path=str(root / "summary.json"), tokenizer_dir=data["tokenizer"],
+                model_config_path=data["model_config"], meta_path=data["meta"], out=str(root / "model"),
+                cfg={"dtype": "fp32", "max_shard_size": "2GB"})  # fmt: skip
+    return data, str(root / "model")
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_path: Path) -> None:
+    data, model = start
+    cfg = grpo_config(kl_coef=0.04, passes=2)
+    summary = run_grpo(
+        data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
+    )
+    assert summary["optimizer_steps"] == 6  # 3 steps x 2 passes, each through engine.step
+    records = _records(tmp_path)
+    assert all(set(r) <= set(METRICS) for r in records)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all("kl" in r and r["kl"] >= 0 for r in records[1:])
+    assert summary["accuracy"]["start"] is not None and summary["accuracy"]["end"] is not None
+    initial = load_file(Path(model) / "model-00001-of-00001.safetensors")
+    final = final_params(summary)
+    moved = max((final[k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-5  # the policy really changed
+    assert summary["curriculum"]["level"] == 1
+
+
+def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) -> None:
+    data, model = start
+    cfg = grpo_config(
+        rollout="tree",
+        steps=2,
+        checkpoint_every=2,
+        eval_every=2,
+        tree={"branching": 2, "segment_tokens": 2, "uct_c": 1.0},
+    )
+    summary = run_grpo(
+        data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 3}, cfg=cfg
+    )
+    assert summary["optimizer_steps"] == 2
+    records = _records(tmp_path)[1:]
+    assert all(r["rollout/generated_tokens"] < r["rollout/flat_equivalent_tokens"] for r in records)
+    out = tmp_path / "model"
+    manifest = consolidate(stage="grpo", summary_path=str(tmp_path / "summary.json"), tokenizer_dir=data["tokenizer"],
+                           model_config_path=data["model_config"], meta_path=data["meta"], out=str(out),
+                           cfg={"dtype": "bf16", "max_shard_size": "2GB"})  # fmt: skip
+    assert manifest["stage"] == "grpo" and manifest["step"] == 2
+
+
+def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) -> None:
+    data, model = start
+    cfg = grpo_config(steps=6, checkpoint_every=2, eval_every=6)
+    layout = {"dp": 2, "tp": 1, "zero_stage": 1}
+    straight = run_grpo(
+        data,
+        model,
+        tmp_path / "straight",
+        world=2,
+        layout=layout,
+        cfg=grpo_config(steps=6, checkpoint_every=2, eval_every=6),
+    )
+    proc = launch_grpo(
+        data, model, tmp_path / "killed", world=2, layout=layout, cfg=cfg, popen=True
+    )
+    deadline = time.monotonic() + 300
+    pointers = tmp_path / "killed" / "checkpoints"
+    while time.monotonic() < deadline and not any(
+        json.loads(p.read_text())["step"] >= 2 for p in pointers.glob("*/latest.json")
+    ):
+        time.sleep(0.2)
+    for pid in [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    resumed = run_grpo(
+        data,
+        model,
+        tmp_path / "killed",
+        world=2,
+        layout=layout,
+        cfg=grpo_config(steps=6, checkpoint_every=2, eval_every=6),
+    )
+    assert 2 <= resumed["resumed_from_step"] < 6
+    assert resumed["rewards"] == straight["rewards"] and resumed["losses"] == straight["losses"]
+    a, b = final_params(resumed), final_params(straight)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["curriculum"] == straight["curriculum"]
