@@ -58,6 +58,7 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
     assert all(set(r) <= set(METRICS) for r in records)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all("kl" in r and r["kl"] >= 0 for r in records[1:])
+    assert all(set(r["reward/by_level"]) == {"1"} for r in records[1:])
     assert summary["accuracy"]["start"] is not None and summary["accuracy"]["end"] is not None
     initial = load_file(Path(model) / "model-00001-of-00001.safetensors")
     final = final_params(summary)
@@ -81,6 +82,13 @@ def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) 
     assert summary["optimizer_steps"] == 2
     records = _records(tmp_path)[1:]
     assert all(r["rollout/generated_tokens"] < r["rollout/flat_equivalent_tokens"] for r in records)
+    assert all(
+        r["tree/leaves"] >= 2 * 4 and r["tree/nodes"] >= r["tree/leaves"] for r in records
+    )  # 2 prompts per rank x 4 leaves
+    assert all(
+        r["tree/tokens_per_leaf"] == pytest.approx(r["rollout/generated_tokens"] / r["tree/leaves"])
+        for r in records
+    )
     out = tmp_path / "model"
     manifest = consolidate(stage="grpo", summary_path=str(tmp_path / "summary.json"), tokenizer_dir=data["tokenizer"],
                            model_config_path=data["model_config"], meta_path=data["meta"], out=str(out),
@@ -126,3 +134,17 @@ def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) ->
     a, b = final_params(resumed), final_params(straight)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["curriculum"] == straight["curriculum"]
+
+
+def test_evaluation_script_reports_accuracy_per_family_and_level(
+    start: tuple, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stagetrain.evaluate import accuracy, main
+
+    _, model = start
+    results = accuracy(model, ["comparison", "counting"], [1, 2], 4, seed=1)
+    assert set(results) == {("comparison", 1), ("comparison", 2), ("counting", 1), ("counting", 2)}
+    assert all(0.0 <= v <= 1.0 for v in results.values())
+    main([model, "--families", "counting", "--levels", "1", "--problems", "4"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("family") and lines[1].split()[:2] == ["counting", "1"]

@@ -213,7 +213,7 @@ def test_cpu_plan_uses_cpu_ranks_with_tp_1() -> None:
         assert (layout["dp"], layout["tp"]) == (2, 1), name
         assert layout["micro_batch_size"] * layout["grad_accum"] * 2 == layout["global_batch"]
     assert plan["stages"]["pretrain"]["layout"]["global_batch"] == 32
-    assert plan["stages"]["grpo"]["layout"]["global_batch"] == 64
+    assert plan["stages"]["grpo"]["layout"]["global_batch"] == 128  # 16 prompts x 8 completions
     assert plan["model"]["params"] == model_shape(build_config(cfg["model"], 512)).params
 
 

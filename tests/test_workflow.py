@@ -104,7 +104,7 @@ def test_plan_runs_then_nothing_to_do_and_edits_rerun_only_what_follows(workdir:
 
     assert "Nothing to be done" in snakemake(workdir, "-n", "plan").stdout
 
-    edit_config(workdir, "grpo", optimizer={"lr": 5e-5})
+    edit_config(workdir, "grpo", optimizer={"lr": 2e-5})
     assert set(scheduled(workdir, "plan")) == {"render_deepspeed_config[grpo]", "plan"}
     after_grpo_edit = scheduled(workdir, "all")
     assert "detect_hardware" not in after_grpo_edit and "plan_parallelism" not in after_grpo_edit

@@ -33,6 +33,8 @@ class Group:
     """Per completion, one advantage per completion token."""
     generated_tokens: int
     flat_tokens: int
+    nodes: int
+    """Tree nodes below the root (flat: one per completion)."""
 
     @property
     def varies(self) -> bool:
@@ -102,7 +104,7 @@ def flat_groups(
         adv, _ = group_advantages(torch.tensor([rewards], dtype=torch.float32))
         tokens = sum(len(c) for c in mine)
         groups.append(
-            Group(prompt=prompt, completions=mine, rewards=rewards, generated_tokens=tokens, flat_tokens=tokens,
+            Group(prompt=prompt, completions=mine, rewards=rewards, generated_tokens=tokens, flat_tokens=tokens, nodes=len(mine),
                   advantages=[torch.full((len(c),), float(a)) for c, a in zip(mine, adv[0], strict=True)])
         )  # fmt: skip
     return groups
@@ -140,6 +142,7 @@ def tree_groups(
                 advantages=[per_leaf[leaf.id] for leaf in leaves],
                 generated_tokens=tree.generated_tokens,
                 flat_tokens=flat_equivalent_tokens(tree),
+                nodes=len(tree.nodes) - 1,
             )
         )
     return groups

@@ -165,8 +165,9 @@ def step(
     run.engine.train()
     loss, clip = train_on(run, groups)
     levels = [p.level for p in batch]
-    rows = _gather([(g.rewards, g.varies, lvl, g.generated_tokens, g.flat_tokens, len(g.prompt))
+    rows = _gather([(g.rewards, g.varies, lvl, g.generated_tokens, g.flat_tokens, len(g.prompt), g.nodes)
                     for g, lvl in zip(groups, levels, strict=True)])  # fmt: skip
+
     rewards = [r for row in rows for r in row[0]]
     current = [float(np.mean(row[0]) >= 0.5) for row in rows if row[2] == state.level]
     record = {
@@ -178,8 +179,16 @@ def step(
         "curriculum/level": state.level, "curriculum/success_rate": float(np.mean(current)) if current else 0.0,
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
     }  # fmt: skip
+    record["reward/by_level"] = {
+        str(level): float(np.mean([r for row in rows if row[2] == level for r in row[0]]))
+        for level in sorted({row[2] for row in rows})
+    }
     if run.tree:
+        leaves = sum(len(row[0]) for row in rows)
         record["rollout/flat_equivalent_tokens"] = sum(row[4] for row in rows)
+        record["tree/leaves"] = leaves
+        record["tree/nodes"] = sum(row[6] for row in rows)
+        record["tree/tokens_per_leaf"] = record["rollout/generated_tokens"] / leaves
     if cfg["kl_coef"] > 0:
         record["kl"] = clip["kl"]
     event = update(state, run.curriculum, step_no, current)
@@ -212,6 +221,18 @@ def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
     ax.plot(
         [0, summary["final_step"]], [acc["start"], acc["end"]], "o--", label="held-out accuracy"
     )
+    levels = {int(k): v for k, v in summary["levels"].items()}
+    twin = ax.twinx()
+    twin.step(
+        list(levels),
+        list(levels.values()),
+        where="post",
+        color="grey",
+        alpha=0.6,
+        label="curriculum level",
+    )
+    twin.set_ylabel("curriculum level")
+    twin.set_ylim(0.5, max(levels.values(), default=1) + 0.5)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(f"grpo: held-out accuracy {acc['start']:.2f} -> {acc['end']:.2f}")

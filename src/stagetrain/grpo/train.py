@@ -242,6 +242,7 @@ def summarise(
         "checkpoint": {"folder": str(run.checkpoints.folder), "tag": tag_of(core["final_step"])},
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
+        "levels": {r["step"]: r["curriculum/level"] for r in trained},
         "accuracy": {"start": records[0].get("eval/accuracy"), "end": float(np.mean(list(final_accuracy.values()))),
                      "end_by_family": final_accuracy},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
