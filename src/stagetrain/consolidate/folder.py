@@ -12,7 +12,6 @@ fp32 run, or fp32 master weights of a bf16 run, evaluated in another precision).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from stagetrain.consolidate.weights import read_weights
 from stagetrain.consolidate.writer import parse_size, write_shards
+from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
 from stagetrain.pretrain.batches import read_windows
@@ -68,14 +68,6 @@ def eval_loss(model: torch.nn.Module, batch: Mapping[str, Any], dtype: str) -> f
                 ).item()
             )
     return float(np.mean(losses))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def consolidate(
@@ -179,7 +171,7 @@ def _verify_and_describe(tmp: Path, stage: str, summary: Mapping[str, Any], meta
             "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__,
         },
-        "files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files},
+        "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
     }
     atomic_write_json(tmp / MANIFEST, manifest)
     return manifest
