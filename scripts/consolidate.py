@@ -7,22 +7,14 @@ Snakemake runs it through the `consolidate` rule (wildcard: stage); on its own:
         --val results/tiny/data/val.bin --model results/tiny/model/pretrain
 """
 
-import argparse
 import logging
-import sys
 
 from stagetrain.consolidate.folder import consolidate
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
 smk = globals().get("snakemake")
-if smk is not None:
-    STAGE = smk.wildcards.stage
-else:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--stage", choices=["pretrain", "grpo"], required=True)
-    args, rest = parser.parse_known_args()
-    STAGE, sys.argv[1:] = args.stage, rest
+STAGE = training_stage(smk)
 
 
 def main(io: StageIO) -> None:

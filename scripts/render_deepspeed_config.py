@@ -5,22 +5,14 @@ Snakemake runs it through the `render_deepspeed_config` rule (wildcard: stage); 
         --plan results/tiny/plan.json --deepspeed-config results/tiny/deepspeed/pretrain.json
 """
 
-import argparse
 import logging
-import sys
 
 from stagetrain.deepspeed_config import render
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
 smk = globals().get("snakemake")
-if smk is not None:
-    STAGE = smk.wildcards.stage
-else:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--stage", choices=["pretrain", "grpo"], required=True)
-    args, rest = parser.parse_known_args()
-    STAGE, sys.argv[1:] = args.stage, rest
+STAGE = training_stage(smk)
 
 
 def main(io: StageIO) -> None:

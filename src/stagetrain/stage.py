@@ -108,6 +108,12 @@ def run_stage(
         sys.exit(1)
 
 
-def not_built(stage: str, issue: str) -> None:
-    """Fail a declared stage whose implementation has not landed, writing nothing."""
-    raise StageError(f"{stage}: this stage is not built yet ({issue}); no artifact was written")
+def training_stage(snakemake: Any) -> str:
+    """The `stage` wildcard under Snakemake, or `--stage` on the command line (taken off argv)."""
+    if snakemake is not None:
+        return snakemake.wildcards.stage
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--stage", choices=["pretrain", "grpo"], required=True)
+    args, rest = parser.parse_known_args()
+    sys.argv[1:] = rest
+    return args.stage

@@ -11,12 +11,10 @@ gathered from all ranks so every rank updates the same curriculum state.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ from stagetrain.io import atomic_write_json, read_json
 from stagetrain.pretrain import engine as engines
 from stagetrain.pretrain.batches import window_count
 from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
+from stagetrain.pretrain.launch import rank_main
 from stagetrain.pretrain.metrics import MetricsLog
 from stagetrain.pretrain.train import _device, window_loss
 from stagetrain.tasks import Problem, problems
@@ -251,31 +250,19 @@ def summarise(
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--spec", required=True)
-    spec = json.loads(Path(parser.parse_args(argv).spec).read_text())
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    try:
-        run = setup(spec)
-        if dist.get_rank() != 0:
-            logging.getLogger("stagetrain").setLevel(logging.WARNING)
-        core = loop(run)
-        final_accuracy, loss = accuracy(run), val_loss(run)
-        if dist.get_rank() == 0:
-            summary = summarise(run, core, final_accuracy, loss)
-            Path(spec["metrics"]).write_bytes(
-                (run.checkpoints.folder / "metrics.jsonl").read_bytes()
-            )
-            grpo_steps.reward_plot(summary, spec["reward_plot"])
-            atomic_write_json(spec["summary"], summary)
-    except StageError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def rank(spec: dict[str, Any]) -> None:
+    """One rank of the GRPO stage: train, evaluate, then (rank 0) write the outputs."""
+    run = setup(spec)
+    if dist.get_rank() != 0:
+        logging.getLogger("stagetrain").setLevel(logging.WARNING)
+    core = loop(run)
+    final_accuracy, loss = accuracy(run), val_loss(run)
+    if dist.get_rank() == 0:
+        summary = summarise(run, core, final_accuracy, loss)
+        Path(spec["metrics"]).write_bytes((run.checkpoints.folder / "metrics.jsonl").read_bytes())
+        grpo_steps.reward_plot(summary, spec["reward_plot"])
+        atomic_write_json(spec["summary"], summary)
 
 
 if __name__ == "__main__":
-    main()
+    rank_main(rank)

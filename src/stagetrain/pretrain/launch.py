@@ -11,7 +11,7 @@ import logging
 import re
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from stagetrain.errors import StageError
 
@@ -158,3 +158,29 @@ def launch_stage(
     cmd = torchrun_command(nodes=plan["nodes"], procs_per_node=plan["ranks_per_node"], module=module,
                            args=["--spec", str(root / "job.json")], env=env)  # fmt: skip
     run_ranks(cmd, env, stage)
+
+
+def rank_main(body: Callable[[dict], None], argv: list[str] | None = None) -> None:
+    """The entry of every training rank: read --spec, run `body(spec)`, turn bad input into one line.
+
+    A `StageError` is printed as `error: ...` (which `run_ranks` surfaces) with
+    exit status 1; the process group is torn down whatever happens.
+    """
+    import argparse
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description="a training stage's rank (started by torchrun)")
+    parser.add_argument("--spec", required=True)
+    spec = json.loads(Path(parser.parse_args(argv).spec).read_text())
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    try:
+        body(spec)
+    except StageError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

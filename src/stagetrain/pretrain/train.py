@@ -8,10 +8,8 @@ and checkpointing, since under ZeRO-3 or AutoTP none can do them alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from stagetrain.planning.throughput import flops_per_token
 from stagetrain.pretrain import engine as engines
 from stagetrain.pretrain.batches import Sampler, read_windows, window_count
 from stagetrain.pretrain.checkpoints import Checkpoints
+from stagetrain.pretrain.launch import rank_main
 from stagetrain.pretrain.metrics import MetricsLog, Progress, max_rss_gib
 from stagetrain.pretrain.plot import loss_plot
 
@@ -274,35 +273,23 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--spec", required=True)
-    spec = json.loads(Path(parser.parse_args(argv).spec).read_text())
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    try:
-        run = setup(spec)
-        if dist.get_rank() != 0:
-            logging.getLogger("stagetrain").setLevel(logging.WARNING)
-        result = loop(run)
-        for key, value in (("local_param_elements", run.params["local_param_elements"]),
-                           ("param_checksum", checksum(run.engine.module))):  # fmt: skip
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, value)
-            run.params[f"{key}_per_rank"] = gathered
-        if dist.get_rank() == 0:
-            summary = summarise(run, result)
-            Path(spec["metrics"]).write_bytes(
-                (run.checkpoints.folder / "metrics.jsonl").read_bytes()
-            )
-            loss_plot(summary, spec["loss_plot"])
-            atomic_write_json(spec["summary"], summary)
-    except StageError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def rank(spec: dict[str, Any]) -> None:
+    """One rank of the pretrain stage: train, then (rank 0) write the outputs."""
+    run = setup(spec)
+    if dist.get_rank() != 0:
+        logging.getLogger("stagetrain").setLevel(logging.WARNING)
+    result = loop(run)
+    for key, value in (("local_param_elements", run.params["local_param_elements"]),
+                       ("param_checksum", checksum(run.engine.module))):  # fmt: skip
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        run.params[f"{key}_per_rank"] = gathered
+    if dist.get_rank() == 0:
+        summary = summarise(run, result)
+        Path(spec["metrics"]).write_bytes((run.checkpoints.folder / "metrics.jsonl").read_bytes())
+        loss_plot(summary, spec["loss_plot"])
+        atomic_write_json(spec["summary"], summary)
 
 
 if __name__ == "__main__":
-    main()
+    rank_main(rank)
