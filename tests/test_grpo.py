@@ -20,6 +20,7 @@ from stagetrain.consolidate.folder import consolidate
 from stagetrain.grpo.metrics import METRICS
 
 pytestmark = pytest.mark.slow
+FAMILIES = {"arithmetic", "comparison", "counting"}  # the default grpo.curriculum.families
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +60,18 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all("kl" in r and r["kl"] >= 0 for r in records[1:])
     assert all(set(r["reward/by_level"]) == {"1"} for r in records[1:])
+    assert all(r["curriculum/level"] == dict.fromkeys(FAMILIES, 1) for r in records[1:])
+    assert all(
+        set(rates) == FAMILIES and all(v is None or 0 <= v <= 1 for v in rates.values())
+        for rates in (r["curriculum/success_rate"] for r in records[1:])
+    )
     assert summary["accuracy"]["start"] is not None and summary["accuracy"]["end"] is not None
     initial = load_file(Path(model) / "model-00001-of-00001.safetensors")
     final = final_params(summary)
     moved = max((final[k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-5  # the policy really changed
-    assert summary["curriculum"]["level"] == 1
+    assert {f: s["level"] for f, s in summary["curriculum"].items()} == dict.fromkeys(FAMILIES, 1)
+    assert summary["levels"] == {str(s): dict.fromkeys(FAMILIES, 1) for s in (1, 2, 3)}
 
 
 def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) -> None:
@@ -98,16 +105,25 @@ def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) 
 
 def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) -> None:
     data, model = start
-    cfg = grpo_config(steps=6, checkpoint_every=2, eval_every=6)
+    # A curriculum that moves within a few steps, so that per-family state crosses the
+    # restart: from level 2 with a window of two, a family's first full window always
+    # moves it (a rate of 0 demotes, 0.5 or 1 promotes), whatever the tiny model gets right.
+    curriculum = {
+        "start_level": 2,
+        "window": 2,
+        "min_steps": 1,
+        "promote_at": 0.5,
+        "demote_below": 0.0,
+    }
+
+    def config() -> dict[str, Any]:
+        cfg = grpo_config(steps=6, checkpoint_every=2, eval_every=6)
+        cfg["grpo"]["curriculum"] = {**cfg["grpo"]["curriculum"], **curriculum}
+        return cfg
+
+    cfg = config()
     layout = {"dp": 2, "tp": 1, "zero_stage": 1}
-    straight = run_grpo(
-        data,
-        model,
-        tmp_path / "straight",
-        world=2,
-        layout=layout,
-        cfg=grpo_config(steps=6, checkpoint_every=2, eval_every=6),
-    )
+    straight = run_grpo(data, model, tmp_path / "straight", world=2, layout=layout, cfg=config())
     proc = launch_grpo(
         data, model, tmp_path / "killed", world=2, layout=layout, cfg=cfg, popen=True
     )
@@ -121,19 +137,19 @@ def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) ->
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
-    resumed = run_grpo(
-        data,
-        model,
-        tmp_path / "killed",
-        world=2,
-        layout=layout,
-        cfg=grpo_config(steps=6, checkpoint_every=2, eval_every=6),
-    )
+    resumed = run_grpo(data, model, tmp_path / "killed", world=2, layout=layout, cfg=config())
     assert 2 <= resumed["resumed_from_step"] < 6
     assert resumed["rewards"] == straight["rewards"] and resumed["losses"] == straight["losses"]
     a, b = final_params(resumed), final_params(straight)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["curriculum"] == straight["curriculum"]
+    assert resumed["levels"] == straight["levels"]
+    events = [e for r in _records(tmp_path / "straight") for e in r.get("curriculum/events", [])]
+    assert events and all(e["family"] in FAMILIES for e in events)
+    assert events == sorted(
+        (e for s in straight["curriculum"].values() for e in s["events"]),
+        key=lambda e: (e["step"], e["family"]),
+    )
 
 
 def test_evaluation_script_reports_accuracy_per_family_and_level(

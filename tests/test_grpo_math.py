@@ -19,8 +19,19 @@ from stagetrain.grpo.advantages import (
     sibling_advantages,
     tree_token_advantages,
 )
-from stagetrain.grpo.curriculum import CurriculumConfig, CurriculumState, levels_for, update
+from stagetrain.grpo.curriculum import (
+    Curriculum,
+    CurriculumConfig,
+    CurriculumState,
+    draw,
+    levels_for,
+    top_level,
+    update,
+    update_all,
+    window_rate,
+)
 from stagetrain.grpo.loss import grpo_loss
+from stagetrain.tasks.registry import FAMILIES, Family
 
 # --- group advantages ---------------------------------------------------------------------------
 
@@ -353,14 +364,24 @@ def _cfg(**changes) -> CurriculumConfig:
     return CurriculumConfig(**{**base, **changes})
 
 
+@pytest.fixture
+def tiny_family(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A registered family whose own highest level is 2 (the real ones all reach 5)."""
+    monkeypatch.setitem(
+        FAMILIES, "tiny", Family(name="tiny", max_level=2, generate=FAMILIES["counting"].generate)
+    )
+    return "tiny"
+
+
 def test_promotion_waits_for_min_steps_and_a_full_window() -> None:
-    cfg, state = _cfg(), CurriculumState.start(_cfg())
+    cfg, state = _cfg(), CurriculumState.start(_cfg(), "arithmetic")
     assert update(state, cfg, 1, [1.0, 1.0, 1.0, 1.0, 1.0]) is None  # window full, step 1 < 3
     assert state.recent == [1, 1, 1, 1]
     assert update(state, cfg, 2, [1.0]) is None  # step 2 < 3
     event = update(state, cfg, 3, [0.0])  # window 1, 1, 1, 0: rate 0.75 >= 0.75
     assert event == {
         "step": 3,
+        "family": "arithmetic",
         "kind": "promote",
         "from": 2,
         "to": 3,
@@ -380,9 +401,10 @@ def test_promotion_waits_for_min_steps_and_a_full_window() -> None:
 
 
 def test_demotion_goes_below_the_start_level_down_to_one() -> None:
-    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg())
+    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg(), "counting")
     assert update(state, cfg, 10, [0.0, 0.5, 0.99, 1.0]) == {
         "step": 10,
+        "family": "counting",
         "kind": "demote",
         "from": 2,
         "to": 1,
@@ -394,14 +416,25 @@ def test_demotion_goes_below_the_start_level_down_to_one() -> None:
 
 
 def test_a_middling_success_rate_keeps_the_level() -> None:
-    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg())
+    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg(), "comparison")
     for step in range(10):
         assert update(state, cfg, step, [1.0, 0.0]) is None
     assert state.level == 2 and state.steps_at_level == 10 and len(state.recent) == 4
+    assert window_rate(state) == 0.5 and window_rate(CurriculumState(family="x", level=1)) is None
+
+
+def test_a_family_stops_at_its_own_top_level(tiny_family: str) -> None:
+    cfg = _cfg(start_level=3, max_level=5, min_steps=1)
+    assert top_level(cfg, tiny_family) == 2 and top_level(cfg, "arithmetic") == 5
+    state = CurriculumState.start(cfg, tiny_family)
+    assert state.level == 2  # start_level 3 is above the family's top
+    assert update(state, cfg, 1, [1.0] * 4) is None  # perfect, but 2 is the family's top
+    with pytest.raises(StageError, match="unknown family 'nope'"):
+        CurriculumState.start(cfg, "nope")
 
 
 def test_state_round_trips_through_json() -> None:
-    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg())
+    cfg, state = _cfg(min_steps=1), CurriculumState.start(_cfg(), "arithmetic")
     update(state, cfg, 1, [1.0] * 4)
     update(state, cfg, 2, [1.0, 0.0])
     text = json.dumps(state.to_json())
@@ -410,7 +443,7 @@ def test_state_round_trips_through_json() -> None:
 
 def test_levels_for_draws_earlier_levels_at_the_configured_share() -> None:
     cfg, rng = _cfg(earlier_share=0.3, max_level=5), random.Random(0)
-    state = CurriculumState(level=4)
+    state = CurriculumState(family="arithmetic", level=4)
     levels = levels_for(state, cfg, 20_000, rng)
     assert set(levels) == {1, 2, 3, 4}
     earlier = [lv for lv in levels if lv < 4]
@@ -420,8 +453,123 @@ def test_levels_for_draws_earlier_levels_at_the_configured_share() -> None:
     assert levels_for(state, cfg, 50, random.Random(1)) == levels_for(
         state, cfg, 50, random.Random(1)
     )
-    assert levels_for(CurriculumState(level=1), cfg, 100, rng) == [1] * 100
+    assert levels_for(CurriculumState(family="arithmetic", level=1), cfg, 100, rng) == [1] * 100
     assert levels_for(state, _cfg(earlier_share=0.0), 100, rng) == [4] * 100
+
+
+def _outcomes(family: str, level: int, successes: list[float]) -> list[tuple[str, int, float]]:
+    return [(family, level, s) for s in successes]
+
+
+def test_one_family_promotes_while_another_stays() -> None:
+    cfg = _cfg(start_level=1, min_steps=1)
+    curriculum = Curriculum.start(cfg, ["comparison", "arithmetic"])
+    # Sorted, so that draws do not depend on the order of the list.
+    assert list(curriculum.states) == ["arithmetic", "comparison"]
+    # The mixed case the global curriculum got stuck on: one family always right, one always wrong.
+    events = update_all(
+        curriculum,
+        cfg,
+        1,
+        _outcomes("comparison", 1, [1.0] * 4) + _outcomes("arithmetic", 1, [0.0] * 4),
+    )
+    assert events == [
+        {"step": 1, "family": "comparison", "kind": "promote", "from": 1, "to": 2, "success_rate": 1.0, "window": 4}
+    ]  # fmt: skip
+    assert curriculum.levels() == {"arithmetic": 1, "comparison": 2}
+    arithmetic = curriculum.states["arithmetic"]
+    assert arithmetic.recent == [0, 0, 0, 0] and arithmetic.events == []
+    assert curriculum.states["comparison"].events == events
+
+
+def test_outcomes_feed_only_their_familys_current_level() -> None:
+    cfg = _cfg(start_level=2, max_level=5)
+    curriculum = Curriculum.start(cfg, ["arithmetic", "counting"])
+    update_all(
+        curriculum, cfg, 1, [("arithmetic", 2, 1.0), ("arithmetic", 1, 0.0), ("counting", 1, 1.0)]
+    )
+    # The level-1 prompt of arithmetic is an earlier-level one: not counted.
+    assert curriculum.states["arithmetic"].recent == [1]
+    assert curriculum.states["counting"].recent == []
+
+
+def test_several_families_can_change_in_one_step() -> None:
+    cfg = _cfg(start_level=2, min_steps=1)
+    curriculum = Curriculum.start(cfg, ["arithmetic", "comparison", "counting"])
+    outcomes = (
+        _outcomes("arithmetic", 2, [0.0] * 4)
+        + _outcomes("counting", 2, [1.0] * 4)
+        + _outcomes("comparison", 2, [1.0, 0.0] * 2)
+    )
+    events = update_all(curriculum, cfg, 5, outcomes)
+    assert [(e["family"], e["kind"], e["step"]) for e in events] == [
+        ("arithmetic", "demote", 5),
+        ("counting", "promote", 5),
+    ]
+    assert curriculum.levels() == {"arithmetic": 1, "comparison": 2, "counting": 3}
+
+
+def test_a_family_with_no_prompts_this_step_still_ages() -> None:
+    cfg = _cfg(start_level=1, min_steps=3)
+    curriculum = Curriculum.start(cfg, ["arithmetic", "counting"])
+    update_all(curriculum, cfg, 1, _outcomes("counting", 1, [1.0] * 4))
+    update_all(curriculum, cfg, 2, [])  # nobody drew a prompt
+    assert [s.steps_at_level for s in curriculum.states.values()] == [2, 2]
+    # arithmetic's first outcomes arrive at step 3: its min_steps have passed, so it promotes at once.
+    events = update_all(curriculum, cfg, 3, _outcomes("arithmetic", 1, [1.0] * 4))
+    assert [(e["family"], e["step"]) for e in events] == [("arithmetic", 3), ("counting", 3)]
+
+
+def test_curriculum_round_trips_through_json() -> None:
+    cfg = _cfg(start_level=1, min_steps=1)
+    curriculum = Curriculum.start(cfg, ["counting", "arithmetic"])
+    update_all(
+        curriculum,
+        cfg,
+        1,
+        _outcomes("counting", 1, [1.0] * 4) + _outcomes("arithmetic", 1, [1.0, 0.0]),
+    )
+    text = json.dumps(curriculum.to_json())
+    data = json.loads(text)
+    assert set(data) == {"arithmetic", "counting"} and data["counting"]["level"] == 2
+    assert Curriculum.from_json(data) == curriculum
+    # A dict in another order gives the same curriculum, families sorted.
+    reordered = Curriculum.from_json(dict(reversed(data.items())))
+    assert reordered == curriculum and list(reordered.states) == ["arithmetic", "counting"]
+    with pytest.raises(StageError, match="one level for all families"):
+        Curriculum.from_json(curriculum.states["counting"].to_json())  # the old, global format
+
+
+def test_a_family_listed_twice_is_refused() -> None:
+    with pytest.raises(StageError, match=r"^grpo\.curriculum\.families: "):
+        Curriculum.start(_cfg(), ["counting", "counting"])
+
+
+def test_draw_picks_families_uniformly_then_levels_as_levels_for(tiny_family: str) -> None:
+    cfg = _cfg(start_level=1, max_level=5, earlier_share=0.3)
+    curriculum = Curriculum(
+        states={
+            "arithmetic": CurriculumState(family="arithmetic", level=4),
+            "counting": CurriculumState(family="counting", level=1),
+            tiny_family: CurriculumState(family=tiny_family, level=5),  # resumed above its top of 2
+        }
+    )
+    draws = draw(curriculum, cfg, 30_000, random.Random(0))
+    assert draw(curriculum, cfg, 50, random.Random(1)) == draw(
+        curriculum, cfg, 50, random.Random(1)
+    )
+    by_family = {f: [lv for g, lv in draws if g == f] for f in curriculum.states}
+    for levels in by_family.values():
+        assert len(levels) / len(draws) == pytest.approx(1 / 3, abs=0.02)
+    assert set(by_family["counting"]) == {1}  # no earlier levels below 1
+    arithmetic = by_family["arithmetic"]
+    assert set(arithmetic) == {1, 2, 3, 4}
+    assert sum(lv < 4 for lv in arithmetic) / len(arithmetic) == pytest.approx(0.3, abs=0.02)
+    assert max(by_family[tiny_family]) == 2  # never above the family's own top level
+    current = draw(curriculum, _cfg(max_level=5, earlier_share=0.0), 100, random.Random(2))
+    assert set(current) == {("arithmetic", 4), ("counting", 1), (tiny_family, 2)}
+    capped = draw(curriculum, _cfg(max_level=3, earlier_share=0.0), 100, random.Random(2))
+    assert set(capped) == {("arithmetic", 3), ("counting", 1), (tiny_family, 2)}  # max_level too
 
 
 @pytest.mark.parametrize(

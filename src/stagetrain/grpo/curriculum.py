@@ -1,19 +1,30 @@
-"""The difficulty curriculum: which level the prompts come from, moved by a rolling success rate.
+"""The difficulty curriculum, one per task family: which level each family's prompts come
+from, moved by that family's rolling success rate.
 
 GRPO learns nothing from a group whose completions all succeed or all fail
 (zero advantage), so prompts should be hard enough to fail sometimes and easy
-enough to succeed sometimes. The curriculum keeps the success rate of the last
-`window` current-level prompts (a reward >= 1 is a success) and, once the model
-has spent `min_steps` optimizer steps at a level and the window is full:
+enough to succeed sometimes. What is hard differs by family (the tiny default
+model almost never answers arithmetic level 1 and often answers comparison
+level 1), so one level for all families would be decided on a rate that sits
+between them and fits neither. Each family therefore has its own `CurriculumState`, with the same
+config: it keeps the success rate of the family's last `window` current-level
+prompts (a reward >= 1 is a success) and, once the model has spent `min_steps`
+optimizer steps at the level and the window is full:
 
-    promote (level + 1) when rate >= promote_at    and level < max_level
+    promote (level + 1) when rate >= promote_at    and level < top_level(cfg, family)
     demote  (level - 1) when rate <= demote_below  and level > 1
 
-A change empties the window and the step count, so the next decision is made on
-outcomes of the new level only. Demotion may go below start_level, down to 1: a
-start that proves too hard is corrected rather than stuck. To keep earlier skills,
-a share `earlier_share` of each step's prompts is drawn uniformly from levels
-1 .. level - 1; their outcomes are not fed to `update`.
+where `top_level` is the lower of `max_level` and the family's own highest
+level. A change empties the window and the step count, so the next decision is
+made on outcomes of the new level only. Demotion may go below start_level, down
+to 1: a start that proves too hard is corrected rather than stuck. Every family
+ages by one step each step, whether or not it drew a prompt, so `min_steps`
+counts training time, not luck of the draw.
+
+Each prompt's family is drawn uniformly, then its level from that family's
+state: a share `earlier_share` uniformly from levels 1 .. level - 1 (to keep
+earlier skills), the rest at the current level. Only current-level outcomes
+feed a family's window.
 
 Everything here is deterministic given its inputs (the sampler takes the rng),
 and the state round-trips through JSON because it is saved with checkpoints.
@@ -22,11 +33,12 @@ and the state round-trips through JSON because it is saved with checkpoints.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stagetrain.errors import StageError
+from stagetrain.tasks.registry import get_family
 
 KEY = "grpo.curriculum"
 
@@ -67,21 +79,27 @@ class CurriculumConfig:
             )
 
 
+def top_level(cfg: CurriculumConfig, family: str) -> int:
+    """The highest level a family can reach: max_level, or the family's own top if lower."""
+    return min(cfg.max_level, get_family(family).max_level)
+
+
 @dataclass(kw_only=True, slots=True)
 class CurriculumState:
-    """Where the curriculum stands; mutated by `update`, saved with checkpoints."""
+    """Where one family's curriculum stands; mutated by `update`, saved with checkpoints."""
 
+    family: str
     level: int
     steps_at_level: int = 0
     recent: list[int] = field(default_factory=list)
-    """0/1 outcomes of the latest current-level prompts, oldest first, at most `window`."""
+    """0/1 outcomes of the family's latest current-level prompts, oldest first, at most `window`."""
     events: list[dict[str, Any]] = field(default_factory=list)
-    """Every promotion and demotion so far, as `update` returned them."""
+    """Every promotion and demotion of this family so far, as `update` returned them."""
 
     @classmethod
-    def start(cls, cfg: CurriculumConfig) -> CurriculumState:
-        """The state before the first step."""
-        return cls(level=cfg.start_level)
+    def start(cls, cfg: CurriculumConfig, family: str) -> CurriculumState:
+        """The family's state before the first step (start_level, or its top level if lower)."""
+        return cls(family=family, level=min(cfg.start_level, top_level(cfg, family)))
 
     def to_json(self) -> dict[str, Any]:
         """The state as a checkpoint stores it."""
@@ -91,6 +109,7 @@ class CurriculumState:
     def from_json(cls, data: Mapping[str, Any]) -> CurriculumState:
         """The state `to_json` wrote."""
         return cls(
+            family=str(data["family"]),
             level=int(data["level"]),
             steps_at_level=int(data["steps_at_level"]),
             recent=[int(x) for x in data["recent"]],
@@ -101,9 +120,9 @@ class CurriculumState:
 def update(
     state: CurriculumState, cfg: CurriculumConfig, step: int, outcomes: Sequence[float]
 ) -> dict[str, Any] | None:
-    """Record one optimizer step's current-level rewards; promote or demote if due.
+    """Record one optimizer step's current-level rewards of the family; promote or demote if due.
 
-    Returns the event {"step", "kind": "promote" | "demote", "from", "to",
+    Returns the event {"step", "family", "kind": "promote" | "demote", "from", "to",
     "success_rate", "window"} (also appended to state.events), or None.
     """
     state.recent.extend(1 if r >= 1 else 0 for r in outcomes)
@@ -112,7 +131,7 @@ def update(
     if state.steps_at_level < cfg.min_steps or len(state.recent) < cfg.window:
         return None
     rate = sum(state.recent) / len(state.recent)
-    if rate >= cfg.promote_at and state.level < cfg.max_level:
+    if rate >= cfg.promote_at and state.level < top_level(cfg, state.family):
         kind, to = "promote", state.level + 1
     elif rate <= cfg.demote_below and state.level > 1:
         kind, to = "demote", state.level - 1
@@ -120,6 +139,7 @@ def update(
         return None
     event = {
         "step": step,
+        "family": state.family,
         "kind": kind,
         "from": state.level,
         "to": to,
@@ -131,14 +151,90 @@ def update(
     return event
 
 
+def window_rate(state: CurriculumState) -> float | None:
+    """Success rate over the family's window, None while it is empty."""
+    return sum(state.recent) / len(state.recent) if state.recent else None
+
+
 def levels_for(
     state: CurriculumState, cfg: CurriculumConfig, n: int, rng: random.Random
 ) -> list[int]:
-    """The level of each of n prompts: uniform over 1 .. level - 1 with probability
-    earlier_share, else the current level (always the current level at level 1)."""
+    """The level of each of n prompts of the family: uniform over 1 .. level - 1 with
+    probability earlier_share, else the current level (always the current level at level 1)."""
     if state.level == 1:
         return [1] * n
     return [
         rng.randint(1, state.level - 1) if rng.random() < cfg.earlier_share else state.level
         for _ in range(n)
     ]
+
+
+@dataclass(kw_only=True, slots=True)
+class Curriculum:
+    """Every family's state, by family name in sorted order.
+
+    Sorted so that draws do not depend on the order of the config list or of a
+    stored dict: a resumed run draws exactly what an uninterrupted one would.
+    """
+
+    states: dict[str, CurriculumState]
+
+    @classmethod
+    def start(cls, cfg: CurriculumConfig, families: Sequence[str]) -> Curriculum:
+        """The states before the first step; unknown or repeated families are refused."""
+        if len(set(families)) != len(families):
+            raise StageError(f"{KEY}.families: a family is listed twice ({list(families)})")
+        return cls(states={f: CurriculumState.start(cfg, f) for f in sorted(families)})
+
+    def to_json(self) -> dict[str, Any]:
+        """{family: state} as a checkpoint and summary.json store it."""
+        return {f: s.to_json() for f, s in self.states.items()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Curriculum:
+        """The curriculum `to_json` wrote."""
+        if "level" in data:
+            raise StageError(
+                f"{KEY}: the checkpoint holds one level for all families (written before per-family curricula); remove its folder to start over"
+            )
+        return cls(states={f: CurriculumState.from_json(data[f]) for f in sorted(data)})
+
+    def levels(self) -> dict[str, int]:
+        """{family: current level}."""
+        return {f: s.level for f, s in self.states.items()}
+
+
+def draw(
+    curriculum: Curriculum, cfg: CurriculumConfig, n: int, rng: random.Random
+) -> list[tuple[str, int]]:
+    """(family, level) of each of n prompts: the family uniform over the curriculum's
+    families, then the level as `levels_for` draws it for that family, never above the
+    family's top level."""
+    families = list(curriculum.states)
+    out = []
+    for _ in range(n):
+        family = rng.choice(families)
+        (level,) = levels_for(curriculum.states[family], cfg, 1, rng)
+        out.append((family, min(level, top_level(cfg, family))))
+    return out
+
+
+def update_all(
+    curriculum: Curriculum,
+    cfg: CurriculumConfig,
+    step: int,
+    outcomes: Iterable[tuple[str, int, float]],
+) -> list[dict[str, Any]]:
+    """Record one optimizer step for every family; the events it caused, in family order.
+
+    `outcomes` holds (family, level, outcome) of each prompt of the step, the outcome
+    as `update` takes it (>= 1 is a success); a family's window gets only the outcomes
+    of its prompts at its current level. Every family is updated, so one that drew
+    no prompt still ages by a step.
+    """
+    by_family: dict[str, list[float]] = {f: [] for f in curriculum.states}
+    for family, level, outcome in outcomes:
+        if level == curriculum.states[family].level:
+            by_family[family].append(outcome)
+    events = [update(s, cfg, step, by_family[f]) for f, s in curriculum.states.items()]
+    return [e for e in events if e is not None]

@@ -5,16 +5,16 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from stagetrain.grpo.curriculum import levels_for, update
+from stagetrain.grpo.curriculum import Curriculum, draw, update_all, window_rate
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
-from stagetrain.tasks import FAMILIES, Problem, prompt, sample, score
+from stagetrain.tasks import Problem, prompt, sample, score
 
 
 def prompt_ids(tokenizer: Any, problem: Problem, limit: int) -> list[int]:
@@ -42,15 +42,13 @@ def greedy_scores(
     return out
 
 
-def draw_problems(run: Any, state: Any, rng: random.Random) -> list[Problem]:
-    """This rank's prompts of the step: levels from the curriculum, families uniform."""
+def draw_problems(run: Any, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
+    """This rank's prompts of the step: families uniform, each level from its family's curriculum."""
     n = run.cfg["prompts_per_step"] // run.layout["dp"]
-    families = run.cfg["curriculum"]["families"]
-    chosen = []
-    for level in levels_for(state, run.curriculum, n, rng):
-        family = rng.choice(families)
-        chosen.append(sample(family, min(level, FAMILIES[family].max_level), "train", rng))
-    return chosen
+    return [
+        sample(family, level, "train", rng)
+        for family, level in draw(curriculum, run.curriculum, n, rng)
+    ]
 
 
 def token_logprobs(
@@ -133,6 +131,22 @@ def _weights_for(chunk: np.ndarray, chunks: list[np.ndarray], keep: list[bool],
     return size(chunk) / total if total else 0.0
 
 
+class Row(NamedTuple):
+    """What every rank reports of one prompt of the step, for the curriculum and the metrics."""
+
+    family: str
+    level: int
+    rewards: list[float]
+    varies: bool
+    generated: int
+    flat: int
+    nodes: int
+    lengths: list[int]
+    """Tokens of each completion."""
+    trained: int
+    """Prompt and completion tokens one optimisation pass runs through the model."""
+
+
 def _gather(values: list[Any]) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, values)
@@ -140,11 +154,15 @@ def _gather(values: list[Any]) -> list[Any]:
 
 
 def step(
-    run: Any, state: Any, step_no: int, rng: random.Random, gathered: Callable[[Any], Any]
+    run: Any,
+    curriculum: Curriculum,
+    step_no: int,
+    rng: random.Random,
+    gathered: Callable[[Any], Any],
 ) -> dict[str, Any]:
     """Rollouts, training and the curriculum update of one step; its metrics record."""
     cfg, tok = run.cfg, run.tokenizer
-    batch = draw_problems(run, state, rng)
+    batch = draw_problems(run, curriculum, rng)
     prompts = [prompt_ids(tok, p, cfg["max_prompt_len"]) for p in batch]
 
     def reward(i: int, completion: list[int]) -> float:
@@ -164,40 +182,45 @@ def step(
                                  max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id, **common)  # fmt: skip
     run.engine.train()
     loss, clip = train_on(run, groups)
-    levels = [p.level for p in batch]
-    rows = _gather([(g.rewards, g.varies, lvl, g.generated_tokens, g.flat_tokens, len(g.prompt), g.nodes)
-                    for g, lvl in zip(groups, levels, strict=True)])  # fmt: skip
+    rows: list[Row] = _gather([
+        Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,
+            flat=g.flat_tokens, nodes=g.nodes, lengths=[len(c) for c in g.completions],
+            trained=sum(len(g.prompt) + len(c) for c in g.completions))
+        for g, p in zip(groups, batch, strict=True)
+    ])  # fmt: skip
 
-    rewards = [r for row in rows for r in row[0]]
-    current = [float(np.mean(row[0]) >= 0.5) for row in rows if row[2] == state.level]
+    rewards = [r for row in rows for r in row.rewards]
+    levels = curriculum.levels()  # those the step's prompts were drawn at
+    # A prompt succeeds when most of its completions do; only current-level ones reach the window.
+    outcomes = [(row.family, row.level, float(np.mean(row.rewards) >= 0.5)) for row in rows]
+    events = update_all(curriculum, run.curriculum, step_no, outcomes)
+    decided = {e["family"]: e["success_rate"] for e in events}  # the window a change emptied
     record = {
         "train/loss": _mean_over_ranks(loss), "train/lr": run.engine.get_lr()[0],
         "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
-        "frac_reward_zero_std": float(np.mean([not row[1] for row in rows])),
-        "completions/mean_length": float(np.mean([len(c) for g in groups for c in g.completions])),
-        "rollout/generated_tokens": sum(row[3] for row in rows),
-        "curriculum/level": state.level, "curriculum/success_rate": float(np.mean(current)) if current else 0.0,
+        "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
+        "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
+        "rollout/generated_tokens": sum(row.generated for row in rows),
+        "curriculum/level": levels,
+        "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
     }  # fmt: skip
     record["reward/by_level"] = {
-        str(level): float(np.mean([r for row in rows if row[2] == level for r in row[0]]))
-        for level in sorted({row[2] for row in rows})
+        str(level): float(np.mean([r for row in rows if row.level == level for r in row.rewards]))
+        for level in sorted({row.level for row in rows})
     }
     if run.tree:
-        leaves = sum(len(row[0]) for row in rows)
-        record["rollout/flat_equivalent_tokens"] = sum(row[4] for row in rows)
+        leaves = len(rewards)
+        record["rollout/flat_equivalent_tokens"] = sum(row.flat for row in rows)
         record["tree/leaves"] = leaves
-        record["tree/nodes"] = sum(row[6] for row in rows)
+        record["tree/nodes"] = sum(row.nodes for row in rows)
         record["tree/tokens_per_leaf"] = record["rollout/generated_tokens"] / leaves
     if cfg["kl_coef"] > 0:
         record["kl"] = clip["kl"]
-    event = update(state, run.curriculum, step_no, current)
-    if event:
-        record["curriculum/event"] = event
-    trained = sum(
-        len(c) + row[5] for g, row in zip(groups, rows, strict=False) for c in g.completions
-    )
-    record["_tokens"] = record["rollout/generated_tokens"] + trained * cfg["passes"]
+    if events:
+        record["curriculum/events"] = events
+    trained = sum(row.trained for row in rows) * cfg["passes"]
+    record["_tokens"] = record["rollout/generated_tokens"] + trained
     return record
 
 
@@ -208,7 +231,8 @@ def _mean_over_ranks(value: float) -> float:
 
 
 def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
-    """Mean reward per step and held-out accuracy at the start and the end, as a PNG for the report."""
+    """Mean reward per step, held-out accuracy at the start and the end, and each family's
+    curriculum level, as a PNG for the report."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,22 +245,31 @@ def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
     ax.plot(
         [0, summary["final_step"]], [acc["start"], acc["end"]], "o--", label="held-out accuracy"
     )
-    levels = {int(k): v for k, v in summary["levels"].items()}
+    levels = {int(k): v for k, v in summary["levels"].items()}  # step -> {family: level}
     twin = ax.twinx()
-    twin.step(
-        list(levels),
-        list(levels.values()),
-        where="post",
-        color="grey",
-        alpha=0.6,
-        label="curriculum level",
-    )
-    twin.set_ylabel("curriculum level")
-    twin.set_ylim(0.5, max(levels.values(), default=1) + 0.5)
+    families = sorted({f for by_family in levels.values() for f in by_family})
+    for i, family in enumerate(families):
+        steps = [s for s in levels if family in levels[s]]
+        # Offset a little so that families at the same level stay visible.
+        offset = 0.04 * (i - (len(families) - 1) / 2)
+        twin.step(
+            steps,
+            [levels[s][family] + offset for s in steps],
+            where="post",
+            color=f"C{(i + 2) % 10}",  # C0 and C1 are the reward and accuracy lines
+            linewidth=2,
+            alpha=0.5,
+            label=f"level: {family}",
+        )
+    top = max((lv for by_family in levels.values() for lv in by_family.values()), default=1)
+    twin.set_ylabel("curriculum level (per family)")
+    twin.set_ylim(0.5, top + 0.5)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(f"grpo: held-out accuracy {acc['start']:.2f} -> {acc['end']:.2f}")
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    twin_handles, twin_labels = twin.get_legend_handles_labels()
+    ax.legend(handles + twin_handles, labels + twin_labels, fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

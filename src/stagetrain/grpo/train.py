@@ -1,12 +1,13 @@
 """The GRPO loop, run on every rank by torchrun: `python -m stagetrain.grpo.train --spec job.json`.
 
 Per step: each data-parallel rank draws its share of the prompts from the
-curriculum, rolls them out (flat or tree) with the policy's KV-cached
-`generate` (under ZeRO-3 with the parameters gathered for the whole phase and
-released after it, as TRL's ds3 gather does), scores them with the verifiers,
-and trains through the DeepSpeed engine: `engine.backward` and `engine.step`
-for exactly the configured accumulation steps, `passes` times. Outcomes are
-gathered from all ranks so every rank updates the same curriculum state.
+curriculum (a family, then a level from that family's own curriculum), rolls
+them out (flat or tree) with the policy's KV-cached `generate` (under ZeRO-3
+with the parameters gathered for the whole phase and released after it, as
+TRL's ds3 gather does), scores them with the verifiers, and trains through the
+DeepSpeed engine: `engine.backward` and `engine.step` for exactly the
+configured accumulation steps, `passes` times. Outcomes are gathered from all
+ranks so every rank updates the same per-family curriculum states.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain.errors import StageError
 from stagetrain.grpo import steps as grpo_steps
-from stagetrain.grpo.curriculum import CurriculumConfig, CurriculumState
+from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import atomic_write_json, read_json
@@ -119,7 +120,8 @@ def setup(spec: dict[str, Any]) -> Run:
         "precision": layout["precision"], "seed": spec["seed"],
     }  # fmt: skip
     eval_set = [p for family in cfg["curriculum"]["families"]
-                for p in problems([family], [curriculum.start_level], "test", cfg["eval_problems"], seed=spec["seed"])]  # fmt: skip
+                for p in problems([family], [min(curriculum.start_level, top_level(curriculum, family))], "test",
+                                  cfg["eval_problems"], seed=spec["seed"])]  # fmt: skip
     return Run(
         spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
@@ -186,12 +188,20 @@ def val_loss(run: Run) -> float:
 def loop(run: Run) -> dict[str, Any]:
     """Train from the latest checkpoint (or the pretrained model) to grpo.steps; return the summary's core."""
     cfg, rank0 = run.cfg, dist.get_rank() == 0
-    state, start = CurriculumState.start(run.curriculum), 0
+    curriculum, start = Curriculum.start(run.curriculum, cfg["curriculum"]["families"]), 0
     pointer = run.checkpoints.latest()
     if pointer:
         _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
-        start, state = client["step"], CurriculumState.from_json(client["curriculum"])
-        log.info("resuming from %s at step %d (level %d)", pointer["tag"], start, state.level)
+        try:
+            start, curriculum = client["step"], Curriculum.from_json(client["curriculum"])
+        except StageError as err:
+            raise StageError(f"{run.checkpoints.folder / pointer['tag']}: {err}") from None
+        log.info(
+            "resuming from %s at step %d (levels %s)",
+            pointer["tag"],
+            start,
+            _levels(curriculum.levels()),
+        )
     elif rank0 and (why := run.checkpoints.why_fresh()):
         log.info(why)
     metrics = (
@@ -206,7 +216,7 @@ def loop(run: Run) -> dict[str, Any]:
         rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
         torch.manual_seed(rng.getrandbits(63))
         t0 = time.monotonic()
-        record = grpo_steps.step(run, state, step, rng, gathered)
+        record = grpo_steps.step(run, curriculum, step, rng, gathered)
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
@@ -214,16 +224,23 @@ def loop(run: Run) -> dict[str, Any]:
         if metrics and (
             step % cfg["log_every"] == 0
             or "eval/accuracy" in record
-            or "curriculum/event" in record
+            or "curriculum/events" in record
         ):
             metrics.write(record)
-            log.info("step %d/%d reward %.3f level %d loss %.4f tokens/s %.0f", step, cfg["steps"],
-                     record["reward/mean"], record["curriculum/level"], record["train/loss"],
+            log.info("step %d/%d reward %.3f levels %s loss %.4f tokens/s %.0f", step, cfg["steps"],
+                     record["reward/mean"], _levels(record["curriculum/level"]), record["train/loss"],
                      record["throughput/tokens_per_s"])  # fmt: skip
         if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
-            run.checkpoints.save(run.engine, step, {"step": step, "curriculum": state.to_json()})
-    return {"final_step": cfg["steps"], "resumed_from_step": start, "curriculum": state.to_json(),
+            run.checkpoints.save(
+                run.engine, step, {"step": step, "curriculum": curriculum.to_json()}
+            )
+    return {"final_step": cfg["steps"], "resumed_from_step": start, "curriculum": curriculum.to_json(),
             "optimizer_steps": run.engine.global_steps}  # fmt: skip
+
+
+def _levels(levels: dict[str, int]) -> str:
+    """{family: level} for a log line: "arithmetic=1 comparison=2"."""
+    return " ".join(f"{family}={level}" for family, level in levels.items())
 
 
 def summarise(
