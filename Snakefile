@@ -28,9 +28,13 @@ include: "workflow/rules/consolidate.smk"
 include: "workflow/rules/grpo.smk"
 
 
+# Quick steps that may reach the hub (login nodes have a network, compute nodes
+# often do not) run where Snakemake runs, never as cluster jobs.
 localrules:
     all,
     plan,
+    plan_parallelism,
+    render_deepspeed_config,
 
 
 rule all:

@@ -68,3 +68,11 @@ def edit_config(workdir: Path, section: str, **changes: Any) -> None:
     data.setdefault(section, {})
     merge(data[section], changes)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def small_run(workdir: Path, steps: int = 12) -> None:
+    """Shrink the default config so the training stages take seconds."""
+    edit_config(workdir, "data", train_tokens=30_000, val_tokens=3_000)
+    edit_config(workdir, "tokenizer", training_sample_mb=0.2)
+    edit_config(workdir, "pretrain", seq_len=32, global_batch_size=8, steps=steps, log_every=1, eval_every=4,
+                checkpoint_every=4, eval_batches=2, optimizer={"warmup_steps": 2})  # fmt: skip

@@ -911,8 +911,21 @@ class TestSlurm:
         result = run_detect(h100s(8), tmp_path, SLURM_ENV)
         assert result["nodes"] == 2
         assert result["nodes_source"] == "slurm"
-        assert result["slurm"] == {"job_id": "1", "nodes": 2, "nodelist": "n[1-2]"}
+        assert result["slurm"] == {
+            "job_id": "1",
+            "nodes": 2,
+            "nodelist": "n[1-2]",
+            "gpus_on_node": None,
+        }
         assert result["warnings"] == []
+
+    def test_a_one_node_detection_job_keeps_the_configured_nodes(self, tmp_path: Path) -> None:
+        """profiles/slurm runs detection as a one-node job; training asks for hardware.nodes itself."""
+        env = {"SLURM_JOB_ID": "3", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "gpu7",
+               "SLURM_GPUS_ON_NODE": "8"}  # fmt: skip
+        result = run_detect(h100s(8), tmp_path, env, nodes=4)
+        assert (result["nodes"], result["nodes_source"], result["warnings"]) == (4, "config", [])
+        assert result["slurm"] == {"job_id": "3", "nodes": 1, "nodelist": "gpu7", "gpus_on_node": 8}
 
     def test_config_differing_from_allocation_warns(self, tmp_path: Path) -> None:
         """hardware.nodes=4 in a 2-node allocation: the allocation wins, with a warning."""
@@ -932,7 +945,12 @@ class TestSlurm:
         """SLURM_NNODES and SLURM_NODELIST are read when the JOB_ forms are absent."""
         env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "3", "SLURM_NODELIST": "gpu[01-03]"}
         result = run_detect(h100s(8), tmp_path, env)
-        assert result["slurm"] == {"job_id": "77", "nodes": 3, "nodelist": "gpu[01-03]"}
+        assert result["slurm"] == {
+            "job_id": "77",
+            "nodes": 3,
+            "nodelist": "gpu[01-03]",
+            "gpus_on_node": None,
+        }
 
     def test_no_allocation_uses_config(self, tmp_path: Path) -> None:
         """Outside Slurm the config's node count stands."""

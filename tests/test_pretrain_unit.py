@@ -11,7 +11,6 @@ import pytest
 from stagetrain.errors import StageError
 from stagetrain.pretrain.batches import Sampler, read_windows, window_count
 from stagetrain.pretrain.checkpoints import Checkpoints, fingerprint
-from stagetrain.pretrain.launch import expand_nodelist, torchrun_command
 from stagetrain.pretrain.metrics import METRICS, MetricsLog
 
 
@@ -70,58 +69,6 @@ def test_windows_and_too_little_data() -> None:
     ]
     with pytest.raises(ValueError, match="holds 4 windows, fewer than one global batch of 8"):
         _sampler(windows=4)
-
-
-def test_single_node_launch() -> None:
-    cmd = torchrun_command(nodes=1, procs_per_node=2, module="m", args=["--spec", "s"], env={})
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-                       "-m", "m", "--spec", "s"]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("nodes", "nodelist", "first"),
-    [(2, "gpu[07-08]", "gpu07"), (16, "n[1-8],m[01-08]", "n1")],
-)
-def test_multi_node_launch_is_one_torchrun_per_node_with_c10d(
-    nodes: int, nodelist: str, first: str
-) -> None:
-    env = {"SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": "42"}
-    cmd = torchrun_command(nodes=nodes, procs_per_node=8, module="m", args=[], env=env)
-    assert cmd[:8] == [
-        "srun",
-        "--nodes",
-        str(nodes),
-        "--ntasks",
-        str(nodes),
-        "--ntasks-per-node",
-        "1",
-        "--kill-on-bad-exit=1",
-    ]
-    text = " ".join(cmd)
-    assert f"--nnodes {nodes} --nproc_per_node 8" in text
-    assert f"--rdzv_backend c10d --rdzv_endpoint {first}:29400 --rdzv_id 42" in text
-    assert "--standalone" not in text
-
-
-def test_nodelists_expand_as_slurm_does() -> None:
-    assert expand_nodelist("node1") == ["node1"]
-    assert expand_nodelist("n[01-03,7],gpu5") == [
-        "n01",
-        "n02",
-        "n03",
-        "n7",
-        "gpu5",
-    ]  # each part keeps its width
-    assert len(expand_nodelist("n[1-8],m[01-08]")) == 16
-
-
-def test_multi_node_needs_an_allocation_of_the_right_size() -> None:
-    with pytest.raises(StageError, match="2 nodes need a Slurm allocation"):
-        torchrun_command(nodes=2, procs_per_node=8, module="m", args=[], env={})
-    with pytest.raises(StageError, match="2 nodes, but the Slurm allocation has 3: a1,a2,a3"):
-        torchrun_command(
-            nodes=2, procs_per_node=8, module="m", args=[], env={"SLURM_JOB_NODELIST": "a[1-3]"}
-        )
 
 
 def test_fingerprint_follows_the_maths(tmp_path: Path) -> None:

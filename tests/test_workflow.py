@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import SNAKEMAKE, edit_config, snakemake
+from conftest import SNAKEMAKE, edit_config, small_run, snakemake
 
 from stagetrain.pretrain.metrics import METRICS
 
@@ -139,14 +139,6 @@ def test_tokenizer_stage_runs_and_data_edits_rerun_it_but_grpo_edits_do_not(work
     assert "Params have changed" in after_data["prepare_tokenizer"]
     assert {"pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]"} <= set(after_data)
     assert "plan_parallelism" not in after_data and "detect_hardware" not in after_data
-
-
-def small_run(workdir: Path, steps: int = 12) -> None:
-    """Shrink the default config so the training stages take seconds."""
-    edit_config(workdir, "data", train_tokens=30_000, val_tokens=3_000)
-    edit_config(workdir, "tokenizer", training_sample_mb=0.2)
-    edit_config(workdir, "pretrain", seq_len=32, global_batch_size=8, steps=steps, log_every=1, eval_every=4,
-                checkpoint_every=4, eval_batches=2, optimizer={"warmup_steps": 2})  # fmt: skip
 
 
 def test_the_whole_pipeline_runs_and_reports(workdir: Path) -> None:

@@ -1,8 +1,13 @@
+import json
+import os
 import sys
+from pathlib import Path
 
+from snakemake.common.tbdstring import TBDString
 from snakemake.utils import validate
 
 from stagetrain import config as stconfig
+from stagetrain import slurm
 from stagetrain.errors import StageError
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
@@ -50,3 +55,27 @@ def get_training(wildcards):
     """The optimizer and optimizer-step count of one training stage, for its DeepSpeed config."""
     stage = config[wildcards.stage]
     return {"steps": stage["steps"] * stage.get("passes", 1), "optimizer": stage["optimizer"]}
+
+
+
+def plan_resources(stage):
+    """The Slurm resources of a stage's job, read from plan.json just before submission.
+
+    Training stages get nodes, tasks, CPUs, GPUs and memory; consolidation its
+    memory. Before planning (a dry run of a fresh run) each is Snakemake's <TBD>.
+    """
+
+    def read(key):
+        def resource(wildcards, input):
+            if not os.path.exists(input.plan):
+                return TBDString()
+            plan = json.loads(Path(input.plan).read_text())
+            if stage == "consolidate":
+                return slurm.consolidate_mem_mb(plan)
+            hardware = json.loads(Path(f"{RUN}/hardware.json").read_text())
+            return slurm.job_resources(plan, stage, hardware["cpu"]["cores"])[key]
+
+        return resource
+
+    keys = ["mem_mb"] if stage == "consolidate" else slurm.TRAINING_RESOURCES
+    return {key: read(key) for key in keys}

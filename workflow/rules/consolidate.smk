@@ -1,6 +1,7 @@
 rule consolidate:
     input:
         summary=f"{RUN}/{{stage}}/summary.json",
+        plan=rules.plan_parallelism.output.plan,
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         model_config=rules.prepare_tokenizer.output.model_config,
         meta=rules.prepare_tokenizer.output.meta,
@@ -12,6 +13,8 @@ rule consolidate:
         logged("consolidate_{stage}"),
     benchmark:
         benchmarked("consolidate_{stage}")
+    resources:
+        **plan_resources("consolidate"),
     params:
         consolidate=config["consolidate"],
     conda:

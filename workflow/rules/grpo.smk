@@ -24,6 +24,9 @@ rule grpo:
         grpo=config["grpo"],
     # The ranks use every core; running other jobs beside them would only slow both.
     threads: workflow.cores
+    # On Slurm: nodes, tasks, CPUs, GPUs and memory as plan.json says (profiles/slurm).
+    resources:
+        **plan_resources("grpo"),
     conda:
         "../envs/stagetrain.yaml"
     script:

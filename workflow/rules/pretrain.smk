@@ -25,6 +25,9 @@ rule pretrain:
         pretrain=config["pretrain"],
     # The ranks use every core; running other jobs beside them would only slow both.
     threads: workflow.cores
+    # On Slurm: nodes, tasks, CPUs, GPUs and memory as plan.json says (profiles/slurm).
+    resources:
+        **plan_resources("pretrain"),
     conda:
         "../envs/stagetrain.yaml"
     script:

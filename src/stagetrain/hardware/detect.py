@@ -145,14 +145,16 @@ def cpu_facts(proc_root: Path = Path("/proc")) -> dict[str, int]:
 
 
 def slurm_allocation(env: Mapping[str, str]) -> dict[str, Any] | None:
-    """The Slurm allocation this process runs in, if any."""
+    """The Slurm allocation this process runs in, if any: job, nodes, node list, GPUs on this node."""
     if "SLURM_JOB_ID" not in env:
         return None
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    gpus = env.get("SLURM_GPUS_ON_NODE")
     return {
         "job_id": env["SLURM_JOB_ID"],
         "nodes": int(nodes),
         "nodelist": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
+        "gpus_on_node": int(gpus) if gpus and gpus.isdigit() else None,
     }
 
 
@@ -238,14 +240,14 @@ def detect(
         )
         fallbacks.append(f"{source}: {why}")
         source = "cpu"
-    nodes, slurm = _nodes(hardware, env, warnings)
+    nodes, nodes_source, slurm = _nodes(hardware, env, warnings)
     return {
         "source": source,
         "fallbacks": fallbacks,
         "warnings": warnings,
         "cuda_visible_devices": visible_env,
         "nodes": nodes,
-        "nodes_source": "slurm" if slurm else "config",
+        "nodes_source": nodes_source,
         "slurm": slurm,
         "gpus_per_node": len(devices) if source != "cpu" else 0,
         "cpu_ranks": hardware["cpu_ranks"] if source == "cpu" else None,
@@ -258,16 +260,24 @@ def detect(
 
 def _nodes(
     hardware: Mapping[str, Any], env: Mapping[str, str], warnings: list[str]
-) -> tuple[int, dict[str, Any] | None]:
+) -> tuple[int, str, dict[str, Any] | None]:
+    """Nodes to train on (config's, or the allocation's when the whole run is inside one),
+    where that number came from, and the allocation.
+
+    Under profiles/slurm this stage is a one-node job and the training jobs ask
+    for hardware.nodes themselves, so a one-node allocation leaves the config's
+    count; a config of 1 inside a larger allocation (the pipeline run within
+    salloc) takes the allocation's.
+    """
     slurm = slurm_allocation(env)
-    if slurm is None:
-        return hardware["nodes"], None
+    if slurm is None or slurm["nodes"] == 1:
+        return hardware["nodes"], "config", slurm
     if hardware["nodes"] not in (1, slurm["nodes"]):
         warnings.append(
             f"hardware.nodes={hardware['nodes']} but the Slurm allocation has "
             f"{slurm['nodes']} nodes; using the allocation"
         )
-    return slurm["nodes"], slurm
+    return slurm["nodes"], "slurm", slurm
 
 
 def describe(hardware: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,37 +1,23 @@
-"""The command that starts the training ranks: torchrun on one node, srun + torchrun on several.
+"""The command that starts the training ranks: torchrun, under srun inside a Slurm job.
 
-World size always comes from plan.json. On one node torchrun runs standalone;
-on several, Slurm starts one torchrun per node (`srun --ntasks-per-node 1`) and
-they meet through c10d rendezvous on the allocation's first host.
+World size always comes from plan.json. Outside Slurm torchrun runs
+standalone on this machine; inside an allocation one srun step starts one
+torchrun per node (`srun --ntasks-per-node 1`) and they meet through c10d
+rendezvous on the allocation's first host, so one node and many take one path.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+from stagetrain import slurm
 from stagetrain.errors import StageError
 
 RDZV_PORT = 29400
 log = logging.getLogger("stagetrain")
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's compressed host list ('n[01-03,7],gpu5') as host names, in order."""
-    hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            width = len(first)
-            for number in range(int(first), int(last or first) + 1):
-                hosts.append(f"{prefix}{number:0{width}d}")
-    return hosts
 
 
 def torchrun_command(
@@ -40,32 +26,43 @@ def torchrun_command(
     procs_per_node: int,
     module: str,
     args: Sequence[str],
-    env: Mapping[str, str],
+    allocation: slurm.Allocation | None,
+    gpus: bool = False,
 ) -> list[str]:
     """The argv that starts `nodes * procs_per_node` ranks running `python -m module args`.
+
+    Outside Slurm, and for a single rank, torchrun runs standalone. Inside an
+    allocation, one srun step starts one torchrun per node (all of the node's
+    CPUs and GPUs to it), and they meet through c10d on the first host.
 
     Raises:
         StageError: several nodes outside a Slurm allocation, or an allocation
             whose node count differs from the plan's.
     """
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    if nodes == 1:
+    if allocation is None or nodes * procs_per_node == 1:
+        if nodes > 1:
+            raise StageError(
+                f"plan.json: {nodes} nodes need a Slurm allocation to start them (run through profiles/slurm)"
+            )
         return [*torchrun, "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs_per_node),
                 "-m", module, *args]  # fmt: skip
-    if "SLURM_JOB_NODELIST" not in env:
-        raise StageError(
-            f"plan.json: {nodes} nodes need a Slurm allocation to start them (run through profiles/slurm)"
-        )
-    hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+    hosts = allocation.hosts
     if len(hosts) != nodes:
         raise StageError(
             f"plan.json: {nodes} nodes, but the Slurm allocation has {len(hosts)}: {','.join(hosts)}"
         )
+    step = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1",
+            "--kill-on-bad-exit=1"]  # fmt: skip
+    if allocation.cpus_per_node:
+        step.append(f"--cpus-per-task={allocation.cpus_per_node}")
+    if gpus:
+        step.append(f"--gres=gpu:{procs_per_node}")
     return [
-        "srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+        *step,
         *torchrun, "--nnodes", str(nodes), "--nproc_per_node", str(procs_per_node),
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0]}:{RDZV_PORT}",
-        "--rdzv_id", env.get("SLURM_JOB_ID", "stagetrain"),
+        "--rdzv_id", allocation.job_id,
         "-m", module, *args,
     ]  # fmt: skip
 
@@ -150,13 +147,15 @@ def launch_stage(
         **extra,
     }
     atomic_write_json(root / "job.json", spec)
-    env = rank_environment(
-        os.environ, cores=len(os.sched_getaffinity(0)), ranks_per_node=plan["ranks_per_node"]
-    )
+    alloc = slurm.allocation(os.environ)
+    # Inside Slurm the job's CPUs on a node, not the node's (nothing may pin this process).
+    cores = alloc.cpus_per_node if alloc and alloc.cpus_per_node else len(os.sched_getaffinity(0))
+    env = rank_environment(os.environ, cores=cores, ranks_per_node=plan["ranks_per_node"])
     if plan["backend"] == "gloo":
         prebuild_cpu_ops()
     cmd = torchrun_command(nodes=plan["nodes"], procs_per_node=plan["ranks_per_node"], module=module,
-                           args=["--spec", str(root / "job.json")], env=env)  # fmt: skip
+                           args=["--spec", str(root / "job.json")], allocation=alloc,
+                           gpus=plan["device"] == "cuda")  # fmt: skip
     run_ranks(cmd, env, stage)
 
 

@@ -1,0 +1,145 @@
+"""Slurm: what a training job asks for, and which hosts it was given.
+
+`job_resources` turns plan.json into the resources snakemake-executor-plugin-slurm
+submits with (nodes, tasks, CPUs, GPUs, memory); the workflow calls it just
+before a training job is submitted, once plan.json exists. `allocation` tells
+the launcher which hosts and CPUs the running job holds.
+
+Geometry: one Slurm task per rank (`--ntasks-per-node` = ranks per node), so
+Slurm reserves each rank's CPUs and GPU; the launcher then starts one srun step
+with one task per node, in which torchrun starts that node's ranks. Such a job
+carries `mpi="srun"`, which tells the plugin not to wrap the job in an srun of
+its own (an srun inside that step would wait for CPUs the outer step holds).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from stagetrain.errors import StageError
+
+RANK_HOST_MB = 4096
+"""Host memory of one rank beyond its model state. In the default run each CPU rank
+holds 0.9 GiB and torchrun 0.5 GiB (ps); 4 GiB leaves room for a CUDA context,
+larger vocabularies and checkpoint writes."""
+
+CONSOLIDATE_BYTES_PER_PARAM = 16
+"""zero_to_fp32 reads whole optimizer-state files: fp32 weights and Adam's two
+moments are 12 bytes per parameter, plus the fp32 state dict it builds."""
+
+MiB = 2**20
+TRAINING_RESOURCES = (
+    "nodes",
+    "tasks",
+    "tasks_per_node",
+    "cpus_per_task",
+    "mem_mb",
+    "gres",
+    "tasks_per_gpu",
+    "mpi",
+)
+
+
+def job_resources(plan: Mapping[str, Any], stage: str, node_cores: int) -> dict[str, Any]:
+    """The Slurm resources of a training stage's job, from plan.json.
+
+    Args:
+        plan: plan.json.
+        stage: "pretrain" or "grpo" (each has its own memory estimate).
+        node_cores: CPU cores of one training node (hardware.json).
+
+    Keys a job does not need are None, which Snakemake drops; `tasks` and
+    `tasks_per_node` are never both set (the plugin refuses that for srun jobs).
+    """
+    nodes, per_node = plan["nodes"], plan["ranks_per_node"]
+    memory = plan["stages"][stage]["memory"]
+    host_bytes = memory["host_per_node"] + (
+        memory["total"] * per_node if plan["device"] == "cpu" else 0
+    )
+    several = nodes * per_node > 1
+    gpu = plan["device"] == "cuda"
+    return {
+        "nodes": nodes,
+        "tasks": None if several and per_node > 1 else nodes * per_node,
+        "tasks_per_node": per_node if several and per_node > 1 else None,
+        "cpus_per_task": max(1, node_cores // per_node),
+        "mem_mb": -(-host_bytes // MiB) + RANK_HOST_MB * per_node,
+        "gres": f"gpu:{per_node}" if gpu else None,
+        # The plugin turns `tasks` into --ntasks-per-gpu for GPU jobs unless this is 0.
+        "tasks_per_gpu": 0 if gpu else None,
+        "mpi": "srun" if several else None,
+    }
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list ('n[01-03,7],gpu5') as host names, in order."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            width = len(first)
+            for number in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}")
+    return hosts
+
+
+def consolidate_mem_mb(plan: Mapping[str, Any]) -> int:
+    """Host memory of a consolidation job: the checkpoint as zero_to_fp32 loads it, plus a rank's share."""
+    return -(-plan["model"]["params"] * CONSOLIDATE_BYTES_PER_PARAM // MiB) + RANK_HOST_MB
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """The Slurm job this process runs in."""
+
+    job_id: str
+    hosts: list[str]
+    cpus_per_node: int | None
+    """CPUs the job holds on each node, when Slurm says (None: let srun choose)."""
+
+
+def allocation(
+    env: Mapping[str, str], scontrol: Callable[[str], str] | None = None
+) -> Allocation | None:
+    """The allocation from SLURM_* variables, else from `scontrol show job`; None outside Slurm.
+
+    The executor plugin's job step keeps only SLURM_JOB_ID of the job's
+    variables, so the node list and CPU count are asked of the controller then.
+    """
+    job_id = env.get("SLURM_JOB_ID")
+    if job_id is None:
+        return None
+    nodelist = env.get("SLURM_JOB_NODELIST")
+    cpus = env.get("SLURM_JOB_CPUS_PER_NODE")
+    if nodelist is None or cpus is None:
+        fields = _job_fields((scontrol or _scontrol)(job_id))
+        nodelist = nodelist or fields.get("NodeList")
+        if cpus is None and "NumCPUs" in fields and "NumNodes" in fields:
+            cpus = str(int(fields["NumCPUs"]) // int(fields["NumNodes"].split("-")[0]))
+    if not nodelist:
+        raise StageError(f"Slurm job {job_id}: no node list in SLURM_JOB_NODELIST or scontrol")
+    # SLURM_JOB_CPUS_PER_NODE is like '4(x2),2': the first node's count stands for all.
+    count = cpus.split("(")[0].split(",")[0] if cpus else ""
+    return Allocation(job_id, expand_nodelist(nodelist), int(count) if count.isdigit() else None)
+
+
+def _scontrol(job_id: str) -> str:
+    try:
+        return subprocess.run(
+            ["scontrol", "show", "job", "--oneliner", job_id],
+            check=True, capture_output=True, text=True, timeout=60,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as err:
+        raise StageError(f"Slurm job {job_id}: scontrol show job failed: {err}") from err
+
+
+def _job_fields(text: str) -> dict[str, str]:
+    """`scontrol show job --oneliner` as key -> value (values hold no spaces there)."""
+    return dict(part.split("=", 1) for part in text.split() if "=" in part)

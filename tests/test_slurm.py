@@ -1,0 +1,112 @@
+"""Slurm's side of a training stage: the resources it asks for and the command that starts its ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagetrain.errors import StageError
+from stagetrain.pretrain.launch import torchrun_command
+from stagetrain.slurm import (
+    TRAINING_RESOURCES,
+    Allocation,
+    allocation,
+    expand_nodelist,
+    job_resources,
+)
+
+
+def _plan(nodes: int, per_node: int, device: str = "cuda") -> dict:
+    memory = {"host_per_node": 3 * 2**30, "total": 2**30}
+    return {"nodes": nodes, "ranks_per_node": per_node, "device": device,
+            "stages": {"pretrain": {"memory": memory}}}  # fmt: skip
+
+
+def test_a_two_node_gpu_plan_asks_for_one_task_and_one_gpu_per_rank() -> None:
+    res = job_resources(_plan(2, 8), "pretrain", node_cores=96)
+    assert res == {
+        "nodes": 2, "tasks": None, "tasks_per_node": 8, "cpus_per_task": 12,
+        "mem_mb": 3 * 1024 + 8 * 4096, "gres": "gpu:8", "tasks_per_gpu": 0, "mpi": "srun",
+    }  # fmt: skip
+
+
+def test_a_cpu_plan_counts_the_model_state_in_host_memory() -> None:
+    res = job_resources(_plan(1, 2, device="cpu"), "pretrain", node_cores=2)
+    assert res["mem_mb"] == 3 * 1024 + 2 * 1024 + 2 * 4096
+    assert (res["tasks_per_node"], res["cpus_per_task"], res["gres"], res["mpi"]) == (
+        2,
+        1,
+        None,
+        "srun",
+    )
+
+
+def test_one_rank_per_node_uses_tasks_and_a_single_rank_needs_no_srun_step() -> None:
+    several = job_resources(_plan(4, 1), "pretrain", node_cores=16)
+    assert (several["tasks"], several["tasks_per_node"], several["mpi"]) == (4, None, "srun")
+    single = job_resources(_plan(1, 1), "pretrain", node_cores=16)
+    assert (single["tasks"], single["tasks_per_node"], single["mpi"]) == (1, None, None)
+
+
+def test_outside_slurm_and_for_one_rank_torchrun_runs_standalone() -> None:
+    cmd = torchrun_command(
+        nodes=1, procs_per_node=2, module="m", args=["--spec", "s"], allocation=None
+    )
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
+                       "-m", "m", "--spec", "s"]  # fmt: skip
+    one = torchrun_command(nodes=1, procs_per_node=1, module="m", args=[],
+                           allocation=Allocation("5", ["a1"], 4))  # fmt: skip
+    assert one[0] != "srun" and "--standalone" in one
+
+
+@pytest.mark.parametrize(
+    ("nodes", "nodelist", "first"),
+    [(1, "cpu1", "cpu1"), (2, "gpu[07-08]", "gpu07"), (16, "n[1-8],m[01-08]", "n1")],
+)
+def test_inside_slurm_one_srun_step_starts_one_torchrun_per_node_with_c10d(
+    nodes: int, nodelist: str, first: str
+) -> None:
+    alloc = Allocation("42", expand_nodelist(nodelist), 96)
+    cmd = torchrun_command(
+        nodes=nodes, procs_per_node=8, module="m", args=[], allocation=alloc, gpus=True
+    )
+    assert cmd[:10] == ["srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1",
+                        "--kill-on-bad-exit=1", "--cpus-per-task=96", "--gres=gpu:8"]  # fmt: skip
+    text = " ".join(cmd)
+    assert f"--nnodes {nodes} --nproc_per_node 8" in text
+    assert f"--rdzv_backend c10d --rdzv_endpoint {first}:29400 --rdzv_id 42" in text
+    assert "--standalone" not in text
+
+
+def test_nodelists_expand_as_slurm_does() -> None:
+    assert expand_nodelist("node1") == ["node1"]
+    assert expand_nodelist("n[01-03,7],gpu5") == ["n01", "n02", "n03", "n7", "gpu5"]
+    assert len(expand_nodelist("n[1-8],m[01-08]")) == 16
+
+
+def test_the_plan_and_the_allocation_must_agree_on_nodes() -> None:
+    with pytest.raises(StageError, match="2 nodes need a Slurm allocation"):
+        torchrun_command(nodes=2, procs_per_node=8, module="m", args=[], allocation=None)
+    with pytest.raises(StageError, match="2 nodes, but the Slurm allocation has 3: a1,a2,a3"):
+        torchrun_command(nodes=2, procs_per_node=8, module="m", args=[],
+                         allocation=Allocation("1", ["a1", "a2", "a3"], None))  # fmt: skip
+
+
+def test_allocation_from_the_environment_or_from_scontrol() -> None:
+    assert allocation({}) is None
+
+    def no_scontrol(job_id: str) -> str:
+        raise AssertionError("the environment was enough")
+
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_CPUS_PER_NODE": "16(x2)"}
+    assert allocation(env, no_scontrol) == Allocation("9", ["n1", "n2"], 16)
+    # In the executor plugin's job step only SLURM_JOB_ID is left.
+    answer = "JobId=9 JobName=x NodeList=gpu[3-4] NumNodes=2 NumCPUs=64 NumTasks=16 CPUs/Task=4"
+    assert allocation({"SLURM_JOB_ID": "9"}, lambda job_id: answer) == Allocation(
+        "9", ["gpu3", "gpu4"], 32
+    )
+    with pytest.raises(StageError, match="Slurm job 9: no node list"):
+        allocation({"SLURM_JOB_ID": "9"}, lambda job_id: "JobId=9 NodeList=")
+
+
+def test_every_training_resource_is_declared_to_the_workflow() -> None:
+    assert tuple(job_resources(_plan(1, 2), "pretrain", node_cores=8)) == TRAINING_RESOURCES
