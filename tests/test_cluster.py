@@ -1,0 +1,100 @@
+"""The pipeline on Slurm: the profiles' resource requests, and a real submission to a one-node Slurm.
+
+The submission tests need the Slurm that .ci/slurm.sh starts (`.ci/run` does);
+where it cannot start (no root, no apt-get) they are skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, edit_config, small_run, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def resources(out: str, rule: str) -> dict[str, str]:
+    """The resources a dry run prints for the first job of `rule`."""
+    block = out.split(f"\nrule {rule}:", 1)[1].split("\n\n", 1)[0]
+    line = re.search(r"resources: (.*)", block).group(1)
+    return dict(item.split("=", 1) for item in line.split(", "))
+
+
+def test_both_profiles_request_what_a_two_node_plan_needs(workdir: Path) -> None:
+    edit_config(workdir, "hardware", nodes=2)  # 2 nodes x 2 CPU ranks on this machine's kind
+    fresh = snakemake(workdir, "-n", "--workflow-profile", "profiles/slurm", "pretrain").stdout
+    detect = resources(fresh, "detect_hardware")
+    assert (detect["slurm_partition"], detect["slurm_extra"]) == ("gpu", "--exclusive")
+    assert resources(fresh, "pretrain")["nodes"] == "<TBD>"  # no plan yet: known before submission
+
+    snakemake(workdir, "results/tiny/plan.json")
+    plan = json.loads((workdir / "results/tiny/plan.json").read_text())
+    assert (plan["nodes"], plan["ranks_per_node"]) == (2, 2)
+    for profile, partition in (("slurm", "gpu"), ("slurm-local", "debug")):
+        out = snakemake(workdir, "-n", "--workflow-profile", f"profiles/{profile}", "all").stdout
+        train = resources(out, "pretrain")
+        assert train["slurm_partition"] == partition
+        assert (train["nodes"], train["tasks_per_node"], train["cpus_per_task"], train["mpi"]) == (
+            "2", "2", "1", "srun",
+        )  # fmt: skip
+        assert "tasks" not in train and "gres" not in train  # CPU ranks: no GPUs asked for
+        assert int(train["mem_mb"]) >= 2 * 4096
+        assert resources(out, "grpo")["nodes"] == "2"
+        assert int(resources(out, "consolidate")["mem_mb"]) >= 4096
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[None]:
+    """A running one-node Slurm: the one .ci/run started, else one started (and stopped) here."""
+    script = ["bash", str(REPO / ".ci" / "slurm.sh")]
+    if subprocess.run([*script, "status"], capture_output=True).returncode == 0:
+        yield
+        return
+    proc = subprocess.run([*script, "start"], capture_output=True, text=True, timeout=900)
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip() or proc.stderr.strip())
+    assert proc.returncode == 0, f".ci/slurm.sh start failed:\n{proc.stdout}\n{proc.stderr}"
+    yield
+    subprocess.run([*script, "stop"], capture_output=True, timeout=120)
+
+
+def test_the_pipeline_runs_through_sbatch_srun_and_torchrun(workdir: Path, slurm: None) -> None:
+    small_run(workdir, steps=4)
+    snakemake(workdir, "--workflow-profile", "profiles/slurm-local", "pretrain")
+    run = workdir / "results/tiny"
+    expected = ["hardware.json", "plan.json", "model_config.json", "tokenizer", "data/train.bin",
+                "data/val.bin", "data/meta.json", "deepspeed/pretrain.json", "pretrain/summary.json",
+                "pretrain/metrics.jsonl", "pretrain/loss.png"]  # fmt: skip
+    assert all((run / name).exists() for name in expected)
+    # Heavy stages were Slurm jobs, with logs; the quick local rules were not.
+    logs = workdir / "results/slurm_logs"
+    assert {p.name for p in logs.iterdir()} == {
+        "rule_detect_hardware",
+        "rule_prepare_tokenizer",
+        "rule_pretrain",
+    }
+    assert json.loads((run / "hardware.json").read_text())["slurm"]["job_id"]
+    launch = next(
+        line for line in (run / "logs/pretrain.log").read_text().splitlines() if "launch: " in line
+    )
+    assert re.search(r"launch: srun --nodes 1 --ntasks 1 .*torch\.distributed\.run --nnodes 1 --nproc_per_node 2 "
+                     r"--rdzv_backend c10d", launch)  # fmt: skip
+    summary = json.loads((run / "pretrain/summary.json").read_text())
+    assert summary["layout"]["world"] == 2 and summary["final_step"] == 4
+
+
+def test_a_failing_job_names_its_slurm_log(workdir: Path, slurm: None) -> None:
+    small_run(workdir)
+    edit_config(workdir, "data", files=[{"path": "missing/*.txt"}])
+    proc = snakemake(workdir, "--workflow-profile", "profiles/slurm-local", "pretrain", check=False)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    slurm_log = re.search(r"results/slurm_logs/rule_prepare_tokenizer/\d+\.log", out)
+    assert slurm_log, out[-3000:]
+    assert (workdir / slurm_log.group(0)).exists()
+    assert "missing/*.txt" in out
