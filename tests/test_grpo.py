@@ -13,6 +13,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from conftest import default_config
 from pretrain_harness import final_params, grpo_config, launch_grpo, prepare_data, run, run_grpo
 from safetensors.torch import load_file
 
@@ -20,7 +21,7 @@ from stagetrain.consolidate.folder import consolidate
 from stagetrain.grpo.metrics import METRICS
 
 pytestmark = pytest.mark.slow
-FAMILIES = {"arithmetic", "comparison", "counting"}  # the default grpo.curriculum.families
+FAMILIES = set(default_config()["grpo"]["curriculum"]["families"])
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,8 @@ def job_resources(plan: Mapping[str, Any], stage: str, node_cores: int) -> dict[
     gpu = plan["device"] == "cuda"
     return {
         "nodes": nodes,
-        "tasks": None if several and per_node > 1 else nodes * per_node,
-        "tasks_per_node": per_node if several and per_node > 1 else None,
+        "tasks": None if per_node > 1 else nodes,
+        "tasks_per_node": per_node if per_node > 1 else None,
         "cpus_per_task": max(1, node_cores // per_node),
         "mem_mb": -(-host_bytes // MiB) + RANK_HOST_MB * per_node,
         "gres": f"gpu:{per_node}" if gpu else None,
