@@ -48,6 +48,18 @@ def test_both_profiles_request_what_a_two_node_plan_needs(workdir: Path) -> None
         assert int(resources(out, "consolidate")["mem_mb"]) >= 4096
 
 
+def test_a_two_node_gpu_plan_asks_for_eight_gpus_a_node_and_a_runtime(workdir: Path) -> None:
+    edit_config(workdir, "hardware", source="describe", gpu="H100", gpus_per_node=8, nodes=2)
+    snakemake(workdir, "results/tiny/plan.json")
+    out = snakemake(workdir, "-n", "--workflow-profile", "profiles/slurm", "pretrain").stdout
+    train = resources(out, "pretrain")
+    assert (train["nodes"], train["tasks_per_node"], train["gres"], train["tasks_per_gpu"]) == (
+        "2", "8", "gpu:8", "0",
+    )  # fmt: skip
+    assert train["cpus_per_task"] == "-1"  # described hardware: its cores are unknown
+    assert int(train["runtime"]) >= 30  # from the plan's predicted step time
+
+
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[None]:
     """A running one-node Slurm: the one .ci/run started, else one started (and stopped) here."""

@@ -15,22 +15,24 @@ from stagetrain.slurm import (
 )
 
 
-def _plan(nodes: int, per_node: int, device: str = "cuda") -> dict:
+def _plan(nodes: int, per_node: int, device: str = "H100") -> dict:
     memory = {"host_per_node": 3 * 2**30, "total": 2**30}
+    throughput = {"step_s": 1.5} if device != "cpu" else {"reason": "no throughput model for CPUs"}
     return {"nodes": nodes, "ranks_per_node": per_node, "device": device,
-            "stages": {"pretrain": {"memory": memory}}}  # fmt: skip
+            "stages": {"pretrain": {"memory": memory, "throughput": throughput}}}  # fmt: skip
 
 
 def test_a_two_node_gpu_plan_asks_for_one_task_and_one_gpu_per_rank() -> None:
-    res = job_resources(_plan(2, 8), "pretrain", node_cores=96)
+    res = job_resources(_plan(2, 8), "pretrain", node_cores=96, steps=1000)
     assert res == {
         "nodes": 2, "tasks": None, "tasks_per_node": 8, "cpus_per_task": 12,
         "mem_mb": 3 * 1024 + 8 * 4096, "gres": "gpu:8", "tasks_per_gpu": 0, "mpi": "srun",
+        "runtime": 2 * 1000 * 1.5 // 60 + 30,  # twice the predicted 25 minutes, plus 30
     }  # fmt: skip
 
 
 def test_a_cpu_plan_counts_the_model_state_in_host_memory() -> None:
-    res = job_resources(_plan(1, 2, device="cpu"), "pretrain", node_cores=2)
+    res = job_resources(_plan(1, 2, device="cpu"), "pretrain", node_cores=2, steps=10)
     assert res["mem_mb"] == 3 * 1024 + 2 * 1024 + 2 * 4096
     assert (res["tasks_per_node"], res["cpus_per_task"], res["gres"], res["mpi"]) == (
         2,
@@ -41,10 +43,11 @@ def test_a_cpu_plan_counts_the_model_state_in_host_memory() -> None:
 
 
 def test_one_rank_per_node_uses_tasks_and_a_single_rank_needs_no_srun_step() -> None:
-    several = job_resources(_plan(4, 1), "pretrain", node_cores=16)
+    several = job_resources(_plan(4, 1), "pretrain", node_cores=16, steps=10)
     assert (several["tasks"], several["tasks_per_node"], several["mpi"]) == (4, None, "srun")
-    single = job_resources(_plan(1, 1), "pretrain", node_cores=16)
+    single = job_resources(_plan(1, 1), "pretrain", node_cores=None, steps=10)
     assert (single["tasks"], single["tasks_per_node"], single["mpi"]) == (1, None, None)
+    assert single["cpus_per_task"] == -1  # described hardware: cores unknown, Slurm's default
 
 
 def test_outside_slurm_and_for_one_rank_torchrun_runs_standalone() -> None:
@@ -109,4 +112,6 @@ def test_allocation_from_the_environment_or_from_scontrol() -> None:
 
 
 def test_every_training_resource_is_declared_to_the_workflow() -> None:
-    assert tuple(job_resources(_plan(1, 2), "pretrain", node_cores=8)) == TRAINING_RESOURCES
+    assert (
+        tuple(job_resources(_plan(1, 2), "pretrain", node_cores=8, steps=10)) == TRAINING_RESOURCES
+    )

@@ -14,6 +14,7 @@ its own (an srun inside that step would wait for CPUs the outer step holds).
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 from collections.abc import Callable, Mapping
@@ -41,16 +42,21 @@ TRAINING_RESOURCES = (
     "gres",
     "tasks_per_gpu",
     "mpi",
+    "runtime",
 )
 
 
-def job_resources(plan: Mapping[str, Any], stage: str, node_cores: int) -> dict[str, Any]:
+def job_resources(
+    plan: Mapping[str, Any], stage: str, node_cores: int | None, steps: int
+) -> dict[str, Any]:
     """The Slurm resources of a training stage's job, from plan.json.
 
     Args:
         plan: plan.json.
         stage: "pretrain" or "grpo" (each has its own memory estimate).
-        node_cores: CPU cores of one training node (hardware.json).
+        node_cores: CPU cores of one training node (hardware.json); None when the
+            hardware was described rather than detected: Slurm's default CPUs then.
+        steps: the stage's optimizer steps (for the runtime).
 
     Keys a job does not need are None, which Snakemake drops; `tasks` and
     `tasks_per_node` are never both set (the plugin refuses that for srun jobs).
@@ -61,18 +67,30 @@ def job_resources(plan: Mapping[str, Any], stage: str, node_cores: int) -> dict[
         memory["total"] * per_node if plan["device"] == "cpu" else 0
     )
     several = nodes * per_node > 1
-    gpu = plan["device"] == "cuda"
+    gpu = plan["device"] != "cpu"  # a GPU catalog key otherwise
     return {
         "nodes": nodes,
         "tasks": None if per_node > 1 else nodes,
         "tasks_per_node": per_node if per_node > 1 else None,
-        "cpus_per_task": max(1, node_cores // per_node),
+        # -1 makes the plugin leave --cpus-per-task out.
+        "cpus_per_task": max(1, node_cores // per_node) if node_cores else -1,
         "mem_mb": -(-host_bytes // MiB) + RANK_HOST_MB * per_node,
         "gres": f"gpu:{per_node}" if gpu else None,
         # The plugin turns `tasks` into --ntasks-per-gpu for GPU jobs unless this is 0.
         "tasks_per_gpu": 0 if gpu else None,
         "mpi": "srun" if several else None,
+        "runtime": runtime_minutes(plan, stage, steps),
     }
+
+
+def runtime_minutes(plan: Mapping[str, Any], stage: str, steps: int) -> int | None:
+    """Minutes to ask for: twice the plan's predicted training time, plus 30 for start-up,
+    evaluations and checkpoints. None where the plan predicts no step time (CPU ranks;
+    GRPO, whose rollouts it does not model): the profile's runtime then applies."""
+    step_s = plan["stages"][stage]["throughput"].get("step_s")
+    if stage != "pretrain" or step_s is None:
+        return None
+    return math.ceil(2 * steps * step_s / 60) + 30
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -61,8 +61,8 @@ def get_training(wildcards):
 def plan_resources(stage):
     """The Slurm resources of a stage's job, read from plan.json just before submission.
 
-    Training stages get nodes, tasks, CPUs, GPUs and memory; consolidation its
-    memory. Before planning (a dry run of a fresh run) each is Snakemake's <TBD>.
+    Training stages get nodes, tasks, CPUs, GPUs, memory and (pretrain on GPUs)
+    runtime; consolidation its memory. Before planning (a dry run of a fresh run) each is Snakemake's <TBD>.
     """
 
     def read(key):
@@ -73,7 +73,8 @@ def plan_resources(stage):
             if stage == "consolidate":
                 return slurm.consolidate_mem_mb(plan)
             hardware = json.loads(Path(f"{RUN}/hardware.json").read_text())
-            return slurm.job_resources(plan, stage, hardware["cpu"]["cores"])[key]
+            steps = config[stage]["steps"] * config[stage].get("passes", 1)
+            return slurm.job_resources(plan, stage, hardware["cpu"]["cores"], steps)[key]
 
         return resource
 

@@ -155,7 +155,7 @@ def launch_stage(
         prebuild_cpu_ops()
     cmd = torchrun_command(nodes=plan["nodes"], procs_per_node=plan["ranks_per_node"], module=module,
                            args=["--spec", str(root / "job.json")], allocation=alloc,
-                           gpus=plan["device"] == "cuda")  # fmt: skip
+                           gpus=plan["device"] != "cpu")  # fmt: skip
     run_ranks(cmd, env, stage)
 
 
