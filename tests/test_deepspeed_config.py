@@ -108,7 +108,7 @@ def test_default_config_renders_on_cpu() -> None:
 
 def test_warmup_longer_than_training_is_an_error() -> None:
     cfg = default_config()
-    cfg["grpo"]["optimizer"]["warmup_steps"] = 500
+    cfg["grpo"].update(steps=80, optimizer={**cfg["grpo"]["optimizer"], "warmup_steps": 500})
     with pytest.raises(StageError, match="grpo.optimizer.warmup_steps: 500 exceeds grpo.steps 80"):
         _render(cfg, "grpo", _plan(cfg, _cpu_hardware()))
 
