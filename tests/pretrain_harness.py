@@ -9,6 +9,7 @@ its own checkpoint folder.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -55,6 +56,30 @@ def prepare_data(out: Path) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
+@functools.cache
+def _comm_op_built() -> None:
+    """Compile DeepSpeed's shared-memory comm op once, before any ranks start.
+
+    On a machine where it is not built yet (a fresh CI venv), two ranks compiling it at
+    once ended a finished run with SIGABRT at teardown (shared/NOTES.md); the stage's
+    launcher prebuilds it for the same reason.
+    """
+    code = "from stagetrain.pretrain.launch import prebuild_cpu_ops; prebuild_cpu_ops()"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=900)
+
+
+def _torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> Any:
+    """`module --spec spec` on `world` CPU ranks: a CompletedProcess, or a Popen if `popen`."""
+    _comm_op_built()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           "-m", module, "--spec", str(spec)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if popen:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
 def launch(
     data: dict[str, str],
     out: Path,
@@ -85,10 +110,7 @@ def launch(
         "pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"],
     }  # fmt: skip
     atomic_write_json(out / "job.json", spec)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           "-m", "stagetrain.pretrain.train", "--spec", str(out / "job.json")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return _torchrun("stagetrain.pretrain.train", out / "job.json", world)
 
 
 def run(data: dict[str, str], out: Path, **kwargs: Any) -> dict[str, Any]:
@@ -166,18 +188,7 @@ def launch_grpo(
         "grpo": cfg["grpo"], "seed": cfg["run"]["seed"],
     }  # fmt: skip
     atomic_write_json(out / "job.json", spec)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           "-m", "stagetrain.grpo.train", "--spec", str(out / "job.json")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if popen:
-        return subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return _torchrun("stagetrain.grpo.train", out / "job.json", world, popen=popen)
 
 
 def run_grpo(data: dict[str, str], model_dir: str, out: Path, **kwargs: Any) -> dict[str, Any]:

@@ -36,6 +36,8 @@ EDGES = {
     ("render_deepspeed_config[pretrain]", "pretrain"),
     ("prepare_tokenizer", "pretrain"),
     ("pretrain", "consolidate[pretrain]"),
+    ("plan_parallelism", "consolidate[pretrain]"),
+    ("plan_parallelism", "consolidate[grpo]"),
     ("prepare_tokenizer", "consolidate[pretrain]"),
     ("consolidate[pretrain]", "grpo"),
     ("render_deepspeed_config[grpo]", "grpo"),
