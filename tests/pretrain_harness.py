@@ -58,12 +58,8 @@ def prepare_data(out: Path) -> dict[str, str]:
 
 @functools.cache
 def _comm_op_built() -> None:
-    """Compile DeepSpeed's shared-memory comm op once, before any ranks start.
-
-    On a machine where it is not built yet (a fresh CI venv), two ranks compiling it at
-    once ended a finished run with SIGABRT at teardown (shared/NOTES.md); the stage's
-    launcher prebuilds it for the same reason.
-    """
+    """Compile DeepSpeed's shared-memory comm op once, before any ranks start, as the
+    stage's launcher does: ranks compiling it at once have crashed (shared/NOTES.md)."""
     code = "from stagetrain.pretrain.launch import prebuild_cpu_ops; prebuild_cpu_ops()"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=900)
 

@@ -51,18 +51,23 @@ def get_plan_section(section):
     return {key: config[section][key] for key in PLAN_KEYS[section]}
 
 
+def optimizer_steps(stage):
+    """Optimizer steps of a training stage: its steps times its passes over each batch."""
+    return config[stage]["steps"] * config[stage].get("passes", 1)
+
+
 def get_training(wildcards):
     """The optimizer and optimizer-step count of one training stage, for its DeepSpeed config."""
-    stage = config[wildcards.stage]
-    return {"steps": stage["steps"] * stage.get("passes", 1), "optimizer": stage["optimizer"]}
-
+    stage = wildcards.stage
+    return {"steps": optimizer_steps(stage), "optimizer": config[stage]["optimizer"]}
 
 
 def plan_resources(stage):
     """The Slurm resources of a stage's job, read from plan.json just before submission.
 
     Training stages get nodes, tasks, CPUs, GPUs, memory and (pretrain on GPUs)
-    runtime; consolidation its memory. Before planning (a dry run of a fresh run) each is Snakemake's <TBD>.
+    runtime; consolidation its memory. Before planning (a dry run of a fresh run)
+    each is Snakemake's <TBD>.
     """
 
     def read(key):
@@ -73,8 +78,8 @@ def plan_resources(stage):
             if stage == "consolidate":
                 return slurm.consolidate_mem_mb(plan)
             hardware = json.loads(Path(f"{RUN}/hardware.json").read_text())
-            steps = config[stage]["steps"] * config[stage].get("passes", 1)
-            return slurm.job_resources(plan, stage, hardware["cpu"]["cores"], steps)[key]
+            cores = hardware["cpu"]["cores"]
+            return slurm.job_resources(plan, stage, cores, optimizer_steps(stage))[key]
 
         return resource
 

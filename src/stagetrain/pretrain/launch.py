@@ -163,10 +163,16 @@ def rank_main(body: Callable[[dict], None], argv: list[str] | None = None) -> No
     """The entry of every training rank: read --spec, run `body(spec)`, turn bad input into one line.
 
     A `StageError` is printed as `error: ...` (which `run_ranks` surfaces) with
-    exit status 1; the process group is torn down whatever happens.
+    exit status 1; the process group is torn down whatever happens. A rank that
+    got this far leaves with os._exit, skipping C++ static destructors: ranks that
+    had written every artifact have died there with "terminate called without an
+    active exception" (a communication thread still joinable; seen twice in CI,
+    MoE under ZeRO-3 and a consolidation fixture), failing a finished stage.
+    Everything is written and closed by then; only stdout and stderr need a flush.
     """
     import argparse
     import json
+    import os
     from pathlib import Path
 
     import torch.distributed as dist
@@ -175,11 +181,15 @@ def rank_main(body: Callable[[dict], None], argv: list[str] | None = None) -> No
     parser.add_argument("--spec", required=True)
     spec = json.loads(Path(parser.parse_args(argv).spec).read_text())
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    status = 0
     try:
         body(spec)
     except StageError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        status = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
