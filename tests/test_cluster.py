@@ -98,6 +98,8 @@ def test_the_pipeline_runs_through_sbatch_srun_and_torchrun(workdir: Path, slurm
                      r"--rdzv_backend c10d", launch)  # fmt: skip
     summary = json.loads((run / "pretrain/summary.json").read_text())
     assert summary["layout"]["world"] == 2 and summary["final_step"] == 4
+    first, second = summary["param_checksum_per_rank"]  # one synchronised model, not two copies
+    assert first == second
 
 
 def test_a_failing_job_names_its_slurm_log(workdir: Path, slurm: None) -> None:
