@@ -39,7 +39,7 @@ from stagetrain.pretrain.batches import window_count
 from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
 from stagetrain.pretrain.launch import rank_main
 from stagetrain.pretrain.metrics import MetricsLog
-from stagetrain.pretrain.train import _device, window_loss
+from stagetrain.pretrain.train import window_loss
 from stagetrain.tasks import Problem, problems
 
 log = logging.getLogger("stagetrain")
@@ -88,17 +88,8 @@ def _reference(
 
 def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
-    plan, meta, ds_config = (
-        read_json(spec["plan"]),
-        read_json(spec["meta"]),
-        read_json(spec["deepspeed_config"]),
-    )
-    deepspeed.init_distributed(dist_backend=plan["backend"])
-    if dist.get_world_size() != plan["world"]:
-        raise StageError(
-            f"plan.json: world size {plan['world']}, but {dist.get_world_size()} processes started"
-        )
-    device, cfg, layout = _device(plan["backend"]), spec["grpo"], plan["stages"]["grpo"]["layout"]
+    plan, meta, ds_config, device = engines.join_world(spec)
+    cfg, layout = spec["grpo"], plan["stages"]["grpo"]["layout"]
     config = engines.load_model_config(spec["model_config"])
     engine, _, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,11 +31,39 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
 
 from stagetrain.embeddings import resize_embeddings
+from stagetrain.errors import StageError
+from stagetrain.io import read_json
 
 SPARSE_BLOCKS = {
     "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
     "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock"),
 }
+
+
+def join_world(spec: Mapping[str, Any]) -> tuple[dict, dict, dict, torch.device]:
+    """Start this rank's process group and check the world against the plan.
+
+    Returns plan.json, meta.json, the DeepSpeed config and this rank's device;
+    the same start for every training stage.
+    """
+    plan, meta, ds_config = (read_json(spec[key]) for key in ("plan", "meta", "deepspeed_config"))
+    deepspeed.init_distributed(dist_backend=plan["backend"])
+    world = torch.distributed.get_world_size()
+    if world != plan["world"]:
+        raise StageError(f"plan.json: world size {plan['world']}, but {world} processes started")
+    return plan, meta, ds_config, _device(plan["backend"])
+
+
+def _device(backend: str) -> torch.device:
+    if backend != "nccl":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.device_count() <= local:
+        raise StageError(
+            f"rank with LOCAL_RANK={local} has no GPU (this node shows {torch.cuda.device_count()})"
+        )
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def load_model_config(path: str | Path) -> PretrainedConfig:

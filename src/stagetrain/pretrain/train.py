@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
-from stagetrain.io import atomic_write_json, read_json
+from stagetrain.io import atomic_write_json
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
 from stagetrain.pretrain import engine as engines
@@ -74,31 +73,9 @@ def components(
     }
 
 
-def _device(backend: str) -> torch.device:
-    if backend != "nccl":
-        return torch.device("cpu")
-    local = int(__import__("os").environ.get("LOCAL_RANK", 0))
-    if torch.cuda.device_count() <= local:
-        raise StageError(
-            f"rank with LOCAL_RANK={local} has no GPU (this node shows {torch.cuda.device_count()})"
-        )
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
-
-
 def setup(spec: dict[str, Any]) -> Run:
     """Start the process group, check the world against the plan, build the engine and the data."""
-    plan, meta, ds_config = (
-        read_json(spec["plan"]),
-        read_json(spec["meta"]),
-        read_json(spec["deepspeed_config"]),
-    )
-    deepspeed.init_distributed(dist_backend=plan["backend"])
-    if dist.get_world_size() != plan["world"]:
-        raise StageError(
-            f"plan.json: world size {plan['world']}, but {dist.get_world_size()} processes started"
-        )
-    device = _device(plan["backend"])
+    plan, meta, ds_config, device = engines.join_world(spec)
     layout = plan["stages"]["pretrain"]["layout"]
     config = engines.load_model_config(spec["model_config"])
     engine, params, spec["_hook"] = engines.build(
