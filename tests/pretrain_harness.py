@@ -57,7 +57,7 @@ def prepare_data(out: Path) -> dict[str, str]:
 
 
 @functools.cache
-def _comm_op_built() -> None:
+def build_comm_op() -> None:
     """Compile DeepSpeed's shared-memory comm op once, before any ranks start, as the
     stage's launcher does: ranks compiling it at once have crashed (shared/NOTES.md)."""
     code = "from stagetrain.pretrain.launch import prebuild_cpu_ops; prebuild_cpu_ops()"
@@ -66,7 +66,7 @@ def _comm_op_built() -> None:
 
 def _torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> Any:
     """`module --spec spec` on `world` CPU ranks: a CompletedProcess, or a Popen if `popen`."""
-    _comm_op_built()
+    build_comm_op()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            "-m", module, "--spec", str(spec)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import REPO, default_config
+from pretrain_harness import build_comm_op
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -215,17 +216,8 @@ def test_hf_deepspeed_config_can_be_built() -> None:
 
 @pytest.fixture(scope="module")
 def shm_comm_op() -> None:
-    """DeepSpeed's shared-memory comm op, compiled (about 50 s, once per machine) before torchrun.
-
-    Every rank's comm backend loads it at init_distributed; when it is not built yet, both
-    ranks would compile it at once, which once ended a finished run with SIGABRT (NOTES.md).
-    """
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        builder.load()
+    """DeepSpeed's shared-memory comm op, compiled (about 50 s, once per machine) before torchrun."""
+    build_comm_op()
 
 
 def run_ranks(out: Path, tied: bool) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
