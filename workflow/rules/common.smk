@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 import sys
@@ -74,14 +75,20 @@ def plan_resources(stage):
         def resource(wildcards, input):
             if not os.path.exists(input.plan):
                 return TBDString()
-            plan = json.loads(Path(input.plan).read_text())
-            if stage == "consolidate":
-                return slurm.consolidate_mem_mb(plan)
-            hardware = json.loads(Path(f"{RUN}/hardware.json").read_text())
-            cores = hardware["cpu"]["cores"]
-            return slurm.job_resources(plan, stage, cores, optimizer_steps(stage))[key]
+            return _stage_resources(stage, input.plan, os.stat(input.plan).st_mtime_ns)[key]
 
         return resource
 
     keys = ["mem_mb"] if stage == "consolidate" else slurm.TRAINING_RESOURCES
     return {key: read(key) for key in keys}
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_resources(stage, plan_path, plan_mtime_ns):
+    """All of a stage's resources at once: each resource function asks for one key,
+    and plan.json and hardware.json are read once per plan version, not once per key."""
+    plan = json.loads(Path(plan_path).read_text())
+    if stage == "consolidate":
+        return {"mem_mb": slurm.consolidate_mem_mb(plan)}
+    cores = json.loads(Path(f"{RUN}/hardware.json").read_text())["cpu"]["cores"]
+    return slurm.job_resources(plan, stage, cores, optimizer_steps(stage))
