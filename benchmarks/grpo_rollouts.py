@@ -61,7 +61,8 @@ def rollouts(folder: Path, grpo: dict, prompts: int, seed: int) -> None:
     start = time.perf_counter()
     with torch.no_grad():
         flat = flat_groups(model, ids, reward, group_size=grpo["group_size"],
-                           max_new_tokens=grpo["max_new_tokens"], eos_id=tok.eos_token_id, **common)  # fmt: skip
+                           max_new_tokens=grpo["max_new_tokens"], eos_id=tok.eos_token_id,
+                           max_batch=len(ids) * grpo["group_size"], **common)  # fmt: skip
     flat_s = time.perf_counter() - start
     rows = [("flat", flat, flat_s)]
     for b, k in ((2, 1), (2, 4), (4, 4), (2, 8)):

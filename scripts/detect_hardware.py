@@ -6,6 +6,7 @@ Snakemake runs it through the `detect_hardware` rule; on its own:
 
 import logging
 
+from stagetrain.hardware import speed
 from stagetrain.hardware.detect import detect
 from stagetrain.stage import StageIO, run_stage
 
@@ -31,6 +32,15 @@ def main(io: StageIO) -> None:
             "no GPU: %d CPU cores, %.1f GiB, planning %d CPU ranks per node on %d node(s)",
             cpu["cores"], cpu["memory_bytes"] / 2**30, hardware["cpu_ranks"], hardware["nodes"],
         )  # fmt: skip
+    # Described hardware is not this machine: nothing here to measure.
+    hardware["speed"] = None if hardware["source"] == "config" else speed.measure(hardware)
+    if hardware["speed"] and hardware["speed"]["gflops"]:
+        rates = hardware["speed"]["gflops"]
+        log.info(
+            "matrix products (%s threads): %s GFLOP/s",
+            hardware["speed"]["threads"] or "GPU",
+            ", ".join(f"{k} {v:,.1f}" for k, v in rates.items()),
+        )
     io.write_output("hardware", hardware)
 
 

@@ -37,6 +37,7 @@ def main(io: StageIO) -> None:
         plan["precision"],
         plan["source"],
     )
+    log.info("precision %s: %s", plan["precision"], plan["precision_reason"])
     if plan["table"]["status"] not in ("none", "not needed"):
         log.info("table: %s", plan["table"].get("reason") or plan["table"].get("source"))
     for name, stage in plan["stages"].items():

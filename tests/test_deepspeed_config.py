@@ -44,8 +44,9 @@ def test_presets_render_complete_configs(preset: str, stage: str) -> None:
     json.dumps(config)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("zero", "tp"), [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2), (2, 2)]
+)  # AutoTP with ZeRO-3 is refused by the planner (test_planning)
 def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
     cfg = _preset("mistral-7b-8xh100", parallelism={"zero_stage": zero, "tp": tp})
     config = _render(cfg, "pretrain")

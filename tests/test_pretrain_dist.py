@@ -176,3 +176,25 @@ def test_init_from_loads_partitioned_and_grows_the_embeddings(
     weights = final_params(summary)
     assert weights["model.embed_tokens.weight"].shape[0] == 512
     assert _losses(summary)[-1] < _losses(summary)[0]
+
+
+@pytest.mark.parametrize(
+    ("precision", "parameters"), [("fp32", "torch.float32"), ("bf16", "torch.bfloat16")]
+)
+def test_a_bf16_start_model_trains_in_the_plans_precision_with_fp32_master_weights(
+    data: dict[str, str], tmp_path: Path, precision: str, parameters: str
+) -> None:
+    """A folder saved in bf16 (as consolidation writes it) is not trained in pure bf16 under an fp32 plan."""
+    from transformers import AutoModelForCausalLM
+
+    from stagetrain.model_config import SHAPE_KEYS
+    from stagetrain.pretrain.engine import load_model_config
+
+    start = AutoModelForCausalLM.from_config(load_model_config(data["model_config"]))
+    start.to(torch.bfloat16).save_pretrained(tmp_path / "init")
+    summary = run(data, tmp_path / "run", world=1, layout={"dp": 1, "tp": 1, "micro_batch_size": 4, "zero_stage": 1},
+                  config_changes={"model": {"init_from": str(tmp_path / "init"), **dict.fromkeys(SHAPE_KEYS)},
+                                  "deepspeed": {"precision": precision}})  # fmt: skip
+    assert summary["dtypes"] == {
+        "parameters": parameters, "master": "torch.float32", "optimizer_states": "torch.float32"
+    }  # fmt: skip

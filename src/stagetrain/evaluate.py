@@ -30,7 +30,7 @@ def accuracy(
         for family in families:
             for level in levels:
                 batch = problems([family], [level], "test", n, seed=seed)
-                scores = greedy_scores(model, tokenizer, batch, cfg)
+                scores = greedy_scores(model, tokenizer, batch, cfg, chunk_size=64)
                 out[(family, level)] = sum(scores) / len(scores)
     return out
 

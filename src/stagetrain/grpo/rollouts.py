@@ -1,6 +1,7 @@
 """Rollouts: completions of each prompt, their rewards and per-token advantages.
 
-flat   group_size samples per prompt in one `generate` call (KV cache), and the
+flat   group_size samples per prompt, the rank's prompts in one `generate` call
+       (KV cache; in chunks if the plan's generation batch is smaller), and the
        group advantage (r - mean) / (std + eps) on every token.
 tree   a search tree per prompt (`grpo.tree`): UCT selects a partial completion,
        `generate` samples `branching` continuations of `segment_tokens` tokens
@@ -93,10 +94,17 @@ def flat_groups(
     top_p: float,
     eos_id: int,
     pad_id: int,
+    max_batch: int,
 ) -> list[Group]:
-    """group_size samples per prompt; group advantages on every token."""
-    completions = sample(model, prompts, group_size, max_new_tokens, temperature=temperature, top_p=top_p,
-                         eos_id=eos_id, pad_id=pad_id)  # fmt: skip
+    """group_size samples per prompt, at most `max_batch` sequences per `generate` call (the
+    plan's generation batch, whose KV cache it counted); group advantages on every token."""
+    per_call = max(1, max_batch // group_size)
+    completions = [
+        c
+        for at in range(0, len(prompts), per_call)
+        for c in sample(model, prompts[at : at + per_call], group_size, max_new_tokens,
+                        temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
+    ]  # fmt: skip
     groups = []
     for i, prompt in enumerate(prompts):
         mine = completions[i * group_size : (i + 1) * group_size]

@@ -23,12 +23,12 @@ def prompt_ids(tokenizer: Any, problem: Problem, limit: int) -> list[int]:
 
 
 def greedy_scores(
-    model: Any, tokenizer: Any, batch: Sequence[Problem], cfg: Mapping[str, Any]
+    model: Any, tokenizer: Any, batch: Sequence[Problem], cfg: Mapping[str, Any], chunk_size: int
 ) -> list[float]:
-    """Verifier scores of greedy completions (KV cache, batches of 64)."""
+    """Verifier scores of greedy completions (KV cache), `chunk_size` problems per `generate` call."""
     out = []
-    for start in range(0, len(batch), 64):
-        chunk = batch[start : start + 64]
+    for start in range(0, len(batch), chunk_size):
+        chunk = batch[start : start + chunk_size]
         ids = [prompt_ids(tokenizer, p, cfg["max_prompt_len"]) for p in chunk]
         width = max(map(len, ids))
         pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -179,7 +179,8 @@ def step(
             groups = tree_groups(run.engine.module, prompts, reward, run.tree, **common)
         else:
             groups = flat_groups(run.engine.module, prompts, reward, group_size=cfg["group_size"],
-                                 max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id, **common)  # fmt: skip
+                                 max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id,
+                                 max_batch=run.generation_batch, **common)  # fmt: skip
     run.engine.train()
     loss, clip = train_on(run, groups)
     rows: list[Row] = _gather([

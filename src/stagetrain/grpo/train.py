@@ -71,6 +71,8 @@ class Run:
     checkpoints: Checkpoints
     val: np.ndarray
     eval_windows: np.ndarray
+    generation_batch: int
+    """Most sequences one `generate` call makes: the plan counted their KV cache."""
 
 
 def _reference(
@@ -119,7 +121,17 @@ def setup(spec: dict[str, Any]) -> Run:
         checkpoints=Checkpoints(Path(spec["checkpoints"]), components, {k: layout[k] for k in ("dp", "tp", "zero_stage")},
                                 cfg["keep_checkpoints"]),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout["micro_batch_size"])),
+        generation_batch=_generation_batch(plan),
     )  # fmt: skip
+
+
+def _generation_batch(plan: dict[str, Any]) -> int:
+    if "generation" not in plan["stages"]["grpo"]:
+        raise StageError(
+            "plan.json: no grpo.generation batch (planned by an older stagetrain): "
+            "replan with `snakemake --cores all --forcerun plan_parallelism`"
+        )
+    return plan["stages"]["grpo"]["generation"]["batch"]
 
 
 @contextlib.contextmanager
@@ -156,7 +168,9 @@ def accuracy(run: Run) -> dict[str, float]:
     """Greedy accuracy per family on the fixed held-out problems (every rank evaluates all of them)."""
     run.engine.eval()
     with gathered(run), torch.no_grad():
-        correct = grpo_steps.greedy_scores(run.engine.module, run.tokenizer, run.eval_set, run.cfg)
+        correct = grpo_steps.greedy_scores(
+            run.engine.module, run.tokenizer, run.eval_set, run.cfg, run.generation_batch
+        )
     run.engine.train()
     families = sorted({p.family for p in run.eval_set})
     return {
@@ -266,7 +280,10 @@ def rank(spec: dict[str, Any]) -> None:
     core = loop(run)
     final_accuracy, loss = accuracy(run), val_loss(run)
     if dist.get_rank() == 0:
-        summary = summarise(run, core, final_accuracy, loss)
+        summary = {
+            **summarise(run, core, final_accuracy, loss),
+            "dtypes": engines.dtypes(run.engine),
+        }
         Path(spec["metrics"]).write_bytes((run.checkpoints.folder / "metrics.jsonl").read_bytes())
         grpo_steps.reward_plot(summary, spec["reward_plot"])
         atomic_write_json(spec["summary"], summary)

@@ -17,7 +17,8 @@ class Layout:
 
     Invariants (checked in __post_init__, with every factor in the message):
     dp * tp == world, tp divides the heads and KV heads and fits in a node,
-    global_batch == micro_batch_size * grad_accum * dp.
+    global_batch == micro_batch_size * grad_accum * dp, tp > 1 only with ZeRO 0-2
+    (DeepSpeed's AutoTP training supports no ZeRO-3).
     """
 
     world: int
@@ -60,6 +61,10 @@ class Layout:
         if self.offload == "optimizer_and_params" and self.zero_stage != 3:
             raise StageError(
                 f"parallelism.offload: parameter offload needs zero_stage 3 ({factors})"
+            )
+        if self.tp > 1 and self.zero_stage == 3:
+            raise StageError(
+                f"parallelism: tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, got zero_stage 3 ({factors})"
             )
         if self.offload != "none" and self.zero_stage < 2:
             raise StageError(

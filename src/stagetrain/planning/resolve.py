@@ -9,13 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from stagetrain.errors import StageError
-from stagetrain.hardware.catalog import CATALOG_PATH, GpuSpec, gpu_spec
+from stagetrain.hardware.catalog import CATALOG_PATH, gpu_spec
 from stagetrain.model_config import build_config, padded_vocab
+from stagetrain.planning import precision as precisions
 from stagetrain.planning import table as tables
 from stagetrain.planning.memory import params_per_rank
 from stagetrain.planning.plan import Layout, Precision
 from stagetrain.planning.search import SEARCHED, Demand, Devices, search
 from stagetrain.planning.shape import ModelShape, model_shape
+from stagetrain.planning.throughput import Rates
 
 
 def devices_from(hardware: Mapping[str, Any], hw_config: Mapping[str, Any]) -> Devices:
@@ -46,13 +48,33 @@ def devices_from(hardware: Mapping[str, Any], hw_config: Mapping[str, Any]) -> D
     )
 
 
-def choose_precision(requested: str, gpu: GpuSpec | None) -> Precision:
-    """bf16 where the device runs it (CPUs do), else fp16 with loss scaling; or as requested."""
-    if requested == "auto":
-        return "bf16" if gpu is None or gpu.bf16 else "fp16"
-    if requested == "bf16" and gpu is not None and not gpu.bf16:
-        raise StageError(f"deepspeed.precision: bf16 requested but {gpu.key} has no bf16 support")
-    return requested  # type: ignore[return-value]
+def device_rates(
+    devices: Devices,
+    speed: Mapping[str, Any] | None,
+    precision: Precision,
+    parallelism: Mapping[str, Any],
+) -> Rates | None:
+    """One device's speed in `precision` for the throughput model; None where nothing says it.
+
+    GPUs run at the catalog's peak (a measurement of one card would not say
+    what a described cluster does); CPU ranks at what detect_hardware measured.
+    """
+    if devices.gpu is not None:
+        return Rates.of_gpu(devices.gpu, parallelism["assumed_mfu"])
+    gflops = (speed or {}).get("gflops") or {}
+    if precision not in gflops:
+        return None
+    return Rates.of_cpu_rank(gflops[precision], gflops["fp32"], parallelism["cpu_efficiency"])
+
+
+def generation_batch(grpo: Mapping[str, Any], dp: int) -> int:
+    """Sequences one rank generates in one `generate` call: its share of the prompts times the group.
+
+    Flat rollouts sample every prompt of the rank's share at once; held-out
+    evaluation and tree expansions generate in chunks of at most this many
+    (grpo.rollouts, grpo.steps), so this is the generation memory to plan for.
+    """
+    return max(1, grpo["prompts_per_step"] // dp) * grpo["group_size"]
 
 
 def _table_repo(parallelism: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
@@ -74,6 +96,10 @@ def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads
         )
     if dp and tp and dp * tp != world or dp and world % dp or tp and world % tp:
         raise StageError(f"parallelism: dp * tp must equal the world size ({factors})")
+    if (tp or 1) > 1 and fixed.get("zero_stage") == 3:
+        raise StageError(
+            f"parallelism: tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, got zero_stage 3 ({factors})"
+        )
 
 
 def table_values(
@@ -111,15 +137,16 @@ def demands(pretrain: Mapping[str, Any], grpo: Mapping[str, Any], devices: Devic
 
     def grpo_extra(shape: ModelShape, layout: Layout) -> int:
         # Reference model for the KL term, the whole policy gathered for generation
-        # under ZeRO-3, and the KV cache of one prompt's group of rollouts.
+        # under ZeRO-3, and the KV cache of one generate call's sequences.
         w = 2 if layout.precision != "fp32" else 4
         n = params_per_rank(shape, layout.tp)
         shard = n // layout.dp if layout.zero_stage == 3 else n
         reference = w * shard if grpo["kl_coef"] > 0 else 0
         gathered = w * (n - shard)
-        rollouts = grpo["group_size"]  # one prompt's group is generated at a time
         kv_width = shape.num_kv_heads * shape.head_dim // layout.tp
-        kv = 2 * shape.num_layers * rollouts * layout.seq_len * kv_width * w
+        kv = (
+            2 * shape.num_layers * generation_batch(grpo, layout.dp) * layout.seq_len * kv_width * w
+        )
         return reference + gathered + kv
 
     return [
@@ -151,7 +178,9 @@ def resolve(
     group_size, max_prompt_len, max_new_tokens, kl_coef).
     """
     devices = devices_from(hardware, hw_config)
-    precision = choose_precision(deepspeed["precision"], devices.gpu)
+    choice = precisions.choose(deepspeed["precision"], devices.gpu, hardware.get("speed"))
+    precision = choice.precision
+    rates = device_rates(devices, hardware.get("speed"), precision, parallelism)
 
     @cache
     def shape(tp: int) -> ModelShape:
@@ -174,8 +203,10 @@ def resolve(
     options = {**parallelism, **deepspeed}
     stages = {}
     for demand in demands(pretrain, grpo, devices):
-        entry = search(demand, devices, fixed, shape, precision, options)
+        entry = search(demand, devices, fixed, shape, precision, options, rates)
         entry["sources"] = {k: sources.get(k, "planner") for k in SEARCHED}
+        if demand.stage == "grpo":
+            entry["generation"] = {"batch": generation_batch(grpo, entry["layout"]["dp"])}
         stages[demand.stage] = entry
     labels = set(sources.values())
     overall = (
@@ -192,8 +223,9 @@ def resolve(
         "ranks_per_node": devices.per_node,
         "world": devices.world,
         "precision": precision,
+        "precision_reason": choice.reason,
         "model": {**asdict(base), "vocab_multiple": model["vocab_multiple"]},
         "table": table_record,
         "stages": stages,
-        "warnings": [w for s in stages.values() for w in s["warnings"]],
+        "warnings": [*choice.warnings, *(w for s in stages.values() for w in s["warnings"])],
     }

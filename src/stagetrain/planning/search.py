@@ -3,9 +3,12 @@
 Searched: tp (dividing the heads, the KV heads and the devices of a node), ZeRO
 stage 0-3, micro batch size (dividing the per-rank batch), activation
 checkpointing; CPU offload only when nothing else fits. Values fixed by the
-config or a parallelism table narrow the search instead of being searched. On
-CPUs there is no throughput model: the planner takes the fewest micro batches per
-step, then the lowest ZeRO stage, without recomputation.
+config or a parallelism table narrow the search instead of being searched.
+Candidates are ranked by predicted speed (`throughput.predict`, from the catalog
+peak on GPUs and the measured matrix-product rate on CPU ranks); without a
+measurement the planner takes the fewest micro batches per step, then the lowest
+ZeRO stage, without recomputation. tp > 1 is never combined with ZeRO-3:
+DeepSpeed's AutoTP training supports ZeRO stages 0-2 only.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from stagetrain.hardware.catalog import GpuSpec
 from stagetrain.planning import memory as mem
 from stagetrain.planning.plan import Layout, Offload, Precision
 from stagetrain.planning.shape import ModelShape
-from stagetrain.planning.throughput import Throughput, predict
+from stagetrain.planning.throughput import Rates, Throughput, predict
 
 SEARCHED = ("dp", "tp", "micro_batch_size", "zero_stage", "activation_checkpointing", "offload")
 RUNNERS_UP = 5
@@ -123,6 +126,8 @@ def _candidates(
         for mbs, zero, ac, offload in product(mbs_options, zeros, acs, offloads):
             if offload != "none" and zero < 2 or offload == "optimizer_and_params" and zero != 3:
                 continue
+            if tp > 1 and zero == 3:
+                continue
             yield Layout(
                 world=devices.world,
                 gpus_per_node=devices.per_node,
@@ -142,7 +147,12 @@ def _candidates(
 
 
 def _evaluate(
-    layout: Layout, shape: ModelShape, devices: Devices, demand: Demand, options: Mapping[str, Any]
+    layout: Layout,
+    shape: ModelShape,
+    devices: Devices,
+    demand: Demand,
+    options: Mapping[str, Any],
+    rates: Rates | None,
 ) -> Evaluated:
     memory = mem.estimate(
         shape,
@@ -159,14 +169,13 @@ def _evaluate(
         and memory.host_per_node <= devices.host_bytes_per_node
     )
     throughput = None
-    if devices.gpu is not None:
+    if rates is not None:
         throughput = predict(
             shape,
             layout,
-            devices.gpu,
+            rates,
             nodes=devices.nodes,
             inter_node_gbps=devices.inter_node_gbps,
-            assumed_mfu=options["assumed_mfu"],
             overlap_comm=options["overlap_comm"],
         )
     return Evaluated(
@@ -176,7 +185,7 @@ def _evaluate(
 
 
 def _rank(ev: Evaluated) -> tuple:
-    """Sort key, best first: speed (GPU) or fewest micro batches (CPU), then simplicity."""
+    """Sort key, best first: predicted speed (or, with no prediction, fewest micro batches), then simplicity."""
     lay = ev.layout
     speed = -round(ev.throughput.tokens_per_s, 6) if ev.throughput else lay.grad_accum
     offload = ("none", "optimizer", "optimizer_and_params").index(lay.offload)
@@ -225,6 +234,7 @@ def search(
     shape: Callable[[int], ModelShape],
     precision: Precision,
     options: Mapping[str, Any],
+    rates: Rates | None,
 ) -> dict[str, Any]:
     """Choose the layout of one stage and explain the choice.
 
@@ -235,6 +245,7 @@ def search(
         shape: the model's shape for a given tp (the vocabulary padding depends on tp).
         precision: the training precision.
         options: the parallelism and deepspeed config values the models use.
+        rates: one device's speed in `precision`; None: no throughput model.
 
     Returns:
         The stage's entry of plan.json (layout, memory, throughput, runners-up).
@@ -251,7 +262,7 @@ def search(
         for layout in _candidates(
             demand, devices, fixed, shape, precision, offloads, options["max_micro_batch_size"]
         ):
-            evaluated.append(_evaluate(layout, shape(layout.tp), devices, demand, options))
+            evaluated.append(_evaluate(layout, shape(layout.tp), devices, demand, options, rates))
         if any(e.fits for e in evaluated):
             break
     if not evaluated:
@@ -291,7 +302,9 @@ def search(
         "throughput": (
             {**asdict(best.throughput), "step_s": best.throughput.step_s}
             if best.throughput
-            else {"reason": "no throughput model for CPUs; the training stage measures it"}
+            else {
+                "reason": "no measured speed of these CPU ranks in hardware.json; the training stage measures it"
+            }
         ),
         "candidates": {"considered": len(evaluated), "fit": len(fitting)},
         "runners_up": [{**_report(e), "reason": _why_lost(e, best)} for e in others[:RUNNERS_UP]],

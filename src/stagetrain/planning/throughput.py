@@ -1,21 +1,32 @@
-"""Predicted step time and tokens/s of one layout on GPUs.
+"""Predicted step time and tokens/s of one layout, on GPUs or CPU ranks.
 
 compute   FLOPs per token 6 N_active + 12 L h s (PaLM, Chowdhery et al. 2022,
           appendix B), times 4/3 with activation checkpointing (one more forward),
-          at `assumed_mfu` of the catalog's dense peak, scaled by n / (n + 256)
-          for n tokens per micro batch: small GEMMs do not fill the tensor cores.
+          at an efficiency share of one device's peak, scaled by n / (n + n_half)
+          for n tokens per micro batch: small matrix products do not fill the
+          units. GPUs: the catalog's dense peak at `assumed_mfu`, n_half 256.
+          CPU ranks: the GFLOP/s detect_hardware measured in the training
+          precision at a rank's thread count, at `cpu_efficiency`, n_half 64,
+          plus the work that is not matrix products (norms, activations,
+          softmax, the optimizer, the framework), which runs at fp32 speed
+          whatever the precision: CPU_OTHER_WORK of the fp32 matrix rate.
+          Without that term bf16 would be predicted 2.5x faster on a CPU whose
+          bf16 products are, where training measured far less.
 dp comm   ring collectives moving 2 (dp-1)/dp of the 16-bit gradients (ZeRO 0, 1:
           one all-reduce per step; ZeRO 2: a reduce-scatter per micro batch and a
           parameter all-gather per step; ZeRO 3: two parameter all-gathers and a
           gradient reduce-scatter per micro batch), over NVLink inside a node and
           `inter_node_gbps` between nodes; overlapped with the backward pass
-          (ZeRO 3 prefetch: with the whole step) when overlap_comm is on.
+          (ZeRO 3 prefetch: with the whole step) when overlap_comm is on. CPU
+          ranks reduce through shared memory with the cores that compute, so
+          nothing is hidden there.
 tp comm   four all-reduces of s b h activations per layer per micro batch (six
           with recomputation), never overlapped.
 offload   the optimizer step on the host at 1e9 parameters/s, plus gradients and
           weights over PCIe; parameter offload moves weights every micro batch.
 These are ranking models: they order candidates well and give a magnitude, not a
-promise; the pretrain stage logs the measured tokens/s and MFU to compare.
+promise; the training stages log the measured tokens/s next to the prediction
+(benchmarks/cpu_throughput.py holds the CPU model to its measurement).
 """
 
 from __future__ import annotations
@@ -28,7 +39,54 @@ from stagetrain.planning.plan import Layout
 from stagetrain.planning.shape import ModelShape
 
 HOST_ADAM_PARAMS_PER_S = 1e9
-GEMM_HALF_SATURATION_TOKENS = 256
+GPU_HALF_SATURATION_TOKENS = 256
+CPU_HALF_SATURATION_TOKENS = 64
+CPU_OTHER_WORK = 1.0
+"""Seconds of non-matrix work per model FLOP on a CPU rank, in units of 1 / (fp32 GFLOP/s
+measured): fitted to the default config's fp32 and bf16 runs (docs/benchmarks.md)."""
+CPU_SHARED_MEMORY_GBPS = 10.0
+"""Gradient reduction between CPU ranks of one machine (DeepSpeed's shared-memory op):
+a memory-bandwidth order of magnitude, which is all a model of a ~1M-parameter
+reduction needs."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rates:
+    """What one device does per second: the figures the step-time model needs."""
+
+    peak_flops: float
+    """FLOP/s of one device (one CPU rank) in the training precision."""
+    efficiency: float
+    """Share of the peak a large micro batch reaches."""
+    half_saturation_tokens: int
+    """Tokens per micro batch at which half the efficiency is reached."""
+    intra_gbps: float
+    """Data- and tensor-parallel traffic inside a node, GB/s."""
+    offload_gbps: float
+    """Host <-> device transfers for offload, GB/s."""
+    hides_comm: bool
+    """Whether communication can overlap computation (GPUs: yes; CPU ranks: no)."""
+    other_s_per_flop: float = 0.0
+    """Seconds of work beside the matrix products per model FLOP (GPUs: inside assumed_mfu)."""
+
+    @classmethod
+    def of_gpu(cls, gpu: GpuSpec, assumed_mfu: float) -> Rates:
+        """A catalog GPU at the assumed share of its dense peak."""
+        return cls(
+            peak_flops=gpu.peak_tflops * 1e12, efficiency=assumed_mfu,
+            half_saturation_tokens=GPU_HALF_SATURATION_TOKENS,
+            intra_gbps=gpu.nvlink_gbps or gpu.pcie_gbps, offload_gbps=gpu.pcie_gbps, hides_comm=True,
+        )  # fmt: skip
+
+    @classmethod
+    def of_cpu_rank(cls, gflops: float, fp32_gflops: float, cpu_efficiency: float) -> Rates:
+        """One CPU rank at its measured matrix-product rate in the training precision (`gflops`)."""
+        return cls(
+            peak_flops=gflops * 1e9, efficiency=cpu_efficiency,
+            half_saturation_tokens=CPU_HALF_SATURATION_TOKENS,
+            intra_gbps=CPU_SHARED_MEMORY_GBPS, offload_gbps=CPU_SHARED_MEMORY_GBPS, hides_comm=False,
+            other_s_per_flop=CPU_OTHER_WORK / (fp32_gflops * 1e9),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,31 +116,32 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
 def predict(
     shape: ModelShape,
     layout: Layout,
-    gpu: GpuSpec,
+    rates: Rates,
     *,
     nodes: int,
     inter_node_gbps: float,
-    assumed_mfu: float,
     overlap_comm: bool,
 ) -> Throughput:
-    """Predict the step time of `layout` on `nodes` nodes of `gpu`."""
-    peak = gpu.peak_tflops * 1e12
+    """Predict the step time of `layout` on `nodes` nodes of devices that run at `rates`."""
+    peak = rates.peak_flops
     micro_tokens = layout.micro_batch_size * layout.seq_len
-    efficiency = assumed_mfu * micro_tokens / (micro_tokens + GEMM_HALF_SATURATION_TOKENS)
+    efficiency = rates.efficiency * micro_tokens / (micro_tokens + rates.half_saturation_tokens)
     model_flops = flops_per_token(shape, layout.seq_len) * layout.tokens_per_step
     recompute = 4 / 3 if layout.activation_checkpointing else 1.0
-    compute = model_flops * recompute / (layout.world * peak * efficiency)
+    compute = (
+        model_flops * recompute / layout.world * (1 / (peak * efficiency) + rates.other_s_per_flop)
+    )
 
     n = params_per_rank(shape, layout.tp)
     w = 2 if layout.precision != "fp32" else 4
-    intra = (gpu.nvlink_gbps or gpu.pcie_gbps) * 1e9
+    intra = rates.intra_gbps * 1e9
     dp_bw = min(intra, inter_node_gbps * 1e9) if nodes > 1 else intra
     ring = 2 * (layout.dp - 1) / layout.dp * n * w
     ga = layout.grad_accum
     volume = {0: ring, 1: ring, 2: ring / 2 * ga + ring / 2, 3: 1.5 * ring * ga}[layout.zero_stage]
     dp_time = volume / dp_bw
     hideable = compute if layout.zero_stage == 3 else compute * 2 / 3
-    exposed = max(0.0, dp_time - hideable) if overlap_comm else dp_time
+    exposed = max(0.0, dp_time - hideable) if overlap_comm and rates.hides_comm else dp_time
 
     allreduces = 6 if layout.activation_checkpointing else 4
     tp_bytes = 2 * (layout.tp - 1) / layout.tp * micro_tokens * shape.hidden_size * w
@@ -91,9 +150,9 @@ def predict(
     offload = 0.0
     if layout.offload != "none":
         share = n / layout.dp
-        offload = share / HOST_ADAM_PARAMS_PER_S + share * (4 + w) / (gpu.pcie_gbps * 1e9)
+        offload = share / HOST_ADAM_PARAMS_PER_S + share * (4 + w) / (rates.offload_gbps * 1e9)
         if layout.offload == "optimizer_and_params":
-            offload += 3 * share * w * ga / (gpu.pcie_gbps * 1e9)
+            offload += 3 * share * w * ga / (rates.offload_gbps * 1e9)
 
     step = compute + exposed + tp_time + offload
     tokens_per_s = layout.tokens_per_step / step

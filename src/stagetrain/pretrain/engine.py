@@ -2,7 +2,11 @@
 
 1. Under ZeRO-3 an `HfDeepSpeedConfig` is kept alive first: transformers then
    constructs (or loads) the model inside `deepspeed.zero.Init`, so each rank
-   holds only its partition from the start, never the whole model. A
+   holds only its partition from the start, never the whole model. A model
+   loaded from a folder is loaded in fp32, whatever dtype it was saved in
+   (consolidation writes bf16): DeepSpeed casts the module to a 16-bit plan's
+   precision and keeps fp32 master weights, but under an fp32 plan it casts
+   nothing, so a bf16 folder loaded as stored would train in pure bf16. A
    from-scratch model is then initialised parameter by parameter from
    generators seeded by the parameter's name (`init_weights`), so the initial
    weights are the same whatever the ZeRO stage, tp or world size; transformers'
@@ -118,7 +122,9 @@ def build(
     hook = HfDeepSpeedConfig(dict(ds_config)) if zero3 else None
     torch.manual_seed(seed)
     if init_from:
-        model = AutoModelForCausalLM.from_pretrained(init_from, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            init_from, trust_remote_code=False, dtype=torch.float32
+        )
     else:
         model = AutoModelForCausalLM.from_config(config)
         init_weights(model, seed=seed, std=config.initializer_range)
@@ -136,4 +142,24 @@ def build(
         config=dict(ds_config),
         model_parameters=[p for p in model.parameters() if p.requires_grad],
     )
-    return engine, {"local_param_elements": local, "param_elements": total}, hook
+    counts = {"local_param_elements": local, "param_elements": total, "dtypes": dtypes(engine)}
+    return engine, counts, hook
+
+
+def dtypes(engine: Any) -> dict[str, str]:
+    """The dtype of the module's parameters and of the optimizer's (master) parameters and states.
+
+    The optimizer DeepSpeed wraps (bf16/fp16 and ZeRO optimizers keep fp32
+    master copies) is reached through `.optimizer`; with ZeRO 0 in fp32 it is
+    torch's AdamW itself.
+    """
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    master = {str(p.dtype) for group in inner.param_groups for p in group["params"]}
+    states = {str(t.dtype) for state in inner.state.values() for t in state.values()
+              if torch.is_tensor(t) and t.dim() > 0}  # fmt: skip
+    module = {str(getattr(p, "ds_tensor", p).dtype) for p in engine.module.parameters()}
+    return {
+        "parameters": ",".join(sorted(module)),
+        "master": ",".join(sorted(master)),
+        "optimizer_states": ",".join(sorted(states)) or "none yet",
+    }

@@ -106,7 +106,7 @@ def setup(spec: dict[str, Any]) -> Run:
                                 spec["pretrain"]["keep_checkpoints"]),
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
-        params=params,
+        params={**params, "predicted_tokens_per_s": plan["stages"]["pretrain"]["throughput"].get("tokens_per_s")},
     )  # fmt: skip
 
 
@@ -244,6 +244,10 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
         "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(),
                        "seq_len": run.spec["pretrain"]["seq_len"], "micro_batch_size": run.layout["micro_batch_size"]},
         "tokens_per_s": float(np.median(rates)),
+        "tokens_per_s_over_predicted": (
+            float(np.median(rates)) / run.params["predicted_tokens_per_s"]
+            if run.params["predicted_tokens_per_s"] else None
+        ),
         "mfu(%)": float(np.median(mfus)) if mfus else None,
         "mfu_reason": None if mfus else "no MFU on CPUs or GPUs missing from the catalog",
         **run.params,
@@ -256,6 +260,7 @@ def rank(spec: dict[str, Any]) -> None:
     if dist.get_rank() != 0:
         logging.getLogger("stagetrain").setLevel(logging.WARNING)
     result = loop(run)
+    run.params["dtypes"] = engines.dtypes(run.engine)  # the optimizer states exist only now
     for key, value in (("local_param_elements", run.params["local_param_elements"]),
                        ("param_checksum", checksum(run.engine.module))):  # fmt: skip
         gathered = [None] * dist.get_world_size()

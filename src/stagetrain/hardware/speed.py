@@ -1,0 +1,104 @@
+"""What each precision delivers on this machine: a short matrix-product benchmark per dtype.
+
+Machines of one kind differ. On a CPU with avx512_bf16 or AMX, bf16 matrix
+products run about twice as fast as fp32; on an AVX2-only CPU torch emulates
+them, and one 512x512 bf16 product ran 68x slower than fp32 (0.9 against 61
+GFLOP/s), which made a bf16 training run 20x slower. A catalog cannot know
+which CPU a laptop or a cloud VM has, so detect_hardware measures, at the
+thread count one training rank will get, and the planner chooses from the
+numbers (`planning.precision`). GPUs are measured too, next to the catalog's
+peak, so a throttled or misidentified card shows.
+
+The measurement takes one to three seconds: each dtype is timed in rounds,
+interleaved with the others so that a burst of load from another process
+hits all of them alike, and the best round counts.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_SIZE = 512
+GPU_SIZE = 8192
+ROUNDS = 3
+ROUND_SECONDS = 0.05
+# Instruction-set extensions that decide how fast 16-bit matrix products run on a CPU.
+CPU_FLAGS = (
+    "avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16",
+    "asimd", "sve", "bf16", "fphp",
+)  # fmt: skip
+
+
+def _time_products(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
+    """Seconds per product of a @ b, repeating for at least `seconds` (and at least once)."""
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    count, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        count += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return elapsed / count
+
+
+def matmul_gflops(
+    device: str, threads: int | None, *, size: int, rounds: int = ROUNDS
+) -> dict[str, float]:
+    """GFLOP/s of square `size` matrix products per dtype on `device`, best of `rounds`."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        pairs = {}
+        for name, dtype in DTYPES.items():
+            a = torch.randn(size, size, device=device).to(dtype)
+            b = torch.randn(size, size, device=device).to(dtype)
+            _time_products(a, b, 0.0)  # warm-up: kernel selection, first-touch of memory
+            pairs[name] = (a, b)
+        best = dict.fromkeys(DTYPES, float("inf"))
+        for _ in range(rounds):
+            for name, (a, b) in pairs.items():
+                best[name] = min(best[name], _time_products(a, b, ROUND_SECONDS))
+    finally:
+        torch.set_num_threads(previous)
+    return {name: round(2 * size**3 / s / 1e9, 2) for name, s in best.items()}
+
+
+def cpu_flags(proc_root: Path = Path("/proc")) -> list[str]:
+    """The matrix-relevant instruction-set flags /proc/cpuinfo lists (x86 `flags`, Arm `Features`)."""
+    info = proc_root / "cpuinfo"
+    if not info.exists():
+        return []
+    found = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", info.read_text(), re.MULTILINE)
+    present = set(found.group(1).split()) if found else set()
+    return [flag for flag in CPU_FLAGS if flag in present]
+
+
+def measure(hardware: dict[str, Any]) -> dict[str, Any]:
+    """The `speed` entry of hardware.json for the devices `hardware` (detect's result) describes.
+
+    CPU ranks are measured at their share of the cores, the thread count the
+    launcher gives each rank; a GPU on its first visible device.
+    """
+    began = time.perf_counter()
+    if hardware["gpu"] is not None:
+        if not torch.cuda.is_available():
+            return {"device": "cuda", "gflops": None, "reason": "torch sees no CUDA device"}
+        entry = {"device": "cuda", "threads": None, "size": GPU_SIZE,
+                 "gflops": matmul_gflops("cuda", None, size=GPU_SIZE)}  # fmt: skip
+    else:
+        threads = max(1, hardware["cpu"]["cores"] // hardware["cpu_ranks"])
+        entry = {
+            "device": "cpu", "threads": threads, "size": CPU_SIZE,
+            "gflops": matmul_gflops("cpu", threads, size=CPU_SIZE),
+            "capability": torch.backends.cpu.get_cpu_capability(), "flags": cpu_flags(),
+        }  # fmt: skip
+    entry["seconds"] = round(time.perf_counter() - began, 2)
+    return entry

@@ -1,0 +1,183 @@
+"""Measured precision speed decides the precision; CPU plans predict tokens/s; GRPO's generation batch.
+
+No test here depends on this machine's CPU: the choices are made from recorded
+measurements (hardware.json's `speed`), one from an AVX2-only CPU that emulates
+bf16 and one from a CPU with avx512_bf16. Only `test_measure_*` runs the real
+benchmark, and asserts nothing about which precision wins.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import default_config
+from test_planning import _cpu_hardware, _plan, _preset
+
+from stagetrain.hardware import speed
+from stagetrain.hardware.catalog import gpu_spec
+from stagetrain.planning.precision import choose
+
+# Recorded on two machines of the same kind (one thread, 512x512 products, GFLOP/s).
+AVX2 = {"device": "cpu", "threads": 1, "size": 512, "capability": "AVX2", "flags": ["avx2"],
+        "gflops": {"fp32": 61.4, "bf16": 0.9, "fp16": 0.6}}  # fmt: skip
+AVX512_BF16 = {"device": "cpu", "threads": 1, "size": 512, "capability": "AVX512",
+               "flags": ["avx2", "avx512f", "avx512_bf16"],
+               "gflops": {"fp32": 99.8, "bf16": 204.9, "fp16": 2.3}}  # fmt: skip
+
+
+def _cpu(measured: dict[str, Any] | None) -> dict[str, Any]:
+    return {**_cpu_hardware(), "speed": measured}
+
+
+def test_auto_is_fp32_where_bf16_is_emulated() -> None:
+    choice = choose("auto", None, AVX2)
+    assert choice.precision == "fp32"
+    assert "bf16 runs 0.01x fp32 here" in choice.reason and "fp32 61.4" in choice.reason
+    assert "AVX2" in choice.reason
+    assert not choice.warnings
+
+
+def test_auto_is_bf16_where_bf16_is_clearly_faster() -> None:
+    assert choose("auto", None, AVX512_BF16).precision == "bf16"
+
+
+def test_bf16_must_be_clearly_faster_not_only_faster() -> None:
+    marginal = {**AVX2, "gflops": {"fp32": 100.0, "bf16": 115.0, "fp16": 1.0}}
+    assert choose("auto", None, marginal).precision == "fp32"
+
+
+def test_auto_without_a_measurement_is_fp32_and_says_so() -> None:
+    choice = choose("auto", None, None)
+    assert choice.precision == "fp32" and "no measured speed" in choice.reason
+
+
+def test_explicit_bf16_on_an_emulating_cpu_is_kept_with_the_slowdown_named() -> None:
+    choice = choose("bf16", None, AVX2)
+    assert choice.precision == "bf16"
+    (warning,) = choice.warnings
+    assert "68.2x slower than fp32 (0.9 vs 61.4 GFLOP/s)" in warning
+    assert warning.startswith("deepspeed.precision: bf16 requested")
+
+
+def test_gpus_follow_the_catalog() -> None:
+    assert choose("auto", gpu_spec("H100"), None).precision == "bf16"
+    assert choose("auto", gpu_spec("V100-32GB"), None).precision == "fp16"
+
+
+def test_plan_of_the_default_config_on_each_kind_of_cpu() -> None:
+    cfg = default_config()
+    slow = _plan(cfg, _cpu(AVX2))
+    fast = _plan(cfg, _cpu(AVX512_BF16))
+    assert (slow["precision"], fast["precision"]) == ("fp32", "bf16")
+    assert slow["precision_reason"].startswith("auto: bf16 runs 0.01x fp32")
+    for plan in (slow, fast):
+        assert plan["stages"]["pretrain"]["layout"]["precision"] == plan["precision"]
+    forced = _plan({**cfg, "deepspeed": {**cfg["deepspeed"], "precision": "bf16"}}, _cpu(AVX2))
+    assert forced["precision"] == "bf16"
+    assert any("68.2x slower than fp32" in w for w in forced["warnings"])
+
+
+def test_cpu_plans_predict_tokens_per_s_from_the_measured_rate() -> None:
+    cfg = default_config()
+
+    def tokens_per_s(measured: dict[str, Any], precision: str = "auto") -> float:
+        cfg["deepspeed"] = {**cfg["deepspeed"], "precision": precision}
+        return _plan(cfg, _cpu(measured))["stages"]["pretrain"]["throughput"]["tokens_per_s"]
+
+    twice = {**AVX2, "gflops": {k: 2 * v for k, v in AVX2["gflops"].items()}}
+    assert tokens_per_s(twice) / tokens_per_s(AVX2) == pytest.approx(2, rel=0.01)
+    # bf16 products 2.05x fp32's: faster training, but not 2.05x (the other work stays fp32).
+    gain = tokens_per_s(AVX512_BF16, "bf16") / tokens_per_s(AVX512_BF16, "fp32")
+    assert 1.2 < gain < 204.9 / 99.8
+    unmeasured = _plan(cfg, _cpu(None))["stages"]["pretrain"]["throughput"]
+    assert "no measured speed" in unmeasured["reason"]
+
+
+def test_cpu_plans_rank_candidates_by_predicted_speed() -> None:
+    plan = _plan(default_config(), _cpu(AVX2))["stages"]["pretrain"]
+    assert (
+        plan["layout"]["micro_batch_size"] == 16
+    )  # the whole per-rank batch: fewest, largest products
+    best = plan["throughput"]["tokens_per_s"]
+    assert all(r["tokens_per_s"] <= round(best, 1) for r in plan["runners_up"])
+
+
+def test_measure_gives_every_precision_at_a_ranks_thread_count() -> None:
+    hardware = {"gpu": None, "cpu_ranks": 2, "cpu": {"cores": 2}}
+    result = speed.measure(hardware)
+    assert result["device"] == "cpu" and result["threads"] == 1
+    assert set(result["gflops"]) == {"fp32", "bf16", "fp16"}
+    assert all(v > 0 for v in result["gflops"].values())
+    assert result["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert torch.get_num_threads() == torch.get_num_threads()  # restored (no exception above)
+
+
+def test_cpu_flags_reads_cpuinfo(tmp_path: Path) -> None:
+    (tmp_path / "cpuinfo").write_text(
+        "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\nprocessor\t: 1\n"
+    )
+    assert speed.cpu_flags(tmp_path) == ["avx2", "avx512f", "avx512_bf16", "amx_tile"]
+    assert speed.cpu_flags(tmp_path / "absent") == []
+
+
+# --- GRPO generation memory --------------------------------------------------------
+
+
+class _Recording(torch.nn.Module):
+    """A real tiny Llama whose `generate` records how many sequences each call makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+        self.model = LlamaForCausalLM(config).eval()
+        self.batches: list[int] = []
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        self.batches.append(kwargs["input_ids"].shape[0] * kwargs.get("num_return_sequences", 1))
+        return self.model.generate(**kwargs)
+
+
+@pytest.mark.parametrize("prompts_per_step", [16, 64])
+def test_rollouts_generate_the_batch_the_plan_counted(prompts_per_step: int) -> None:
+    from stagetrain.grpo.rollouts import flat_groups
+
+    cfg = default_config()
+    cfg["grpo"] = {**cfg["grpo"], "prompts_per_step": prompts_per_step, "max_new_tokens": 2}
+    stage = _plan(cfg, _cpu(AVX2))["stages"]["grpo"]
+    planned, dp = stage["generation"]["batch"], stage["layout"]["dp"]
+    model = _Recording()
+    prompts = [[3, 4, 5]] * (
+        prompts_per_step // dp
+    )  # what one rank draws (grpo.steps.draw_problems)
+    with torch.no_grad():
+        flat_groups(model, prompts, lambda i, c: 0.0, group_size=cfg["grpo"]["group_size"],
+                    max_new_tokens=2, temperature=1.0, top_p=1.0, eos_id=1, pad_id=0, max_batch=planned)  # fmt: skip
+    assert max(model.batches) == planned
+    assert sum(model.batches) == len(prompts) * cfg["grpo"]["group_size"]
+
+
+def test_generation_batch_below_the_ranks_rollouts_is_generated_in_chunks() -> None:
+    from stagetrain.grpo.rollouts import flat_groups
+
+    model = _Recording()
+    with torch.no_grad():
+        groups = flat_groups(model, [[3, 4], [5, 6, 7], [8]], lambda i, c: float(i), group_size=4,
+                             max_new_tokens=2, temperature=1.0, top_p=1.0, eos_id=1, pad_id=0, max_batch=8)  # fmt: skip
+    assert model.batches == [8, 4]
+    assert [g.rewards for g in groups] == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
+
+
+def test_grpo_memory_counts_the_kv_cache_of_the_whole_generation_batch() -> None:
+    def extra(prompts: int) -> int:
+        cfg = _preset("llama-1b-h200")
+        cfg["grpo"] = {**cfg["grpo"], "prompts_per_step": prompts}
+        return _plan(cfg)["stages"]["grpo"]["memory"]["extra"]
+
+    base = _preset("llama-1b-h200")["grpo"]["prompts_per_step"]
+    assert extra(2 * base) > extra(base)
