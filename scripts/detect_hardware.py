@@ -36,10 +36,14 @@ def main(io: StageIO) -> None:
     hardware["speed"] = None if hardware["source"] == "config" else speed.measure(hardware)
     if hardware["speed"] and hardware["speed"]["gflops"]:
         rates = hardware["speed"]["gflops"]
+        spec = gpu and gpu["spec"]
         log.info(
-            "matrix products (%s threads): %s GFLOP/s",
-            hardware["speed"]["threads"] or "GPU",
+            "matrix products (%s): %s GFLOP/s%s",
+            f"{hardware['speed']['threads']} thread(s)" if not gpu else "first GPU",
             ", ".join(f"{k} {v:,.1f}" for k, v in rates.items()),
+            f"; catalog dense peak bf16 {spec['bf16_tflops']:,.0f}, fp16 {spec['fp16_tflops']:,.0f} TFLOP/s"
+            if spec
+            else "",
         )
     io.write_output("hardware", hardware)
 

@@ -59,7 +59,7 @@ def prepare_data(out: Path) -> dict[str, str]:
 @functools.cache
 def build_comm_op() -> None:
     """Compile DeepSpeed's shared-memory comm op once, before any ranks start, as the
-    stage's launcher does: ranks compiling it at once have crashed (shared/NOTES.md)."""
+    stage's launcher does: ranks compiling it at once have crashed at teardown."""
     code = "from stagetrain.pretrain.launch import prebuild_cpu_ops; prebuild_cpu_ops()"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=900)
 

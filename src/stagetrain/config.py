@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,10 @@ from jsonschema import Draft202012Validator, validators
 
 from stagetrain.errors import StageError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
-DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
+# One schema file: workflow/schemas/config.schema.yaml, which Snakemake validates against;
+# the package's schemas/config.schema.yaml is a symbolic link to it, which a wheel stores
+# as a copy, so an installed (not editable) stagetrain validates with the same schema.
+SCHEMA_PATH = Path(str(resources.files("stagetrain") / "schemas" / "config.schema.yaml"))
 SECTIONS = (
     "run", "model", "tokenizer", "data", "hardware",
     "parallelism", "deepspeed", "pretrain", "grpo", "consolidate",

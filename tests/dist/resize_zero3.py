@@ -25,7 +25,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
-from stagetrain.config import DEFAULT_CONFIG, load
+from stagetrain.config import load
 from stagetrain.embeddings import embedding_rows, resize_embeddings
 from stagetrain.errors import StageError
 from stagetrain.model_config import build_config
@@ -48,7 +48,10 @@ def ds_config() -> dict[str, Any]:
 
 def build(tied: bool) -> PreTrainedModel:
     """The default tiny model with OLD_ROWS rows, built with the same seed on every rank."""
-    section = {**load(DEFAULT_CONFIG)["model"], "tie_word_embeddings": tied}
+    section = {
+        **load(Path(__file__).resolve().parents[2] / "config" / "config.yaml")["model"],
+        "tie_word_embeddings": tied,
+    }
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(build_config(section, OLD_ROWS))
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cache
+from importlib import resources
 from pathlib import Path
 
 import yaml
 
 from stagetrain.errors import StageError
 
-CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
+CATALOG_PATH = Path(str(resources.files("stagetrain.hardware") / "catalog.yaml"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -87,7 +87,7 @@ def rank_environment(env: Mapping[str, str], *, cores: int, ranks_per_node: int)
 def prebuild_cpu_ops() -> None:
     """Compile DeepSpeed's CPU shared-memory op once, before ranks start compiling it at once.
 
-    Two ranks building the op together have crashed at teardown (shared/NOTES.md);
+    Two ranks building the op together have crashed at teardown (seen on a 2-core CPU machine);
     once built it is cached, and the ranks load it.
     """
     from deepspeed.comm.torch import build_shm_op

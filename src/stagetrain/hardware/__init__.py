@@ -1,0 +1,1 @@
+"""The detect_hardware stage: devices (NVML, /proc, CPU), the GPU catalog, measured precision speed."""
