@@ -137,9 +137,8 @@ def test_completion_concatenates_segments_from_the_root() -> None:
     assert tree.completion(x) == [1, 2, 3, 4, 5, 7, EOS]
     assert tree.completion(a2) == [1, 2, 6, EOS]
     assert tree.path(x) == [a.id, a1.id, x.id]
-    assert tree.siblings(a1) == [a2]
-    assert tree.siblings(a) == [b]
-    assert tree.siblings(tree.root) == []
+    assert [tree.nodes[i] for i in tree.nodes[a.id].children] == [a1, a2]
+    assert [tree.nodes[i] for i in tree.root.children] == [a, b]
     assert tree.generated_tokens == 3 + 5 + 3
 
 

@@ -23,8 +23,8 @@ to leaf l is
 with the same formula (sample std, exactly 0 for a single child or all-equal
 values) at both levels: the sibling term credits the choice made at each
 branching point, the leaf term the completion as a whole. The module takes the
-tree as a flat list of `Segment`s (or any rows with those four fields, such as
-the search's `TreeSegment`), so it does not depend on the search code.
+tree as a flat list of rows with those four fields (`SegmentLike`, such as the
+search's `TreeSegment`), so it does not depend on the search code.
 
 Worked example (eps ignored; eps = 1e-4 moves the 4th decimal). The root has
 children A (3 tokens) and B (4 tokens, a leaf, reward 1); A has leaves A1
@@ -42,7 +42,6 @@ children A (3 tokens) and B (4 tokens, a leaf, reward 1); A has leaves A1
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -85,25 +84,11 @@ def sibling_advantages(values: Sequence[float], eps: float = 1e-4) -> list[float
     return advantages[0].tolist()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Segment:
-    """One node of a prompt's completion tree below the root, and the tokens it adds."""
-
-    node_id: NodeId
-    parent_id: NodeId | None
-    """None for a child of the root (the prompt)."""
-    value: float
-    """Mean reward of the leaves under this node; a leaf's reward."""
-    length: int
-    """Tokens in this node's segment."""
-
-    def __post_init__(self) -> None:
-        if self.length < 0:
-            raise ValueError(f"segment {self.node_id!r}: length must be >= 0 (got {self.length})")
-
-
 class SegmentLike(Protocol):
-    """What the functions below read of a segment: `Segment`, or the tree's own row type."""
+    """What the functions below read of a segment: one node of a prompt's completion tree
+    below the root (`parent_id` None for a child of the root), `value` the mean reward of
+    the leaves under it (a leaf's reward), `length` the tokens it adds. The search's
+    `grpo.tree.TreeSegment` is one."""
 
     @property
     def node_id(self) -> NodeId: ...

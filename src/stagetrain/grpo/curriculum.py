@@ -193,10 +193,6 @@ class Curriculum:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Curriculum:
         """The curriculum `to_json` wrote."""
-        if "level" in data:
-            raise StageError(
-                f"{KEY}: the checkpoint holds one level for all families (written before per-family curricula); remove its folder to start over"
-            )
         return cls(states={f: CurriculumState.from_json(data[f]) for f in sorted(data)})
 
     def levels(self) -> dict[str, int]:

@@ -55,9 +55,9 @@ def _check_settings(
             f"grpo.loss_type: must be one of {', '.join(get_args(LossType))} (got {loss_type!r})"
         )
     if not 0 <= eps_low < 1:
-        raise StageError(f"grpo.eps_low: must be in [0, 1) (got {eps_low})")
+        raise StageError(f"grpo.clip_eps_low: must be in [0, 1) (got {eps_low})")
     if eps_high < 0:
-        raise StageError(f"grpo.eps_high: must be >= 0 (got {eps_high})")
+        raise StageError(f"grpo.clip_eps_high: must be >= 0 (got {eps_high})")
     if beta < 0:
         raise StageError(f"grpo.kl_coef: must be >= 0 (got {beta})")
     if max_length is not None and max_length < 1:

@@ -88,7 +88,7 @@ class TreeSegment:
 
     node_id: int
     parent_id: int | None
-    """None for a child of the root (the prompt), as `grpo.advantages.Segment` expects."""
+    """None for a child of the root (the prompt)."""
     value: float
     visits: int
     start: int
@@ -202,12 +202,6 @@ class SearchTree:
     def leaves(self) -> list[Node]:
         """The finished leaves, in creation order."""
         return [node for node in self.nodes if node.finished]
-
-    def siblings(self, node: Node) -> list[Node]:
-        """The other children of `node`'s parent, in creation order (none for the root)."""
-        if node.parent is None:
-            return []
-        return [self.nodes[i] for i in self.nodes[node.parent].children if i != node.id]
 
 
 def search(cfg: TreeConfig, expand: Expand, score: Score) -> SearchTree:
