@@ -124,3 +124,31 @@ def test_ranks_get_their_share_of_the_cores_whatever_snakemake_set() -> None:
     )
     assert all(env[v] == "2" for v in THREAD_VARIABLES) and env["PATH"] == "/bin"
     assert rank_environment({}, cores=2, ranks_per_node=4)["OMP_NUM_THREADS"] == "1"
+
+
+def test_metrics_reach_tensorboard_and_a_resume_replaces_the_steps_after_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from stagetrain.grpo.metrics import METRICS as GRPO_METRICS
+
+    events = tmp_path / "tensorboard"
+    first = MetricsLog(tmp_path / "m.jsonl", 0, GRPO_METRICS, events)
+    for step in range(1, 5):
+        first.write({"step": step, "train/loss": float(step), "curriculum/level": {"counting": 1}})
+    second = MetricsLog(tmp_path / "m.jsonl", 2, GRPO_METRICS, events)  # resumed at step 2
+    for step in (3, 4):
+        second.write(
+            {"step": step, "train/loss": 10.0 * step, "curriculum/events": [{"kind": "x"}]}
+        )
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+        (4, 40.0),
+    ]
+    assert [e.step for e in acc.Scalars("curriculum/level/counting")] == [1, 2]
+    assert "curriculum/events" not in acc.Tags()["scalars"]

@@ -157,6 +157,8 @@ def test_the_whole_pipeline_runs_and_reports(workdir: Path) -> None:
     assert all(set(r) <= set(METRICS) for r in records)
     for png in ("pretrain/loss.png", "grpo/reward.png"):
         assert (run / png).read_bytes()[:4] == b"\x89PNG"
+    for stage in ("pretrain", "grpo"):  # `tensorboard --logdir results/tiny/tensorboard`
+        assert list((run / "tensorboard" / stage).glob("events.out.tfevents.*")), stage
     for stage, step in (("pretrain", 4), ("grpo", 2)):
         manifest = json.loads((run / f"model/{stage}/MANIFEST.json").read_text())
         assert (manifest["stage"], manifest["step"], manifest["dtype"]) == (stage, step, "bf16")

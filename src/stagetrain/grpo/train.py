@@ -38,7 +38,7 @@ from stagetrain.pretrain import engine as engines
 from stagetrain.pretrain.batches import window_count
 from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
 from stagetrain.pretrain.launch import rank_main
-from stagetrain.pretrain.metrics import MetricsLog
+from stagetrain.pretrain.metrics import MetricsLog, tensorboard_dir
 from stagetrain.pretrain.train import window_loss
 from stagetrain.tasks import Problem, problems
 
@@ -210,7 +210,11 @@ def loop(run: Run) -> dict[str, Any]:
     elif rank0 and (why := run.checkpoints.why_fresh()):
         log.info(why)
     metrics = (
-        MetricsLog(run.checkpoints.folder / "metrics.jsonl", start, METRICS) if rank0 else None
+        MetricsLog(
+            run.checkpoints.folder / "metrics.jsonl", start, METRICS, tensorboard_dir(run.spec)
+        )
+        if rank0
+        else None
     )
     began = time.monotonic()
     if start == 0 and metrics:

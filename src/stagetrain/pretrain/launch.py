@@ -144,6 +144,8 @@ def launch_stage(
     spec = {
         **{k: str(Path(v).resolve()) for k, v in {**inputs, **outputs}.items()},
         "checkpoints": str(root),
+        # Beside the checkpoints, outside the declared outputs: curves survive a rerun.
+        "tensorboard": str(root.parents[1] / "tensorboard" / stage),
         **extra,
     }
     atomic_write_json(root / "job.json", spec)

@@ -1,7 +1,10 @@
 """Training metrics: one registry of names, MFU, the JSON-lines log and the console progress line.
 
 Every key written to metrics.jsonl is listed in METRICS with what it means and
-when it is logged; a test checks that nothing else is emitted.
+when it is logged; a test checks that nothing else is emitted. The same
+records also go to TensorBoard event files (numbers as scalars, {name: number}
+maps as one scalar per name), so `tensorboard --logdir results/<run>/tensorboard`
+shows the curves of every stage while it trains.
 """
 
 from __future__ import annotations
@@ -36,11 +39,46 @@ def max_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-class MetricsLog:
-    """Appends records to a JSON-lines file whose keys must all be in `registry`."""
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The plottable numbers of a record: numbers as they are, {name: number} maps flattened
+    to `key/name`; lists, strings and nulls left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, bool) or key == "step":
+            continue
+        if isinstance(value, int | float):
+            out[key] = float(value)
+        elif isinstance(value, dict):
+            out.update(
+                {f"{key}/{k}": float(v) for k, v in value.items() if isinstance(v, int | float)}
+            )
+    return out
 
-    def __init__(self, path: Path, resume_step: int, registry: dict[str, str] = METRICS) -> None:
-        self.path, self.registry = path, registry
+
+def tensorboard_dir(spec: dict[str, Any]) -> Path | None:
+    """Where a stage's job spec asks for TensorBoard events (the stage launcher always does;
+    the test harness's specs may leave them out)."""
+    return Path(spec["tensorboard"]) if "tensorboard" in spec else None
+
+
+class MetricsLog:
+    """Appends records to a JSON-lines file whose keys must all be in `registry`, and
+    to TensorBoard event files in `events` when given."""
+
+    def __init__(
+        self,
+        path: Path,
+        resume_step: int,
+        registry: dict[str, str] = METRICS,
+        events: Path | None = None,
+    ) -> None:
+        self.path, self.registry, self.events = path, registry, None
+        if events is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: after a resume, TensorBoard drops the events past the checkpoint
+            # that the first run wrote, as the JSON log drops its lines.
+            self.events = SummaryWriter(str(events), purge_step=resume_step + 1)
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if path.exists():  # after a restart, keep what the resumed checkpoint had reached
@@ -60,6 +98,10 @@ class MetricsLog:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        if self.events is not None:
+            for key, value in scalars(record).items():
+                self.events.add_scalar(key, value, global_step=record["step"])
+            self.events.flush()
 
 
 class Progress:

@@ -30,7 +30,7 @@ from stagetrain.pretrain import engine as engines
 from stagetrain.pretrain.batches import Sampler, read_windows, window_count
 from stagetrain.pretrain.checkpoints import Checkpoints
 from stagetrain.pretrain.launch import rank_main
-from stagetrain.pretrain.metrics import MetricsLog, Progress, max_rss_gib
+from stagetrain.pretrain.metrics import MetricsLog, Progress, max_rss_gib, tensorboard_dir
 from stagetrain.pretrain.plot import loss_plot
 
 log = logging.getLogger("stagetrain")
@@ -184,7 +184,13 @@ def loop(run: Run) -> dict[str, Any]:
         log.info("resuming from %s at step %d", pointer["tag"], start)
     elif rank0 and (why := run.checkpoints.why_fresh()):
         log.info(why)
-    metrics = MetricsLog(run.checkpoints.folder / "metrics.jsonl", start) if rank0 else None
+    metrics = (
+        MetricsLog(
+            run.checkpoints.folder / "metrics.jsonl", start, events=tensorboard_dir(run.spec)
+        )
+        if rank0
+        else None
+    )
     progress, began = Progress(cfg["steps"], start), time.monotonic()
     tokens_per_step = run.layout["global_batch"] * cfg["seq_len"]
     last_eval, window_s, window_steps = None, 0.0, 0
