@@ -525,3 +525,77 @@ def test_table_values_from_the_hub(tmp_path: Path) -> None:
         ],
         {"StageError": "hub repo 'org/gated'@main: unauthorised (gated repo; set HF_TOKEN)"},
     ]
+
+
+# --- entries that parse but do not fit the run (plan through resolve) -----------
+
+MISFITS = [
+    (
+        {"dp": 4, "tp": 4, "micro_batch_size": 1},
+        {},
+        "dp * tp must equal the world size (dp=4, tp=4, world=8, heads=32, kv_heads=8)",
+    ),
+    (
+        {"dp": 8, "tp": 1, "micro_batch_size": 3},
+        {},
+        "micro_batch_size must divide the pretrain batch of 32 sequences per rank "
+        "(micro_batch_size=3, dp=8)",
+    ),
+    (
+        {"dp": 1, "tp": 16, "micro_batch_size": 1},
+        {"hardware": {"nodes": 2}},
+        "tp must divide the attention and KV heads (dp=1, tp=16, world=16, heads=32, kv_heads=8)",
+    ),
+    (
+        # The config's own tp stays; with the entry's dp it cannot fill the world.
+        {"dp": 8, "tp": 1, "micro_batch_size": 1},
+        {"parallelism": {"tp": 2}},
+        "dp * tp must equal the world size (dp=8, tp=2, world=8, heads=32, kv_heads=8)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("entry", "sections", "why"), MISFITS, ids=["world", "micro-batch", "heads", "with-config"]
+)
+def test_an_entry_that_does_not_fit_the_run_is_a_miss(
+    tmp_path: Path, entry: dict[str, int], sections: dict[str, dict[str, Any]], why: str
+) -> None:
+    from test_planning import _plan, _preset
+
+    nodes = sections.get("hardware", {}).get("nodes", 1)
+    table = tmp_path / "parallelism_data.json"
+    table.write_text(json.dumps({"H100": {str(8 * nodes): entry}}))
+    values = ", ".join(f"{k}={v}" for k, v in entry.items())
+    reason = (
+        f"file:{table}: the entry for H100 x {8 * nodes} ({values}) does not fit this run: {why}"
+    )
+    parallelism = {**sections.get("parallelism", {}), "table_path": str(table)}
+    cfg = _preset("mistral-7b-8xh100", **{**sections, "parallelism": parallelism})
+    plan = _plan(cfg)
+    assert plan["table"] == {"status": "miss", "reason": f"{reason}; falling back to the planner"}
+    assert plan["source"] == "estimated"
+    config_keys = set(sections.get("parallelism", {}))
+    for stage in plan["stages"].values():
+        assert {k for k, v in stage["sources"].items() if v == "config"} == config_keys
+        assert "file:" not in json.dumps(stage["sources"])
+        layout = stage["layout"]
+        assert layout["dp"] * layout["tp"] == plan["world"]
+    cfg["parallelism"]["on_table_miss"] = "error"
+    with pytest.raises(StageError) as err:
+        _plan(cfg)
+    assert str(err.value) == reason
+
+
+def test_config_values_that_cannot_fit_stay_errors_about_the_config(tmp_path: Path) -> None:
+    from test_planning import _plan, _preset
+
+    table = tmp_path / "parallelism_data.json"
+    table.write_text(json.dumps({"H100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 1}}}))
+    for key, value, message in [
+        ("tp", 3, "parallelism.tp: must divide the attention and KV heads (dp=None, tp=3, world=8"),
+        ("dp", 3, "parallelism.dp: dp * tp must equal the world size (dp=3, tp=None, world=8"),
+    ]:
+        cfg = _preset("mistral-7b-8xh100", parallelism={"table_path": str(table), key: value})
+        with pytest.raises(StageError, match=re.escape(message)):
+            _plan(cfg)
