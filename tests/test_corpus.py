@@ -575,5 +575,5 @@ def test_a_slow_hub_dataset_is_a_one_line_error_within_the_time_limit(tmp_path: 
     assert result.pop("seconds") < 1.5 + 1.0
     assert result == {
         "error": "data.hub.0: hub dataset 'org/corpus'@main: hub unreachable (ReadTimeout; gave up "
-        "at the 1.5 s limit of STAGETRAIN_HUB_TIMEOUT_S) and train.jsonl not in the cache"
+        "within the 1.5 s limit of STAGETRAIN_HUB_TIMEOUT_S) and train.jsonl not in the cache"
     }

@@ -199,7 +199,7 @@ def test_a_slow_hub_is_an_unreachable_miss_within_the_time_limit(tmp_path: Path)
         result = download(tmp_path, hub, "org/tables", code=TIMED, timeout_s=1.5)
     assert result.pop("seconds") < 1.5 + 1.0
     assert result == {
-        "miss": "hub repo 'org/tables'@main: hub unreachable (ReadTimeout; gave up at the 1.5 s "
+        "miss": "hub repo 'org/tables'@main: hub unreachable (ReadTimeout; gave up within the 1.5 s "
         "limit of STAGETRAIN_HUB_TIMEOUT_S) and parallelism_data.json not in the cache"
     }
     assert [r.method for r in hub.requests] == ["HEAD"]

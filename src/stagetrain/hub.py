@@ -225,7 +225,7 @@ def fetch(repo: str, filename: str, *, revision: str, repo_type: str = "model") 
             )
         except errors.LocalEntryNotFoundError:
             raise HubError(
-                f"{where}: hub unreachable ({err}; gave up at the {watch.limit_s:g} s limit of "
+                f"{where}: hub unreachable ({err}; gave up within the {watch.limit_s:g} s limit of "
                 f"{TIMEOUT_ENV}) and {filename} not in the cache"
             ) from None
     except (errors.HfHubHTTPError, errors.HFValidationError, httpx2.RequestError, OSError) as err:
