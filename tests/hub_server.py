@@ -15,7 +15,11 @@ into its typed errors:
 
 Repo ids must be `namespace/name`; dataset repos are keyed `datasets/namespace/name`.
 Every other path gets a bare 404. Every request is
-recorded (`HubServer.requests`).
+recorded (`HubServer.requests`). With `delay_s`, every answer waits that long (a slow
+hub); stopping the server releases the waiting requests.
+
+`hub_call` runs code in a fresh interpreter against a hub: the client reads HF_ENDPOINT,
+HF_TOKEN, HF_HUB_OFFLINE and its cache location when it is imported.
 
 Usage::
 
@@ -28,12 +32,18 @@ Usage::
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 Files = Mapping[str, bytes]
@@ -42,6 +52,11 @@ Revisions = Mapping[str, tuple[str, Files]]
 """Revision name (branch or tag) -> (40-hex commit sha, files at that commit)."""
 
 DEFAULT_TOKEN = "hf_loopback_test_token"
+TIMEOUT_ENV = "STAGETRAIN_HUB_TIMEOUT_S"
+NO_BACKOFF_SLEEP = """
+import time
+time.sleep = lambda seconds: None  # the client's retry backoff (1+2+4+8+8 s); requests stay real
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +98,7 @@ class HubServer:
         gated: frozenset[str] | set[str] = frozenset(),
         forbidden: frozenset[str] | set[str] = frozenset(),
         token: str = DEFAULT_TOKEN,
+        delay_s: float = 0.0,
     ) -> None:
         """Serve `repos`; those in `private` need `Authorization: Bearer <token>`."""
         unknown = (set(private) | set(gated) | set(forbidden)) - set(repos)
@@ -97,6 +113,8 @@ class HubServer:
         self.gated = frozenset(gated)
         self.forbidden = frozenset(forbidden)
         self.token = token
+        self.delay_s = delay_s
+        self.stopping = threading.Event()
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
@@ -123,6 +141,7 @@ class HubServer:
 
     def stop(self) -> None:
         """Stop serving and close the listening socket (the port then refuses connections)."""
+        self.stopping.set()
         if self._thread is not None:
             self._httpd.shutdown()
             self._thread.join(timeout=5)
@@ -195,6 +214,9 @@ class HubServer:
             def _answer(self, *, body: bool) -> None:
                 authorization = self.headers.get("Authorization")
                 server.record(Request(self.command, self.path, authorization))
+                if server.stopping.wait(server.delay_s):
+                    self.close_connection = True  # stopped while a slow answer was pending
+                    return
                 status, headers, content = server.resolve(self.path, authorization)
                 self.send_response(status)
                 headers = {"Content-Length": str(len(content)), **headers}
@@ -223,11 +245,60 @@ def serve_hub(
     gated: frozenset[str] | set[str] = frozenset(),
     forbidden: frozenset[str] | set[str] = frozenset(),
     token: str = DEFAULT_TOKEN,
+    delay_s: float = 0.0,
 ) -> Iterator[HubServer]:
     """A started `HubServer`, stopped (port closed) on exit."""
-    hub = HubServer(repos, private=private, gated=gated, forbidden=forbidden, token=token)
+    hub = HubServer(
+        repos, private=private, gated=gated, forbidden=forbidden, token=token, delay_s=delay_s
+    )
     hub.start()
     try:
         yield hub
     finally:
         hub.stop()
+
+
+def hub_call(
+    tmp_path: Path,
+    endpoint: str,
+    args: list[str],
+    *,
+    code: str,
+    token: str | None = None,
+    offline: bool = False,
+    cache: Path | None = None,
+    prelude: str = "",
+    timeout_s: float | str | None = None,
+) -> Any:
+    """Run `code` (with `args`) in a fresh interpreter against `endpoint`; its JSON output.
+
+    `timeout_s` sets stagetrain's bound on one fetch (STAGETRAIN_HUB_TIMEOUT_S).
+    """
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "HUGGING_FACE", "HUGGINGFACE"))
+        and k not in ("TRANSFORMERS_OFFLINE", TIMEOUT_ENV)
+    }
+    env.update(
+        HF_ENDPOINT=endpoint,
+        HF_HOME=str(tmp_path / "hf_home"),  # no stored token from the user's home
+        HF_HUB_CACHE=str(cache or tmp_path / "cache"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
+    if token is not None:
+        env["HF_TOKEN"] = token
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    if timeout_s is not None:
+        env[TIMEOUT_ENV] = str(timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + code, *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import REPO, default_config
-from hub_server import commit_sha, serve_hub
+from hub_server import commit_sha, hub_call, serve_hub
 from test_planning import _cpu_hardware, _plan
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
@@ -217,6 +219,35 @@ def test_bad_files_name_the_file_and_line(
     )
     with pytest.raises(StageError, match=re.escape(message)):
         list(source.documents("train"))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("latin1.txt", "caf\u00e9 au lait".encode("latin-1"), "latin1.txt: not UTF-8 text (byte 0xe9 at byte offset 3)"),
+        ("latin1.jsonl", b'{"text": "ok"}\n{"text": "na\xefve"}\n', "latin1.jsonl:2: not UTF-8 text (byte 0xef at byte offset 27)"),
+        ("cut.jsonl", '{"text": "\u00e9"}'.encode()[:-3] + b'"}\n', "cut.jsonl:1: not UTF-8 text (byte 0xc3 at byte offset 10)"),
+    ],
+    ids=["txt", "jsonl", "truncated-sequence"],
+)  # fmt: skip
+def test_a_file_that_is_not_utf8_names_the_file_and_byte(
+    tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    (tmp_path / name).write_bytes(content)
+    source = corpus_sources.files(
+        {"path": str(tmp_path / name), "weight": 1.0, "text_field": "text"}, 0, 0.1
+    )
+    with pytest.raises(StageError) as err:
+        list(source.documents("train"))
+    assert str(err.value) == f"{tmp_path}/{message}"
+
+
+def test_txt_files_read_with_the_newlines_of_text_mode(tmp_path: Path) -> None:
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\rthree\n")
+    source = corpus_sources.files(
+        {"path": str(tmp_path / "crlf.txt"), "weight": 1.0, "text_field": "text"}, 0, 0.0
+    )
+    assert list(source.documents("train")) == ["one\ntwo\nthree\n"]
 
 
 def test_a_glob_matching_nothing_is_an_error(tmp_path: Path) -> None:
@@ -464,3 +495,85 @@ def test_user_task_files_join_the_corpus_in_their_split(tmp_path: Path) -> None:
         corpus_sources.build(
             {**data, "generated": {**gen, "task_files": [str(tmp_path / "bad.jsonl")]}}, seed=3
         )
+
+
+# --- failures leave nothing behind ----------------------------------------------
+
+
+def _good_rows_then_a_bad_line(path: Path, rows: int) -> None:
+    good = "".join(
+        json.dumps({"text": f"document number {i} is here."}) + "\n" for i in range(rows)
+    )
+    path.write_text(good + "{not json}\n")
+
+
+def test_a_bad_line_found_while_tokenising_leaves_no_temp_file(tmp_path: Path) -> None:
+    # More good documents than one tokenisation batch (4096) before the bad line, so a
+    # partial train shard has been written when it is found; the BPE sample stops earlier.
+    corpus = tmp_path / "corpus.jsonl"
+    _good_rows_then_a_bad_line(corpus, 5000)
+    cfg = _small(
+        train_tokens=200_000,
+        generated={**default_config()["data"]["generated"], "weight": 0},
+        files=[{"path": str(corpus), "weight": 1.0, "text_field": "text"}],
+    )
+    cfg["tokenizer"]["training_sample_mb"] = 0.05
+    out = tmp_path / "out"
+    with pytest.raises(StageError, match=re.escape(f"{corpus}:5001: invalid JSON")):
+        _prepare(cfg, out)
+    assert sorted(p.name for p in (out / "data").iterdir()) == []
+    assert not (out / "tokenizer").exists() and not (out / "model_config.json").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 KiB tmpfs, to fill for real (needs root and permission to mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command to make a small tmpfs")
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {proc.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temp_file(small_disk: Path) -> None:
+    # 20,000 uint16 tokens (40 KB) do not fit in 16 KiB.
+    out = small_disk / "run"
+    with pytest.raises(StageError) as err:
+        _prepare(_small(), out)
+    assert str(err.value) == f"no space left on {out / 'data'} (writing train.bin)"
+    assert list((out / "data").iterdir()) == []
+    assert not (out / "tokenizer").exists()
+
+
+HUB_SOURCE = """
+import json, sys, time
+from stagetrain.corpus import sources
+from stagetrain.errors import StageError
+cfg = {"repo": "org/corpus", "revision": "main", "files": ["train.jsonl"], "weight": 1.0,
+       "text_field": "text"}
+start = time.monotonic()
+try:
+    result = {"record": sources.hub(cfg, 0, 0.1).record}
+except StageError as err:
+    result = {"error": str(err)}
+print(json.dumps({**result, "seconds": time.monotonic() - start}))
+"""
+
+
+def test_a_slow_hub_dataset_is_a_one_line_error_within_the_time_limit(tmp_path: Path) -> None:
+    files = {"train.jsonl": json.dumps({"text": "hello"}).encode() + b"\n"}
+    repos = {"datasets/org/corpus": {"main": (commit_sha("corpus"), files)}}
+    with serve_hub(repos, delay_s=30) as hub:
+        result = hub_call(tmp_path, hub.endpoint, [], code=HUB_SOURCE, timeout_s=1.5)
+    assert result.pop("seconds") < 1.5 + 1.0
+    assert result == {
+        "error": "data.hub.0: hub dataset 'org/corpus'@main: hub unreachable (ReadTimeout; gave up "
+        "within the 1.5 s limit of STAGETRAIN_HUB_TIMEOUT_S) and train.jsonl not in the cache"
+    }

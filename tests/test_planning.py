@@ -358,7 +358,7 @@ def test_table_miss_falls_back_with_the_reason_or_fails(tmp_path: Path) -> None:
         ({"parallelism": {"micro_batch_size": 3}}, "global batch must equal micro_batch_size \\* grad_accum \\* dp"),
         ({"parallelism": {"dp": 8}, "grpo": {"prompts_per_step": 4}}, "grpo: no layout divides the global batch of 32 sequences \\(groups of 8\\)"),
         ({"deepspeed": {"precision": "bf16"}, "hardware": {"gpu": "V100-32GB"}}, "deepspeed.precision: bf16 requested but V100-32GB has no bf16 support"),
-        ({"parallelism": {"tp": 2, "zero_stage": 3}}, "parallelism: tp > 1 \\(DeepSpeed AutoTP\\) trains with ZeRO stages 0-2 only, got zero_stage 3 \\(dp=None, tp=2"),
+        ({"parallelism": {"tp": 2, "zero_stage": 3}}, "parallelism.tp: tp > 1 \\(DeepSpeed AutoTP\\) trains with ZeRO stages 0-2 only, not zero_stage 3 \\(dp=None, tp=2"),
     ],
 )  # fmt: skip
 def test_bad_plans_are_one_line_errors(sections: dict[str, dict[str, Any]], message: str) -> None:

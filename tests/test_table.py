@@ -3,22 +3,27 @@
 Hub tests run the real `huggingface_hub` client against the loopback hub of
 `hub_server.py`. The client reads HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its cache
 location when it is imported, so every hub call runs in a fresh Python process with
-its own environment (`hub_call`), which prints a JSON result for the test.
+its own environment (`hub_server.hub_call`), which prints a JSON result for the test.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hub_server import DEFAULT_TOKEN, HubServer, closed_port, commit_sha, serve_hub
+from hub_server import (
+    DEFAULT_TOKEN,
+    NO_BACKOFF_SLEEP,
+    HubServer,
+    closed_port,
+    commit_sha,
+    hub_call,
+    serve_hub,
+)
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
@@ -39,6 +44,9 @@ SHA_V1 = commit_sha("v1")
 SHA_OTHER = commit_sha("other")
 HEX40 = re.compile(r"[0-9a-f]{40}")
 ENTRY_HINT = "(expected a GPU count mapping to positive integers dp, tp, micro_batch_size)"
+UNREACHABLE = (
+    "hub unreachable or offline (HF_HUB_OFFLINE) and parallelism_data.json not in the cache"
+)
 
 
 def _json(value: Any) -> bytes:
@@ -81,57 +89,13 @@ except table.TableMiss as miss:
     print(json.dumps({"miss": str(miss)}))
 """
 
-NO_BACKOFF_SLEEP = """
-import time
-time.sleep = lambda seconds: None  # the client's retry backoff (1+2+4+8+8 s); requests stay real
-"""
-
-
-def hub_call(
-    tmp_path: Path,
-    endpoint: str,
-    args: list[str],
-    *,
-    code: str = DOWNLOAD,
-    token: str | None = None,
-    offline: bool = False,
-    cache: Path | None = None,
-    prelude: str = "",
-) -> Any:
-    """Run `code` (with `args`) in a fresh interpreter against `endpoint`; its JSON output."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HF_", "HUGGING_FACE", "HUGGINGFACE")) and k != "TRANSFORMERS_OFFLINE"
-    }
-    env.update(
-        HF_ENDPOINT=endpoint,
-        HF_HOME=str(tmp_path / "hf_home"),  # no stored token from the user's home
-        HF_HUB_CACHE=str(cache or tmp_path / "cache"),
-        HF_HUB_DISABLE_TELEMETRY="1",
-    )
-    if token is not None:
-        env["HF_TOKEN"] = token
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", prelude + code, *args],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 def download(
     tmp_path: Path, hub: HubServer | str, repo: str, revision: str = "main", **kw: Any
 ) -> dict[str, Any]:
     """`table.download(repo, revision)` in a subprocess: {"table", "source"} or {"miss"}."""
     endpoint = hub if isinstance(hub, str) else hub.endpoint
-    return hub_call(tmp_path, endpoint, [repo, revision], **kw)
+    return hub_call(tmp_path, endpoint, [repo, revision], code=kw.pop("code", DOWNLOAD), **kw)
 
 
 # --- hub downloads -----------------------------------------------------------
@@ -214,10 +178,73 @@ def test_unreachable_hub_is_a_miss(tmp_path: Path) -> None:
     result = download(
         tmp_path, f"http://127.0.0.1:{closed_port()}", "org/tables", prelude=NO_BACKOFF_SLEEP
     )
+    assert result == {"miss": f"hub repo 'org/tables'@main: {UNREACHABLE}"}
+
+
+TIMED = """
+import json, sys, time
+from stagetrain.planning import table
+start = time.monotonic()
+try:
+    result = {"table": table.download(sys.argv[1], sys.argv[2])[0]}
+except table.TableMiss as miss:
+    result = {"miss": str(miss)}
+print(json.dumps({**result, "seconds": time.monotonic() - start}))
+"""
+
+
+def test_a_slow_hub_is_an_unreachable_miss_within_the_time_limit(tmp_path: Path) -> None:
+    # The hub answers after 30 s; the client alone would wait 10 s, then 60 s per retry.
+    with serve_hub(_repos(), delay_s=30) as hub:
+        result = download(tmp_path, hub, "org/tables", code=TIMED, timeout_s=1.5)
+    assert result.pop("seconds") < 1.5 + 1.0
     assert result == {
-        "miss": "hub repo 'org/tables'@main: hub unreachable or offline (HF_HUB_OFFLINE) "
-        "and parallelism_data.json not in the cache"
+        "miss": "hub repo 'org/tables'@main: hub unreachable (ReadTimeout; gave up within the 1.5 s "
+        "limit of STAGETRAIN_HUB_TIMEOUT_S) and parallelism_data.json not in the cache"
     }
+    assert [r.method for r in hub.requests] == ["HEAD"]
+
+
+def test_a_slow_hub_with_a_warm_cache_answers_from_the_cache(tmp_path: Path) -> None:
+    with _serve() as hub:
+        online = download(tmp_path, hub, "org/tables")
+    with serve_hub(_repos(), delay_s=30) as hub:
+        result = download(tmp_path, hub, "org/tables", code=TIMED, timeout_s=1.5)
+    assert result.pop("seconds") < 1.5 + 1.0
+    assert result == {"table": online["table"]}
+
+
+def test_the_time_limit_must_be_a_positive_number(tmp_path: Path) -> None:
+    code = DOWNLOAD.replace("table.TableMiss", "StageError").replace(
+        "import json, sys", "import json, sys\nfrom stagetrain.errors import StageError"
+    )
+    with _serve() as hub:
+        for bad in ("soon", "0", "-2", "nan", "inf"):
+            result = download(tmp_path, hub, "org/tables", code=code, timeout_s=bad)
+            assert result == {
+                "miss": f"STAGETRAIN_HUB_TIMEOUT_S: expected a positive number of seconds, got {bad!r}"
+            }
+    assert hub.requests == []
+
+
+def test_a_refusing_hub_is_not_answered_by_the_cache(tmp_path: Path) -> None:
+    # A cache shared by users with different rights: one with the token fills it...
+    with _serve() as hub:
+        allowed = download(tmp_path, hub, "org/private", token=DEFAULT_TOKEN)
+        assert allowed["source"] == f"hub:org/private@{SHA_OTHER}"
+        # ...then one without a token, or with a wrong one, is refused by the hub.
+        refused = download(tmp_path, hub, "org/private")
+        wrong = download(tmp_path, hub, "org/private", token="hf_wrong")
+    reason = "unauthorised (HTTP 401; check HF_TOKEN); the cached copy is not used"
+    assert refused == {"miss": f"hub repo 'org/private'@main: {reason}"}
+    assert wrong == refused
+    # The hub was asked each time; the refusals were not followed by a download.
+    assert [(r.method, r.authorization) for r in hub.requests] == [
+        ("HEAD", f"Bearer {DEFAULT_TOKEN}"),
+        ("GET", f"Bearer {DEFAULT_TOKEN}"),
+        ("HEAD", None),
+        ("HEAD", "Bearer hf_wrong"),
+    ]
 
 
 def test_malformed_json_on_the_hub(tmp_path: Path) -> None:
@@ -269,10 +296,7 @@ def test_offline_reads_the_cached_table_with_its_commit(tmp_path: Path) -> None:
 def test_offline_with_an_empty_cache_is_a_miss(tmp_path: Path) -> None:
     with _serve() as hub:
         result = download(tmp_path, hub, "org/tables", offline=True)
-    assert result == {
-        "miss": "hub repo 'org/tables'@main: hub unreachable or offline (HF_HUB_OFFLINE) "
-        "and parallelism_data.json not in the cache"
-    }
+    assert result == {"miss": f"hub repo 'org/tables'@main: {UNREACHABLE}"}
     assert hub.requests == []
 
 
@@ -501,3 +525,77 @@ def test_table_values_from_the_hub(tmp_path: Path) -> None:
         ],
         {"StageError": "hub repo 'org/gated'@main: unauthorised (gated repo; set HF_TOKEN)"},
     ]
+
+
+# --- entries that parse but do not fit the run (plan through resolve) -----------
+
+MISFITS = [
+    (
+        {"dp": 4, "tp": 4, "micro_batch_size": 1},
+        {},
+        "dp * tp must equal the world size (dp=4, tp=4, world=8, heads=32, kv_heads=8)",
+    ),
+    (
+        {"dp": 8, "tp": 1, "micro_batch_size": 3},
+        {},
+        "micro_batch_size must divide the pretrain batch of 32 sequences per rank "
+        "(micro_batch_size=3, dp=8)",
+    ),
+    (
+        {"dp": 1, "tp": 16, "micro_batch_size": 1},
+        {"hardware": {"nodes": 2}},
+        "tp must divide the attention and KV heads (dp=1, tp=16, world=16, heads=32, kv_heads=8)",
+    ),
+    (
+        # The config's own tp stays; with the entry's dp it cannot fill the world.
+        {"dp": 8, "tp": 1, "micro_batch_size": 1},
+        {"parallelism": {"tp": 2}},
+        "dp * tp must equal the world size (dp=8, tp=2, world=8, heads=32, kv_heads=8)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("entry", "sections", "why"), MISFITS, ids=["world", "micro-batch", "heads", "with-config"]
+)
+def test_an_entry_that_does_not_fit_the_run_is_a_miss(
+    tmp_path: Path, entry: dict[str, int], sections: dict[str, dict[str, Any]], why: str
+) -> None:
+    from test_planning import _plan, _preset
+
+    nodes = sections.get("hardware", {}).get("nodes", 1)
+    table = tmp_path / "parallelism_data.json"
+    table.write_text(json.dumps({"H100": {str(8 * nodes): entry}}))
+    values = ", ".join(f"{k}={v}" for k, v in entry.items())
+    reason = (
+        f"file:{table}: the entry for H100 x {8 * nodes} ({values}) does not fit this run: {why}"
+    )
+    parallelism = {**sections.get("parallelism", {}), "table_path": str(table)}
+    cfg = _preset("mistral-7b-8xh100", **{**sections, "parallelism": parallelism})
+    plan = _plan(cfg)
+    assert plan["table"] == {"status": "miss", "reason": f"{reason}; falling back to the planner"}
+    assert plan["source"] == "estimated"
+    config_keys = set(sections.get("parallelism", {}))
+    for stage in plan["stages"].values():
+        assert {k for k, v in stage["sources"].items() if v == "config"} == config_keys
+        assert "file:" not in json.dumps(stage["sources"])
+        layout = stage["layout"]
+        assert layout["dp"] * layout["tp"] == plan["world"]
+    cfg["parallelism"]["on_table_miss"] = "error"
+    with pytest.raises(StageError) as err:
+        _plan(cfg)
+    assert str(err.value) == reason
+
+
+def test_config_values_that_cannot_fit_stay_errors_about_the_config(tmp_path: Path) -> None:
+    from test_planning import _plan, _preset
+
+    table = tmp_path / "parallelism_data.json"
+    table.write_text(json.dumps({"H100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 1}}}))
+    for key, value, message in [
+        ("tp", 3, "parallelism.tp: must divide the attention and KV heads (dp=None, tp=3, world=8"),
+        ("dp", 3, "parallelism.dp: dp * tp must equal the world size (dp=3, tp=None, world=8"),
+    ]:
+        cfg = _preset("mistral-7b-8xh100", parallelism={"table_path": str(table), key: value})
+        with pytest.raises(StageError, match=re.escape(message)):
+            _plan(cfg)

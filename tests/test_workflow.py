@@ -248,7 +248,7 @@ def test_a_stage_error_surfaces_its_line_and_leaves_no_artifact(workdir: Path) -
     assert proc.returncode != 0
     log = (workdir / "results/tiny/logs/plan_parallelism.log").read_text().strip().splitlines()
     assert log[-1].startswith(
-        "error: parallelism: dp * tp must equal the world size (dp=3, tp=None, world=2"
+        "error: parallelism.dp: dp * tp must equal the world size (dp=3, tp=None, world=2"
     )
     assert (
         log[-1] in proc.stdout + proc.stderr

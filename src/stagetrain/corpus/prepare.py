@@ -1,15 +1,18 @@
 """The prepare_tokenizer stage: tokenizer, token shards, meta file and model config, from the config.
 
 All files are first written under temporary names and renamed at the end, meta
-last, so a killed stage leaves no file that looks finished.
+last, so a killed stage leaves no file that looks finished; a failed one (bad
+input found mid-stream, a full disk) removes its temporary files.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,35 @@ def make_tokenizer(
     return tokenizer
 
 
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Turn a full disk while writing `path` into one line naming it."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise StageError(f"no space left on {path.parent} (writing {path.name})") from None
+        raise
+
+
+@contextmanager
+def _staged(paths: Mapping[str, Path]) -> Iterator[dict[str, Path]]:
+    """Temp names beside `paths`, renamed over them when the block succeeds, removed when it fails.
+
+    A failed stage (a bad line found mid-stream, a full disk) must not leave a partial
+    temp file behind: on a full disk it is what fills it.
+    """
+    tmps = {key: path.with_name(f".{path.name}.tmp") for key, path in paths.items()}
+    try:
+        yield tmps
+    except BaseException:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    for key, path in paths.items():
+        os.replace(tmps[key], path)
+
+
 def prepare(
     *,
     run: Mapping[str, Any],
@@ -80,18 +112,19 @@ def prepare(
     eos = tokenizer.eos_token_id
     shards = {split: Path(outputs[split]) for split in ("train", "val")}
     written = {}
-    for split, path in shards.items():
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        total = data[f"{split}_tokens"]
-        written[split] = write_split(backend, sources, split, total, tmp, eos_id=eos, dtype=dtype)
-        log.info("%s: %d tokens in %d documents", split, sum(w.tokens for w in written[split]),
-                 sum(w.documents for w in written[split]))  # fmt: skip
-
-    tokenizer_hash = save(tokenizer, Path(outputs["tokenizer"]))
-    atomic_write_text(outputs["model_config"], config.to_json_string(use_diff=False))
-    for path in shards.values():
-        os.replace(path.with_name(f".{path.name}.tmp"), path)
+    with _staged(shards) as tmps:
+        for split, path in shards.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            total = data[f"{split}_tokens"]
+            with _writing(path):
+                written[split] = write_split(backend, sources, split, total, tmps[split],
+                                             eos_id=eos, dtype=dtype)  # fmt: skip
+            log.info("%s: %d tokens in %d documents", split, sum(w.tokens for w in written[split]),
+                     sum(w.documents for w in written[split]))  # fmt: skip
+        with _writing(Path(outputs["tokenizer"])):
+            tokenizer_hash = save(tokenizer, Path(outputs["tokenizer"]))
+        with _writing(Path(outputs["model_config"])):
+            atomic_write_text(outputs["model_config"], config.to_json_string(use_diff=False))
     meta = {
         "dtype": dtype.name,
         "tokenizer_size": len(tokenizer),
@@ -117,5 +150,6 @@ def prepare(
             for i, source in enumerate(sources)
         ],
     }
-    atomic_write_json(outputs["meta"], meta)
+    with _writing(Path(outputs["meta"])):
+        atomic_write_json(outputs["meta"], meta)
     return meta

@@ -87,7 +87,7 @@ def write_documents(
             if written.tokens >= budget:
                 break
         chunk = np.fromiter(chain.from_iterable(ids), dtype=dtype)
-        chunk.tofile(out)
+        out.write(chunk.data)  # not tofile: its OSError on a full disk carries no errno
         if progress:
             progress.add(len(chunk))
     return written

@@ -83,15 +83,32 @@ def generated(cfg: Mapping[str, Any], seed: int) -> Source:
     )
 
 
+def _not_utf8(where: str, data: bytes, err: UnicodeDecodeError, offset: int) -> StageError:
+    return StageError(
+        f"{where}: not UTF-8 text (byte 0x{data[err.start]:02x} at byte offset {offset + err.start})"
+    )
+
+
 def _read_documents(path: Path, text_field: str) -> Iterator[str]:
     """Documents of one file: a whole .txt file, or one per line of a .jsonl file."""
     if path.suffix == ".txt":
-        yield path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise _not_utf8(str(path), data, err, 0) from None
+        yield text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as text mode reads them
         return
     if path.suffix != ".jsonl":
         raise StageError(f"{path}: expected a .txt or .jsonl file")
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    with open(path, "rb") as handle:  # bytes, so a bad byte's offset in the file is known
+        offset = 0
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(f"{path}:{number}", raw, err, offset) from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:

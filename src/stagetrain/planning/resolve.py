@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -84,28 +84,84 @@ def _table_repo(parallelism: Mapping[str, Any], model: Mapping[str, Any]) -> str
     return init if init and not Path(init).exists() else None
 
 
-def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads: int) -> None:
-    """Fail early, with every factor, on dp and tp values that cannot form a layout."""
-    dp, tp, world = fixed.get("dp"), fixed.get("tp"), devices.world
+def misfit(
+    fixed: Mapping[str, Any],
+    devices: Devices,
+    heads: int,
+    kv_heads: int,
+    stages: Sequence[Demand] = (),
+) -> tuple[str, str] | None:
+    """The first of dp, tp, micro_batch_size (None: not fixed) that cannot form a layout, and why.
+
+    With `stages`, also whether dp splits each stage's batch into whole groups per rank
+    and the micro batch divides that per-rank batch. The reason starts with its subject
+    (e.g. 'tp must divide ...') and lists every factor.
+    """
+    dp, tp, mbs = fixed.get("dp"), fixed.get("tp"), fixed.get("micro_batch_size")
+    world = devices.world
     factors = f"dp={dp}, tp={tp}, world={world}, heads={heads}, kv_heads={kv_heads}"
     if tp and (heads % tp or kv_heads % tp):
-        raise StageError(f"parallelism.tp: must divide the attention and KV heads ({factors})")
+        return "tp", f"tp must divide the attention and KV heads ({factors})"
     if tp and devices.per_node % tp:
-        raise StageError(
-            f"parallelism.tp: must divide the {devices.per_node} devices of one node ({factors})"
-        )
+        return "tp", f"tp must divide the {devices.per_node} devices of one node ({factors})"
     if dp and tp and dp * tp != world or dp and world % dp or tp and world % tp:
-        raise StageError(f"parallelism: dp * tp must equal the world size ({factors})")
+        return ("dp" if dp else "tp"), f"dp * tp must equal the world size ({factors})"
     if (tp or 1) > 1 and fixed.get("zero_stage") == 3:
-        raise StageError(
-            f"parallelism: tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, got zero_stage 3 ({factors})"
+        return (
+            "tp",
+            f"tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, not zero_stage 3 ({factors})",
         )
+    dp = dp or (world // tp if tp else None)
+    for stage in stages if dp else ():
+        per_rank, rest = divmod(stage.global_batch, dp)
+        if rest or per_rank % stage.group:
+            return "dp", (
+                f"dp must split the {stage.stage} batch of {stage.global_batch} sequences into "
+                f"whole groups of {stage.group} per rank (dp={dp})"
+            )
+        if mbs and per_rank % mbs:
+            return "micro_batch_size", (
+                f"micro_batch_size must divide the {stage.stage} batch of {per_rank} sequences "
+                f"per rank (micro_batch_size={mbs}, dp={dp})"
+            )
+    return None
+
+
+def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads: int) -> None:
+    """Fail early, with every factor, on dp and tp values of the config that cannot form a layout."""
+    problem = misfit(fixed, devices, heads, kv_heads)
+    if problem:
+        key, why = problem
+        # 'parallelism.tp: must divide ...', not 'parallelism.tp: tp must divide ...'
+        raise StageError(f"parallelism.{key}: {why.replace(f'{key} must ', 'must ', 1)}")
+
+
+def entry_misfit(
+    entry: Mapping[str, int],
+    *,
+    fixed: Mapping[str, Any],
+    devices: Devices,
+    heads: int,
+    kv_heads: int,
+    stages: Sequence[Demand],
+) -> str | None:
+    """Why a table entry, under the values the config fixes itself, cannot form this run's layouts."""
+    merged = {**entry, **{k: v for k, v in fixed.items() if v is not None}}
+    problem = misfit(merged, devices, heads, kv_heads, stages)
+    return problem[1] if problem else None
 
 
 def table_values(
-    parallelism: Mapping[str, Any], model: Mapping[str, Any], devices: Devices
+    parallelism: Mapping[str, Any],
+    model: Mapping[str, Any],
+    devices: Devices,
+    fits: Callable[[Mapping[str, int]], str | None] = lambda entry: None,
 ) -> tuple[dict[str, int], dict[str, Any]]:
-    """Entries from a parallelism table, and a record of where they came from (or why not)."""
+    """Entries from a parallelism table, and a record of where they came from (or why not).
+
+    `fits` says why an entry cannot be used for this run (None if it can); such an
+    entry is a miss like any other, naming the table and the entry.
+    """
     repo = _table_repo(parallelism, model)
     if not parallelism["table_path"] and not repo:
         return {}, {"status": "none", "reason": "no table_path or table_repo configured"}
@@ -117,6 +173,13 @@ def table_values(
         else:
             table, source = tables.download(repo, parallelism["table_revision"])
         entry = tables.lookup(table, devices.gpu.key, devices.world, source)
+        why = fits(entry)
+        if why:
+            values = ", ".join(f"{k}={v}" for k, v in entry.items())
+            raise tables.TableMiss(
+                f"{source}: the entry for {devices.gpu.key} x {devices.world} ({values}) "
+                f"does not fit this run: {why}"
+            )
     except tables.TableMiss as miss:
         if parallelism["on_table_miss"] == "error":
             raise StageError(str(miss)) from None
@@ -189,20 +252,24 @@ def resolve(
 
     fixed: dict[str, Any] = {k: parallelism[k] for k in SEARCHED}
     sources = {k: "config" for k, v in fixed.items() if v is not None}
+    heads, kv_heads = shape(1).num_heads, shape(1).num_kv_heads
+    check_fixed(fixed, devices, heads, kv_heads)
+    stage_demands = demands(pretrain, grpo, devices)
     table_record: dict[str, Any] = {
         "status": "not needed",
         "reason": "dp, tp and micro_batch_size set in the config",
     }
     if any(fixed[k] is None for k in tables.ENTRY_KEYS):
-        from_table, table_record = table_values(parallelism, model, devices)
+        fits = partial(entry_misfit, fixed=dict(fixed), devices=devices, heads=heads,
+                       kv_heads=kv_heads, stages=stage_demands)  # fmt: skip
+        from_table, table_record = table_values(parallelism, model, devices, fits)
         for key, value in from_table.items():
             if fixed[key] is None:
                 fixed[key] = value
                 sources[key] = table_record["source"]
-    check_fixed(fixed, devices, shape(1).num_heads, shape(1).num_kv_heads)
     options = {**parallelism, **deepspeed}
     stages = {}
-    for demand in demands(pretrain, grpo, devices):
+    for demand in stage_demands:
         entry = search(demand, devices, fixed, shape, precision, options, rates)
         entry["sources"] = {k: sources.get(k, "planner") for k in SEARCHED}
         if demand.stage == "grpo":
