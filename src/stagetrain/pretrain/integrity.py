@@ -114,7 +114,7 @@ def read_pointer(path: Path) -> dict[str, Any]:
         raise StageError(
             f"{path}: 'layout' must hold integer dp, tp and zero_stage, found {layout!r}"
         )
-    return {**pointer, "complete": tags}  # fmt: skip
+    return {**pointer, "complete": tags}
 
 
 def step_of(tag: str) -> int:
@@ -135,11 +135,12 @@ def expected_files(base: Path, layout: Mapping[str, int]) -> list[Path]:
     else:
         models = [base / f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
     optims = [_optim_file(base, r, t) for t in range(tp) for r in range(dp)] if zero else []
-    return models + optims  # fmt: skip
+    return models + optims
 
 
 def _optim_file(base: Path, rank: int, tp_rank: int) -> Path:
-    """bf16 ZeRO-1 prefixes the name with bf16_."""
+    """The optimizer file of dp rank `rank`, tp rank `tp_rank` (DeepSpeed's bf16 optimizer, used for
+    bf16 ZeRO-1, prefixes the name with bf16_)."""
     name = f"zero_pp_rank_{rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
     found = sorted(base.glob(f"*{name}"))
     return found[0] if found else base / name
@@ -197,4 +198,4 @@ def resume_point(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] | No
         if earlier
         else "no earlier complete checkpoint is kept"
     )
-    raise StageError(f"{damage[0]}; {rest}: delete {folder} to start fresh")  # fmt: skip
+    raise StageError(f"{damage[0]}; {rest}: delete {folder} to start fresh")
