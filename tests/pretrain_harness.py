@@ -25,6 +25,7 @@ from stagetrain.corpus.prepare import prepare
 from stagetrain.deepspeed_config import render
 from stagetrain.io import atomic_write_json
 from stagetrain.model_config import training_config
+from stagetrain.pretrain.integrity import load_file, weights_only_loads
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
@@ -122,17 +123,13 @@ def final_params(summary: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The fp32 weights of the run's final checkpoint, by parameter name."""
     folder, tag = summary["checkpoint"]["folder"], summary["checkpoint"]["tag"]
     if summary["layout"]["zero_stage"] == 0:
-        states = torch.load(
-            Path(folder) / tag / "mp_rank_00_model_states.pt",
-            map_location="cpu",
-            weights_only=False,
-        )
+        states = load_file(Path(folder) / tag / "mp_rank_00_model_states.pt")
         return {k: v.float() for k, v in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return {
-        k: v.float() for k, v in get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag).items()
-    }
+    with weights_only_loads():
+        weights = get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag)
+    return {k: v.float() for k, v in weights.items()}
 
 
 def model_config(out: Path, **changes: Any) -> str:

@@ -146,10 +146,23 @@ def test_model_shape_errors(change: dict[str, Any], message: str) -> None:
 
 
 def test_init_from_a_local_model_takes_its_shape(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
     config = build_config(default_config()["model"], 512)
-    config.save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     model = {"init_from": str(tmp_path), "architecture": "llama", "vocab_multiple": 64}
     loaded = build_config(model, 640)
     assert (loaded.hidden_size, loaded.num_hidden_layers, loaded.vocab_size) == (128, 4, 640)
     with pytest.raises(StageError, match="model.init_from: cannot load config of"):
         build_config({**model, "init_from": str(tmp_path / "missing")}, 512)
+
+
+def test_init_from_a_folder_without_weights_is_one_line(tmp_path: Path) -> None:
+    """config.json alone would pass planning and fail much later, inside the training ranks."""
+    build_config(default_config()["model"], 512).save_pretrained(tmp_path)
+    model = {"init_from": str(tmp_path), "architecture": "llama", "vocab_multiple": 64}
+    with pytest.raises(
+        StageError, match=f"model.init_from: {tmp_path} has a config.json but no weight files"
+    ) as err:
+        build_config(model, 512)
+    assert "\n" not in str(err.value)

@@ -11,11 +11,13 @@ import pytest
 import torch
 from pretrain_harness import final_params, prepare_data, run
 from safetensors.torch import load_file
+from test_checkpoint_integrity import Crafted, truncate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain.consolidate.folder import MANIFEST, consolidate, eval_loss
 from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
 from stagetrain.errors import StageError
+from stagetrain.pretrain.integrity import safe_globals
 
 pytestmark = pytest.mark.slow
 
@@ -133,10 +135,23 @@ def _broken_copy(summary: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any
     }, folder / summary["checkpoint"]["tag"]
 
 
+def _nothing_written(tmp_path: Path) -> bool:
+    return not (tmp_path / "model").exists() and not (tmp_path / ".model.tmp").exists()
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
         ("pointer", "latest.json: missing: no complete checkpoint"),
+        (
+            "pointer shape",
+            "latest.json: expected an object with tag, step and layout, found a JSON list",
+        ),
+        ("tag folder", "step00000004: missing: the folder of checkpoint step00000004 is gone"),
+        (
+            "optimizer",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt: unreadable, truncated or corrupt",
+        ),
         ("rank file", "zero_pp_rank_1_mp_rank_00_model_states.pt: missing from the checkpoint"),
         (
             "truncated",
@@ -149,15 +164,19 @@ def test_a_broken_checkpoint_is_one_line_and_writes_nothing(data: dict[str, str]
     summary, tag_dir = _broken_copy(runs["zero3"], tmp_path)
     if damage == "pointer":
         (tag_dir.parent / "latest.json").unlink()
+    elif damage == "pointer shape":
+        (tag_dir.parent / "latest.json").write_text("[]")
+    elif damage == "tag folder":
+        shutil.rmtree(tag_dir)
+    elif damage == "optimizer":
+        truncate(tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     elif damage == "rank file":
         (tag_dir / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
     else:
-        path = tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        truncate(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     with pytest.raises(StageError, match=message) as err:
         _consolidate(data, summary, tmp_path / "model")
-    assert "\n" not in str(err.value)
-    assert not (tmp_path / "model").exists() and not (tmp_path / ".model.tmp").exists()
+    assert "\n" not in str(err.value) and _nothing_written(tmp_path)
 
 
 def test_a_loss_that_does_not_match_fails_and_writes_nothing(
@@ -167,6 +186,61 @@ def test_a_loss_that_does_not_match_fails_and_writes_nothing(
     with pytest.raises(StageError, match="validation loss .* differs from .* nothing was written"):
         _consolidate(data, summary, tmp_path / "model")
     assert not (tmp_path / "model").exists() and not (tmp_path / ".model.tmp").exists()
+
+
+def _edit_zero0_weights(
+    summary: dict[str, Any], tmp_path: Path, name: str, edit: Any
+) -> dict[str, Any]:
+    """A copy of the ZeRO-0 checkpoint with `edit(tensor)` applied to weight `name` in its model file."""
+    summary, tag_dir = _broken_copy(summary, tmp_path)
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    with torch.serialization.safe_globals(safe_globals()):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    edit(state["module"][name])
+    torch.save(state, path)
+    return summary
+
+
+def test_random_bytes_in_a_weight_fail_naming_it_and_write_nothing(
+    data: dict[str, str], runs: dict, tmp_path: Path
+) -> None:
+    """20 KB of random bytes in one tensor, its size kept: non-finite weights are refused."""
+    noise = torch.randint(
+        0, 256, (20_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    name = "model.layers.1.mlp.down_proj.weight"
+    summary = _edit_zero0_weights(runs["zero0"], tmp_path, name, lambda t: t.view(-1).view(torch.uint8)[:20_000].copy_(noise))  # fmt: skip
+    with pytest.raises(StageError, match=f"step00000004: {name} holds non-finite values .* nothing was written") as err:  # fmt: skip
+        _consolidate(data, summary, tmp_path / "model")
+    assert "\n" not in str(err.value) and _nothing_written(tmp_path)
+
+
+def test_a_non_finite_validation_loss_fails_and_writes_nothing(
+    data: dict[str, str], runs: dict, tmp_path: Path
+) -> None:
+    """Finite weights that overflow in the forward pass give a NaN loss, which no tolerance catches."""
+    summary = _edit_zero0_weights(
+        runs["zero0"], tmp_path, "model.norm.weight", lambda t: t.fill_(3e38)
+    )
+    with pytest.raises(StageError, match="validation loss is nan .* nothing was written") as err:
+        _consolidate(data, summary, tmp_path / "model")
+    assert "\n" not in str(err.value) and _nothing_written(tmp_path)
+    diverged = {**runs["zero0"], "final_eval_loss": float("nan")}
+    with pytest.raises(StageError, match="the training logged a validation loss of nan at step 4"):
+        _consolidate(data, diverged, tmp_path / "model")
+    assert _nothing_written(tmp_path)
+
+
+def test_a_crafted_rank_file_is_refused_and_its_code_never_runs(
+    data: dict[str, str], runs: dict, tmp_path: Path
+) -> None:
+    summary, tag_dir = _broken_copy(runs["zero3"], tmp_path)
+    marker = tmp_path / "MARKER"
+    torch.save({"optimizer_state_dict": Crafted(marker)}, tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt")  # fmt: skip
+    with pytest.raises(StageError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt: refused: .*GLOBAL io.open") as err:  # fmt: skip
+        _consolidate(data, summary, tmp_path / "model")
+    assert "\n" not in str(err.value) and _nothing_written(tmp_path)
+    assert not marker.exists()
 
 
 def test_shard_planning() -> None:

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, default_config
 from hub_server import commit_sha, hub_call, serve_hub
 from test_planning import _cpu_hardware, _plan
-from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from stagetrain import config as stconfig
 from stagetrain.corpus import sources as corpus_sources
@@ -383,8 +383,9 @@ def test_tokenizer_larger_than_planned_is_an_error(
 
 def _init_model(tmp_path: Path, vocab: int) -> Path:
     folder = tmp_path / "init"
-    LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2).save_pretrained(folder)  # fmt: skip
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
 

@@ -9,12 +9,15 @@ agree to 1e-4 relative, parameters after four AdamW steps to 1e-4 absolute
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, launch, model_config, prepare_data, run
+from pretrain_harness import final_params, launch, model_config, prepare_data, run, small_config
+from test_checkpoint_integrity import truncate
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL = 1e-4
@@ -198,3 +201,44 @@ def test_a_bf16_start_model_trains_in_the_plans_precision_with_fp32_master_weigh
     assert summary["dtypes"] == {
         "parameters": parameters, "master": "torch.float32", "optimizer_states": "torch.float32"
     }  # fmt: skip
+
+
+def _error_lines(proc: Any) -> set[str]:
+    return {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
+
+
+def test_a_damaged_newest_checkpoint_falls_back_on_resume(
+    data: dict[str, str], tmp_path: Path
+) -> None:
+    """Both ranks resume from the earlier complete checkpoint (DeepSpeed's loader under the
+    weights-only unpickler) and reach the uninterrupted run's losses; a pointer of the wrong
+    shape stops every rank with the same one line."""
+    layout = {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 2}
+    every2 = {"pretrain": {"checkpoint_every": 2}}
+    first = run(data, tmp_path, world=2, layout=layout, config_changes=every2)
+    folder = Path(first["checkpoint"]["folder"])
+    truncate(folder / "step00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    proc = launch(data, tmp_path, world=2, layout=layout, config_changes=every2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "checkpoint step00000004 is damaged" in proc.stdout + proc.stderr
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["resumed_from_step"] == 2 and again["losses"] == first["losses"]
+    (folder / "latest.json").write_text("[]")
+    proc = launch(data, tmp_path, world=2, layout=layout, config_changes=every2)
+    assert proc.returncode != 0
+    assert _error_lines(proc) == {
+        f"error: {folder}/latest.json: expected an object with tag, step and layout, found a JSON list"
+    }
+
+
+def test_a_diverged_run_stops_with_one_line_before_saving(
+    data: dict[str, str], tmp_path: Path
+) -> None:
+    optimizer = {**small_config()["pretrain"]["optimizer"], "lr": 1e30, "warmup_steps": 1}
+    changes = {"optimizer": optimizer, "steps": 6, "eval_every": 6, "checkpoint_every": 5}
+    proc = launch(data, tmp_path, world=2, layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0},
+                  config_changes={"pretrain": changes})  # fmt: skip
+    assert proc.returncode != 0
+    [line] = _error_lines(proc)
+    assert re.fullmatch(r"error: pretrain: the training loss is nan at step 5 \(fp32\): the run diverged; lower pretrain.optimizer.lr .*", line), line  # fmt: skip
+    assert not list((tmp_path / "checkpoints").glob("*/latest.json"))

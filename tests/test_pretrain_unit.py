@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_checkpoint_integrity import fake_checkpoint
 
 from stagetrain.errors import StageError
 from stagetrain.pretrain.batches import Sampler, read_windows, window_count
@@ -90,7 +91,7 @@ def test_fingerprint_follows_the_maths(tmp_path: Path) -> None:
 
 def test_a_checkpoint_from_another_layout_is_refused(tmp_path: Path) -> None:
     ckpt = Checkpoints(tmp_path, {"seed": 1}, {"dp": 2, "tp": 1, "zero_stage": 0}, keep=2)
-    ckpt.folder.mkdir(parents=True)
+    fake_checkpoint(ckpt.folder, 4, {"dp": 2, "tp": 1, "zero_stage": 0})
     (ckpt.folder / "latest.json").write_text(
         json.dumps(
             {"tag": "step00000004", "step": 4, "layout": {"dp": 2, "tp": 1, "zero_stage": 0}}

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import SNAKEMAKE, edit_config, small_run, snakemake
 
+from stagetrain.pretrain.integrity import load_file
 from stagetrain.pretrain.metrics import METRICS
 
 pytestmark = pytest.mark.slow
@@ -172,9 +173,7 @@ def test_the_whole_pipeline_runs_and_reports(workdir: Path) -> None:
 def _final_weights(workdir: Path) -> dict[str, torch.Tensor]:
     summary = json.loads((workdir / "results/tiny/pretrain/summary.json").read_text())
     folder = Path(summary["checkpoint"]["folder"]) / summary["checkpoint"]["tag"]
-    return torch.load(
-        folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
-    )["module"]
+    return load_file(folder / "mp_rank_00_model_states.pt")["module"]
 
 
 def test_killed_training_resumes_to_the_same_result(

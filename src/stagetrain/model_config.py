@@ -8,6 +8,7 @@ the same architecture.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
@@ -112,6 +113,11 @@ def _load_pretrained(model: Mapping[str, Any], vocab_size: int) -> PretrainedCon
         raise StageError(
             f"model.init_from: cannot load config of {model['init_from']!r}: {first}"
         ) from None
+    folder = Path(model["init_from"])
+    if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise StageError(
+            f"model.init_from: {folder} has a config.json but no weight files (*.safetensors or *.bin)"
+        )
     if model["architecture"] and config.model_type != model["architecture"]:
         raise StageError(
             f"model.architecture: {model['architecture']!r} but {model['init_from']!r} is a "

@@ -1,9 +1,10 @@
 """The consolidate stage: write model/<stage>/ and prove it holds the trained weights.
 
 Everything is written into a temporary sibling folder; the folder is renamed
-into place only after the reloaded model's validation loss matched the loss the
-training process logged for the same batch at the same step, within the
-tolerance stated below. Otherwise nothing is left behind.
+into place only after every written tensor was finite and the reloaded model's
+validation loss was finite and matched the loss the training process logged for
+the same batch at the same step, within the tolerance stated below. Otherwise
+nothing is left behind.
 
 Tolerances (relative): 1e-4 when the output dtype is the training precision
 (the same weights, the same kernels); 2e-2 when it is not (bf16 output of an
@@ -13,6 +14,7 @@ fp32 run, or fp32 master weights of a bf16 run, evaluated in another precision).
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -100,7 +102,8 @@ def consolidate(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write(tmp, config, dtype, tokenizer_dir, names, shapes, weights, cfg)
+        _write(tmp, config, dtype, tokenizer_dir, names, shapes, weights, cfg,
+               f"{checkpoint['folder']}/{checkpoint['tag']}")  # fmt: skip
         manifest = _verify_and_describe(tmp, stage, summary, meta, cfg, dtype)
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
@@ -111,7 +114,8 @@ def consolidate(
 
 
 def _write(tmp: Path, config: Any, dtype: torch.dtype, tokenizer_dir: str, names: list[str],
-           shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:  # fmt: skip
+           shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, Any], cfg: Mapping[str, Any],
+           source: str) -> None:  # fmt: skip
     config.dtype = dtype
     config.save_pretrained(tmp)
     GenerationConfig(
@@ -127,7 +131,15 @@ def _write(tmp: Path, config: Any, dtype: torch.dtype, tokenizer_dir: str, names
     def materialise(name: str) -> torch.Tensor:
         value = weights[name]
         tensor = value if isinstance(value, torch.Tensor) else value.contiguous()
-        return tensor.to(dtype).contiguous().view(shapes[name])
+        tensor = tensor.to(dtype).contiguous().view(shapes[name])
+        if not torch.isfinite(
+            tensor
+        ).all():  # shards are written in name order: the first one named
+            raise StageError(
+                f"{source}: {name} holds non-finite values (NaN or inf) as {cfg['dtype']}; "
+                "the checkpoint is damaged or training diverged; nothing was written"
+            )
+        return tensor
 
     write_shards(names, sizes, materialise, tmp, parse_size(cfg["max_shard_size"]))
 
@@ -140,6 +152,18 @@ def _verify_and_describe(tmp: Path, stage: str, summary: Mapping[str, Any], meta
     del model
     reference = summary["final_eval_loss"]
     tol = tolerance(cfg["dtype"], summary["layout"]["precision"])
+    if not math.isfinite(reference):
+        raise StageError(
+            f"{stage}: the training logged a validation loss of {reference} at step {summary['final_step']}; "
+            "a diverged run is not consolidated; nothing was written"
+        )
+    if not math.isfinite(
+        loss
+    ):  # NaN compares false with everything: the tolerance test alone passes it
+        raise StageError(
+            f"{stage}: the consolidated model's validation loss is {loss} (the training logged "
+            f"{reference:.6f} at step {summary['final_step']}); nothing was written"
+        )
     if abs(loss - reference) > tol * abs(reference):
         raise StageError(
             f"{stage}: the consolidated model's validation loss {loss:.6f} differs from the {reference:.6f} "

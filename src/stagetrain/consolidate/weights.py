@@ -1,4 +1,7 @@
-"""Reading a stage's final checkpoint into one state dict, after checking that every file is there.
+"""Reading a stage's final checkpoint into one state dict, after checking that every file is there and loads.
+
+Every file is read by torch's weights-only unpickler (`pretrain.integrity`), so
+a crafted checkpoint file is refused with one line and none of its code runs.
 
 ZeRO 1-3 checkpoints go through DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint`
 in lazy mode: tensors are assembled from the rank partitions one at a time, when
@@ -11,8 +14,6 @@ and takes replicated tensors (norms, embeddings kept whole) from rank 0.
 
 from __future__ import annotations
 
-import pickle
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,46 +21,28 @@ from typing import Any
 import torch
 
 from stagetrain.errors import StageError
-from stagetrain.io import read_json
+from stagetrain.pretrain.integrity import (
+    POINTER,
+    check_tag,
+    load_file,
+    read_pointer,
+    weights_only_loads,
+)
 
 
 def checkpoint_files(folder: Path, tag: str, layout: Mapping[str, int]) -> list[Path]:
-    """The files a complete checkpoint of `layout` has, or a one-line error naming the first missing."""
-    pointer = folder / "latest.json"
+    """The files of the checkpoint the summary names, each present and loadable, or a one-line error.
+
+    Consolidation reads the stage's final checkpoint, so a damaged one is an
+    error here, not a fallback as on resume.
+    """
+    pointer = folder / POINTER
     if not pointer.exists():
         raise StageError(f"{pointer}: missing: no complete checkpoint was recorded for this run")
-    if read_json(pointer)["tag"] != tag:
-        raise StageError(
-            f"{pointer}: points at {read_json(pointer)['tag']}, but the summary names {tag}"
-        )
-    base = folder / tag
-    tp, dp, zero = layout["tp"], layout["dp"], layout["zero_stage"]
-    if zero == 3:
-        expected = [base / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)]
-    else:
-        expected = [base / f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
-    if zero > 0 and tp == 1:
-        expected += [_optim_file(base, r) for r in range(dp)]
-    for path in expected:
-        if not path.exists():
-            raise StageError(
-                f"{path}: missing from the checkpoint ({tag} of a dp={dp} tp={tp} ZeRO-{zero} run)"
-            )
-    return expected
-
-
-def _optim_file(base: Path, rank: int) -> Path:
-    found = sorted(base.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-    return found[0] if found else base / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _load(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as err:
-        raise StageError(
-            f"{path}: unreadable, truncated or corrupt ({type(err).__name__})"
-        ) from None
+    recorded = read_pointer(pointer)["tag"]
+    if recorded != tag:
+        raise StageError(f"{pointer}: points at {recorded}, but the summary names {tag}")
+    return check_tag(folder, tag, layout)
 
 
 def gather_tp(
@@ -90,11 +73,12 @@ def read_weights(
     """The checkpoint's weights by parameter name: tensors, or lazy ones with `.contiguous()`."""
     files = checkpoint_files(folder, tag, layout)
     if layout["tp"] > 1:
-        return gather_tp([_load(f)["module"] for f in files[: layout["tp"]]], shapes)
+        return gather_tp([load_file(f)["module"] for f in files[: layout["tp"]]], shapes)
     if layout["zero_stage"] == 0:
-        return dict(_load(files[0])["module"])
-    for path in files:  # zero_to_fp32 would fail on a truncated file with a long traceback
-        _load(path)
+        return dict(load_file(files[0])["module"])
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag, lazy_mode=True)
+    # zero_to_fp32 calls torch.load(weights_only=False); forced through the weights-only unpickler
+    # (every file was already loaded that way by checkpoint_files, so this cannot fail on safety).
+    with weights_only_loads():
+        return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag, lazy_mode=True)

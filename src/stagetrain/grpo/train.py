@@ -37,9 +37,10 @@ from stagetrain.io import atomic_write_json, read_json
 from stagetrain.pretrain import engine as engines
 from stagetrain.pretrain.batches import window_count
 from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
+from stagetrain.pretrain.integrity import weights_only_loads
 from stagetrain.pretrain.launch import rank_main
 from stagetrain.pretrain.metrics import MetricsLog, tensorboard_dir
-from stagetrain.pretrain.train import window_loss
+from stagetrain.pretrain.train import check_finite, window_loss
 from stagetrain.tasks import Problem, problems
 
 log = logging.getLogger("stagetrain")
@@ -196,7 +197,8 @@ def loop(run: Run) -> dict[str, Any]:
     curriculum, start = Curriculum.start(run.curriculum, cfg["curriculum"]["families"]), 0
     pointer = run.checkpoints.latest()
     if pointer:
-        _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
+        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
+            _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
         try:
             start, curriculum = client["step"], Curriculum.from_json(client["curriculum"])
         except StageError as err:
@@ -226,6 +228,8 @@ def loop(run: Run) -> dict[str, Any]:
         torch.manual_seed(rng.getrandbits(63))
         t0 = time.monotonic()
         record = grpo_steps.step(run, curriculum, step, rng, gathered)
+        check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
+                     precision=run.layout["precision"])  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:

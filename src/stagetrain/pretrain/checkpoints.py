@@ -2,9 +2,11 @@
 
 Layout: <root>/<fingerprint>/ holds DeepSpeed's tag folders (step00000050, ...),
 `components.json` (what the fingerprint was made of) and `latest.json`, the
-pointer to the newest complete checkpoint. Every rank saves its shard, all
-ranks meet at a barrier, and only then rank 0 replaces the pointer atomically,
-so a run killed while saving resumes from the previous complete checkpoint.
+pointer to the newest complete checkpoint and the list of the complete ones
+kept. Every rank saves its shard, all ranks meet at a barrier, and only then
+rank 0 replaces the pointer atomically, so a run killed while saving resumes
+from the previous complete checkpoint. Before resuming, the checkpoint's files
+are checked (`integrity`); a damaged one falls back to an earlier complete one.
 
 The fingerprint covers everything that changes the maths: model config,
 tokenizer, training data, the stage's hyperparameters, precision and seed.
@@ -28,9 +30,9 @@ import torch.distributed as dist
 
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
+from stagetrain.pretrain.integrity import POINTER, read_pointer, resume_point, step_of
 
 log = logging.getLogger("stagetrain")
-POINTER = "latest.json"
 
 
 def fingerprint(components: Mapping[str, Any]) -> str:
@@ -73,18 +75,25 @@ class Checkpoints:
         return f"config changed since checkpoint {others[-1].parent.name} ({', '.join(changed)}): starting fresh"
 
     def latest(self) -> dict[str, Any] | None:
-        """The pointer to the newest complete checkpoint, checked against this run's layout."""
-        path = self.folder / POINTER
-        if not path.exists():
-            return None
-        pointer = read_json(path)
-        if pointer["layout"] != self.layout:
-            raise StageError(
-                f"{self.folder}: the checkpoint at step {pointer['step']} was written with layout "
-                f"{pointer['layout']}, this run is {self.layout}; DeepSpeed checkpoints are tied to their "
-                "layout: delete the folder to start fresh, or convert it with DeepSpeed's ds_to_universal"
-            )
-        return pointer
+        """The pointer to the newest complete, intact checkpoint, checked against this run's layout.
+
+        Rank 0 checks the files (`integrity.resume_point`: a damaged newest
+        checkpoint falls back to an earlier complete one) and tells every rank
+        its decision, so all ranks load the same tag or all stop with the same line.
+        """
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.rank == 0:
+            try:
+                outcome = ("ok", resume_point(self.folder, self.layout))
+            except StageError as err:
+                outcome = ("error", str(err))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [outcome]
+            dist.broadcast_object_list(box, src=0)
+            outcome = box[0]
+        if outcome[0] == "error":
+            raise StageError(outcome[1])
+        return outcome[1]
 
     def save(self, engine: Any, step: int, client_state: Mapping[str, Any]) -> None:
         """Save on every rank, then (rank 0) point at it and drop checkpoints beyond `keep`."""
@@ -97,8 +106,14 @@ class Checkpoints:
         if self.rank != 0:
             return
         atomic_write_json(self.folder / "components.json", self.components)
-        atomic_write_json(self.folder / POINTER, {"tag": tag, "step": step, "layout": self.layout})
-        tags = sorted(p for p in self.folder.glob("step*") if p.is_dir())
-        for old in tags[: max(0, len(tags) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        pointer = self.folder / POINTER
+        earlier = read_pointer(pointer)["complete"] if pointer.exists() else []
+        # Only tags older than this one: after a fallback, a damaged newer tag is not complete.
+        complete = [tag, *[t for t in earlier if step_of(t) < step]][: self.keep]
+        atomic_write_json(
+            pointer, {"tag": tag, "step": step, "layout": self.layout, "complete": complete}
+        )
+        for old in self.folder.glob("step*"):
+            if old.is_dir() and old.name not in complete:
+                shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s saved in %s", tag, self.folder)

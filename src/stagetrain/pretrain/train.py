@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from stagetrain.planning.throughput import flops_per_token
 from stagetrain.pretrain import engine as engines
 from stagetrain.pretrain.batches import Sampler, read_windows, window_count
 from stagetrain.pretrain.checkpoints import Checkpoints
+from stagetrain.pretrain.integrity import weights_only_loads
 from stagetrain.pretrain.launch import rank_main
 from stagetrain.pretrain.metrics import MetricsLog, Progress, max_rss_gib, tensorboard_dir
 from stagetrain.pretrain.plot import loss_plot
@@ -150,6 +152,21 @@ def train_step(run: Run, step: int) -> float:
     return mean.item() / dist.get_world_size()
 
 
+def check_finite(value: float, *, what: str, stage: str, step: int, precision: str) -> None:
+    """Stop with one line when a loss every rank shares (all-reduced, or computed alike) is NaN or inf.
+
+    Going on would save checkpoints of diverged weights. Under fp16 a
+    non-finite value is left to DeepSpeed's loss scaler: it skips a step whose
+    gradients overflow, lowers the scale, and stops the run itself when the
+    scale cannot go lower.
+    """
+    if precision != "fp16" and not math.isfinite(value):
+        raise StageError(
+            f"{stage}: the {what} is {value} at step {step} ({precision}): the run diverged; "
+            f"lower {stage}.optimizer.lr or check the data (no checkpoint of this step was saved)"
+        )
+
+
 def record(
     run: Run, step: int, loss: float, seconds: float, tokens: int, elapsed: float
 ) -> dict[str, Any]:
@@ -179,7 +196,8 @@ def loop(run: Run) -> dict[str, Any]:
     start = 0
     pointer = run.checkpoints.latest()
     if pointer:
-        _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
+        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
+            _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
         start = client["step"]
         log.info("resuming from %s at step %d", pointer["tag"], start)
     elif rank0 and (why := run.checkpoints.why_fresh()):
@@ -197,6 +215,8 @@ def loop(run: Run) -> dict[str, Any]:
     for step in range(start + 1, cfg["steps"] + 1):
         t0 = time.monotonic()
         loss = train_step(run, step - 1)
+        finite = {"stage": "pretrain", "step": step, "precision": run.layout["precision"]}
+        check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
         evaluating = step % cfg["eval_every"] == 0 or step == cfg["steps"]
         if evaluating or step % cfg["log_every"] == 0:
@@ -207,6 +227,7 @@ def loop(run: Run) -> dict[str, Any]:
             window_s, window_steps = 0.0, 0
             if evaluating:
                 entry["eval/loss"] = last_eval = evaluate(run)
+                check_finite(last_eval, what="validation loss", **finite)
             if metrics:
                 metrics.write(entry)
                 log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))

@@ -1,0 +1,201 @@
+"""A DeepSpeed checkpoint checked before anything loads it, and its files read without running code.
+
+Resuming a training stage and consolidating its final checkpoint both come
+through here, so a damaged checkpoint gets the same one-line error naming the
+file and what is wrong, instead of an AssertionError, a zip RuntimeError or a
+KeyError from inside DeepSpeed.
+
+The pointer `latest.json`: `tag`, `step`, `layout` (dp, tp, zero_stage) and
+`complete`, the tags of the complete checkpoints kept, newest first (rank 0
+writes it after every rank has saved, so each listed tag was complete when
+written). A pointer without `complete` (written before it existed) names only
+its own tag, so it resumes the same but has nothing to fall back to.
+
+Every file is read with torch's weights-only unpickler, which rebuilds tensors,
+containers and the few DeepSpeed classes of `safe_globals` and refuses any other
+Python object, so a crafted file's `__reduce__` never runs. DeepSpeed 0.19.8's
+own readers pass `weights_only=False` (TorchCheckpointEngine.load under
+engine.load_checkpoint; parse_model_states and parse_optim_states in
+zero_to_fp32); `weights_only_loads` sends them through the same unpickler with
+TORCH_FORCE_WEIGHTS_ONLY_LOAD, which torch.load honours over an explicit
+`weights_only=False`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import zipfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stagetrain.errors import StageError
+from stagetrain.io import read_json
+
+log = logging.getLogger("stagetrain")
+POINTER = "latest.json"
+TAG = re.compile(r"step\d{8}")
+FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+
+def safe_globals() -> list[type]:
+    """What DeepSpeed pickles beside tensors and containers (found by loading real ZeRO 0-3 and
+    AutoTP files); imported here, not at module import, to keep DeepSpeed's import off light paths."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every torch.load inside, DeepSpeed's included, through the weights-only unpickler."""
+    before = os.environ.get(FORCE)
+    os.environ[FORCE] = "1"
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(FORCE, None)
+        else:
+            os.environ[FORCE] = before
+
+
+def load_file(path: Path) -> Any:
+    """One checkpoint file, memory-mapped, by the weights-only unpickler; a one-line error if it cannot be."""
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed|\n|$)", str(err))
+        if refused:
+            raise StageError(
+                f"{path}: refused: it pickles more than tensors and DeepSpeed's state "
+                f"({refused.group(1)}); a crafted or foreign file, not loaded"
+            ) from None
+        raise StageError(f"{path}: unreadable, truncated or corrupt (UnpicklingError)") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as err:
+        raise StageError(
+            f"{path}: unreadable, truncated or corrupt ({type(err).__name__})"
+        ) from None
+
+
+def read_pointer(path: Path) -> dict[str, Any]:
+    """latest.json, checked for the shape save() writes; a one-line error naming what is wrong."""
+    pointer = read_json(path)
+    expected = "an object with tag, step and layout"
+    if not isinstance(pointer, dict):
+        raise StageError(f"{path}: expected {expected}, found a JSON {type(pointer).__name__}")
+    missing = [k for k in ("tag", "step", "layout") if k not in pointer]
+    if missing:
+        raise StageError(f"{path}: no {missing[0]!r} (expected {expected})")
+    tag = pointer["tag"]
+    if not isinstance(tag, str) or not TAG.fullmatch(tag):
+        raise StageError(f"{path}: 'tag' must be a tag like step00000004, found {tag!r}")
+    tags = pointer.get("complete", [tag])
+    if not isinstance(tags, list) or not all(isinstance(t, str) and TAG.fullmatch(t) for t in tags):
+        raise StageError(f"{path}: 'complete' must list tags like step00000004, found {tags!r}")
+    if tags[:1] != [tag]:
+        raise StageError(f"{path}: 'complete' must start with the tag {tag}, found {tags!r}")
+    if type(pointer["step"]) is not int or pointer["step"] != step_of(tag):
+        raise StageError(f"{path}: 'step' must be {step_of(tag)}, the step of {tag}")
+    layout = pointer["layout"]
+    if not isinstance(layout, dict) or not all(
+        type(layout.get(k)) is int for k in ("dp", "tp", "zero_stage")
+    ):
+        raise StageError(
+            f"{path}: 'layout' must hold integer dp, tp and zero_stage, found {layout!r}"
+        )
+    return {**pointer, "complete": tags}
+
+
+def step_of(tag: str) -> int:
+    """The optimizer step of a tag (step00000004 -> 4)."""
+    return int(tag.removeprefix("step"))
+
+
+def expected_files(base: Path, layout: Mapping[str, int]) -> list[Path]:
+    """The files DeepSpeed writes into tag folder `base` under `layout`: model states (one per tp rank,
+    one per dp and tp rank under ZeRO-3), then optimizer states (one per dp and tp rank under ZeRO 1-3)."""
+    dp, tp, zero = layout["dp"], layout["tp"], layout["zero_stage"]
+    if zero == 3:
+        models = [
+            base / f"zero_pp_rank_{r}_mp_rank_{t:02d}_model_states.pt"
+            for t in range(tp)
+            for r in range(dp)
+        ]
+    else:
+        models = [base / f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)]
+    optims = [_optim_file(base, r, t) for t in range(tp) for r in range(dp)] if zero else []
+    return models + optims
+
+
+def _optim_file(base: Path, rank: int, tp_rank: int) -> Path:
+    """The optimizer file of dp rank `rank`, tp rank `tp_rank` (DeepSpeed's bf16 optimizer, used for
+    bf16 ZeRO-1, prefixes the name with bf16_)."""
+    name = f"zero_pp_rank_{rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
+    found = sorted(base.glob(f"*{name}"))
+    return found[0] if found else base / name
+
+
+def check_tag(folder: Path, tag: str, layout: Mapping[str, int]) -> list[Path]:
+    """The files of checkpoint `tag`, each present and loadable; else a one-line error naming the first bad one."""
+    base = folder / tag
+    if not base.is_dir():
+        raise StageError(f"{base}: missing: the folder of checkpoint {tag} is gone")
+    files = expected_files(base, layout)
+    for path in files:
+        if not path.exists():
+            raise StageError(
+                f"{path}: missing from the checkpoint ({tag} of a dp={layout['dp']} tp={layout['tp']} "
+                f"ZeRO-{layout['zero_stage']} run)"
+            )
+        key = "optimizer_state_dict" if path.name.endswith("_optim_states.pt") else "module"
+        content = load_file(path)
+        if not isinstance(content, dict) or key not in content:
+            raise StageError(f"{path}: not a DeepSpeed checkpoint file (no {key!r})")
+    return files
+
+
+def resume_point(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] | None:
+    """The newest complete, intact checkpoint in `folder` for a run of `layout`, or None if there is none yet.
+
+    A damaged newest checkpoint falls back to the next complete one the pointer
+    lists (logged); with none left the first damage is the error.
+    """
+    path = folder / POINTER
+    if not path.exists():
+        return None
+    pointer = read_pointer(path)
+    if pointer["layout"] != dict(layout):
+        raise StageError(
+            f"{folder}: the checkpoint at step {pointer['step']} was written with layout "
+            f"{pointer['layout']}, this run is {dict(layout)}; DeepSpeed checkpoints are tied to their "
+            "layout: delete the folder to start fresh, or convert it with DeepSpeed's ds_to_universal"
+        )
+    damage = []
+    for tag in pointer["complete"]:
+        try:
+            check_tag(folder, tag, layout)
+        except StageError as err:
+            damage.append(str(err))
+            continue
+        if damage:
+            log.warning("checkpoint %s is damaged (%s); resuming from %s, the newest intact one",
+                        pointer["tag"], damage[0], tag)  # fmt: skip
+        return {**pointer, "tag": tag, "step": step_of(tag)}
+    earlier = len(pointer["complete"]) - 1
+    rest = (
+        f"the {earlier} earlier kept checkpoint(s) are damaged too"
+        if earlier
+        else "no earlier complete checkpoint is kept"
+    )
+    raise StageError(f"{damage[0]}; {rest}: delete {folder} to start fresh")

@@ -1,0 +1,183 @@
+"""A damaged or crafted checkpoint on resume: checked before loading, one line, fallback to an earlier complete one.
+
+Tag folders here hold small files written with torch.save under the names
+DeepSpeed uses, which is all the checks read; the slow tests in
+test_pretrain_dist.py and test_consolidate.py damage real checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stagetrain.consolidate.weights import checkpoint_files
+from stagetrain.errors import StageError
+from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
+from stagetrain.pretrain.integrity import expected_files
+
+ZERO2 = {"dp": 2, "tp": 1, "zero_stage": 2}
+
+
+class Crafted:
+    """Unpickling this runs code: it creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def fake_checkpoint(folder: Path, step: int, layout: dict[str, int]) -> Path:
+    """A tag folder with every file DeepSpeed writes under `layout`, each a small loadable dict."""
+    base = folder / tag_of(step)
+    base.mkdir(parents=True)
+    for path in expected_files(base, layout):
+        key = "optimizer_state_dict" if path.name.endswith("_optim_states.pt") else "module"
+        torch.save({key: {"w": torch.full((4,), float(step))}}, path)
+    return base
+
+
+class FakeEngine:
+    """engine.save_checkpoint as DeepSpeed's: every rank's files into folder/tag."""
+
+    def __init__(self, layout: dict[str, int]) -> None:
+        self.layout = layout
+
+    def save_checkpoint(
+        self, folder: str, *, tag: str, client_state: dict, save_latest: bool
+    ) -> None:
+        fake_checkpoint(Path(folder), int(tag.removeprefix("step")), self.layout)
+
+
+def _saved(tmp_path: Path, steps: list[int], keep: int = 2) -> Checkpoints:
+    ckpt = Checkpoints(tmp_path, {"seed": 1}, ZERO2, keep=keep)
+    for step in steps:
+        ckpt.save(FakeEngine(ZERO2), step, {"step": step})
+    return ckpt
+
+
+def truncate(path: Path) -> None:
+    """Cut the file to half its size, as a write stopped by a full disk or a kill."""
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_save_lists_the_complete_checkpoints_kept_and_prunes_the_rest(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path, [2, 4, 6])
+    pointer = json.loads((ckpt.folder / "latest.json").read_text())
+    assert pointer == {"tag": "step00000006", "step": 6, "layout": ZERO2, "complete": ["step00000006", "step00000004"]}  # fmt: skip
+    assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000004", "step00000006"]
+    assert ckpt.latest()["tag"] == "step00000006"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("folder", r"step00000006: missing: the folder of checkpoint step00000006 is gone"),
+        ("model", r"step00000006/mp_rank_00_model_states.pt: unreadable, truncated or corrupt \(RuntimeError\)"),
+        ("optimizer", r"step00000006/zero_pp_rank_1_mp_rank_00_optim_states.pt: unreadable, truncated or corrupt"),
+        ("deleted", r"step00000006/zero_pp_rank_0_mp_rank_00_optim_states.pt: missing from the checkpoint \(step00000006 of a dp=2 tp=1 ZeRO-2 run\)"),
+        ("empty", r"step00000006/mp_rank_00_model_states.pt: not a DeepSpeed checkpoint file \(no 'module'\)"),
+    ],
+)  # fmt: skip
+def test_a_damaged_newest_checkpoint_falls_back_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, message: str
+) -> None:
+    ckpt = _saved(tmp_path, [4, 6])
+    base = ckpt.folder / "step00000006"
+    if damage == "folder":
+        for path in base.iterdir():
+            path.unlink()
+        base.rmdir()
+    elif damage == "model":
+        truncate(base / "mp_rank_00_model_states.pt")
+    elif damage == "optimizer":
+        truncate(base / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    elif damage == "deleted":
+        (base / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    else:
+        torch.save({}, base / "mp_rank_00_model_states.pt")
+    with caplog.at_level(logging.INFO, logger="stagetrain"):
+        pointer = ckpt.latest()
+    assert (pointer["tag"], pointer["step"]) == ("step00000004", 4)
+    [line] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert line.startswith("checkpoint step00000006 is damaged (") and "\n" not in line
+    assert line.endswith("resuming from step00000004, the newest intact one")
+    with pytest.raises(StageError, match=message):  # a damaged final checkpoint is an error there
+        checkpoint_files(ckpt.folder, "step00000006", ZERO2)
+    # the next save after the fallback no longer lists or keeps the damaged tag
+    ckpt.save(FakeEngine(ZERO2), 5, {"step": 5})
+    assert json.loads((ckpt.folder / "latest.json").read_text())["complete"] == ["step00000005", "step00000004"]  # fmt: skip
+    assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000004", "step00000005"]
+
+
+def test_with_no_earlier_checkpoint_kept_the_damage_is_one_line(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path, [4, 6], keep=1)
+    truncate(ckpt.folder / "step00000006" / "mp_rank_00_model_states.pt")
+    with pytest.raises(StageError) as err:
+        ckpt.latest()
+    text = str(err.value)
+    assert "step00000006/mp_rank_00_model_states.pt: unreadable, truncated or corrupt" in text
+    assert "no earlier complete checkpoint is kept: delete" in text and "\n" not in text
+
+
+def test_every_kept_checkpoint_damaged_is_one_line(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path, [4, 6])
+    for step in (4, 6):
+        (ckpt.folder / tag_of(step) / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(StageError, match=r"step00000006/mp_rank_00_model_states.pt: missing .* the 1 earlier kept checkpoint\(s\) are damaged too"):  # fmt: skip
+        ckpt.latest()
+
+
+@pytest.mark.parametrize(
+    ("pointer", "message"),
+    [
+        ([], "expected an object with tag, step and layout, found a JSON list"),
+        ({"step": 4, "layout": ZERO2}, "no 'tag'"),
+        ({"tag": "step00000004", "layout": ZERO2}, "no 'step'"),
+        ({"tag": "step00000004", "step": 4}, "no 'layout'"),
+        ({"tag": "../x", "step": 4, "layout": ZERO2}, "'tag' must be a tag like step00000004, found '../x'"),
+        ({"tag": "step00000004", "step": "4", "layout": ZERO2}, "'step' must be 4"),
+        ({"tag": "step00000004", "step": 4, "layout": [2, 1, 2]}, "'layout' must hold integer dp, tp and zero_stage"),
+        ({"tag": "step00000004", "step": 4, "layout": ZERO2, "complete": "step00000004"}, "'complete' must list tags"),
+        ({"tag": "step00000004", "step": 4, "layout": ZERO2, "complete": ["step00000002"]}, "'complete' must start with the tag step00000004"),
+    ],
+)  # fmt: skip
+def test_a_pointer_of_the_wrong_shape_is_one_line(
+    tmp_path: Path, pointer: Any, message: str
+) -> None:
+    ckpt = _saved(tmp_path, [4])
+    (ckpt.folder / "latest.json").write_text(json.dumps(pointer))
+    for read in (ckpt.latest, lambda: checkpoint_files(ckpt.folder, "step00000004", ZERO2)):
+        with pytest.raises(StageError, match=message) as err:
+            read()
+        assert str(err.value).startswith(f"{ckpt.folder}/latest.json: ") and "\n" not in str(
+            err.value
+        )
+
+
+def test_a_pointer_from_before_the_complete_list_still_resumes(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path, [4])
+    (ckpt.folder / "latest.json").write_text(
+        json.dumps({"tag": "step00000004", "step": 4, "layout": ZERO2})
+    )
+    assert ckpt.latest()["tag"] == "step00000004"
+    ckpt.save(FakeEngine(ZERO2), 6, {"step": 6})
+    assert json.loads((ckpt.folder / "latest.json").read_text())["complete"] == ["step00000006", "step00000004"]  # fmt: skip
+
+
+def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path, [4], keep=1)
+    marker = tmp_path / "MARKER"
+    torch.save(
+        {"module": Crafted(marker)}, ckpt.folder / "step00000004" / "mp_rank_00_model_states.pt"
+    )
+    with pytest.raises(StageError, match=r"mp_rank_00_model_states.pt: refused: it pickles more than tensors .*GLOBAL io.open.* not loaded") as err:  # fmt: skip
+        ckpt.latest()
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
