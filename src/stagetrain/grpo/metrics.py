@@ -21,6 +21,7 @@ METRICS: dict[str, str] = {
     "curriculum/success_rate": "each family's success rate over its rolling window of current-level prompts, a prompt succeeding when most of its completions do ({family: rate}; the rate a change was decided on, null while the window is empty); every record",
     "curriculum/events": "the step's promotions and demotions, a list of {step, family, kind, from, to, success_rate, window}; when any happens",
     "eval/accuracy": "greedy accuracy on the fixed held-out problems, mean over families; at step 0, every eval_every steps and at the end",
+    "eval/accuracy_by_family": "{family: greedy held-out accuracy}; with eval/accuracy",
     "throughput/tokens_per_s": "generated plus trained tokens per second over all ranks; every record",
     "time/elapsed_s": "seconds since this process started training; every record",
 }

@@ -220,7 +220,7 @@ def loop(run: Run) -> dict[str, Any]:
     )
     began = time.monotonic()
     if start == 0 and metrics:
-        metrics.write({"step": 0, "eval/accuracy": float(np.mean(list(accuracy(run).values())))})
+        metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
     elif start == 0:
         accuracy(run)
     for step in range(start + 1, cfg["steps"] + 1):
@@ -233,7 +233,7 @@ def loop(run: Run) -> dict[str, Any]:
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            record["eval/accuracy"] = float(np.mean(list(accuracy(run).values())))
+            record.update(_accuracy_record(accuracy(run)))
         if metrics and (
             step % cfg["log_every"] == 0
             or "eval/accuracy" in record
@@ -249,6 +249,14 @@ def loop(run: Run) -> dict[str, Any]:
             )
     return {"final_step": cfg["steps"], "resumed_from_step": start, "curriculum": curriculum.to_json(),
             "optimizer_steps": run.engine.global_steps}  # fmt: skip
+
+
+def _accuracy_record(by_family: dict[str, float]) -> dict[str, Any]:
+    """The metrics of one held-out evaluation: the mean over families and each family's."""
+    return {
+        "eval/accuracy": float(np.mean(list(by_family.values()))),
+        "eval/accuracy_by_family": by_family,
+    }
 
 
 def _levels(levels: dict[str, int]) -> str:
@@ -272,7 +280,8 @@ def summarise(
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
         "levels": {r["step"]: r["curriculum/level"] for r in trained},
-        "accuracy": {"start": records[0].get("eval/accuracy"), "end": float(np.mean(list(final_accuracy.values()))),
+        "accuracy": {"start": records[0].get("eval/accuracy"), "start_by_family": records[0].get("eval/accuracy_by_family"),
+                     "end": float(np.mean(list(final_accuracy.values()))),
                      "end_by_family": final_accuracy},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
         "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(), "seq_len": seq,
