@@ -8,15 +8,14 @@ from snakemake.common.tbdstring import TBDString
 from snakemake.utils import validate
 
 from stagetrain import config as stconfig
-from stagetrain import slurm
+from stagetrain import configfiles, slurm
 from stagetrain.errors import StageError
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
 # strictly first, so each mistake is one line naming the key.
+configfiles.check(workflow.configfiles)
 try:
-    for _path in workflow.configfiles:
-        stconfig.load_yaml(_path)
     stconfig.validate(config)
 except StageError as _err:
     sys.exit(f"error: {_err}")
