@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import re
+import shlex
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, edit_config, small_grpo, small_run, snakemake
+from conftest import REPO, SNAKEMAKE, edit_config, small_grpo, small_run, snakemake
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 pytestmark = pytest.mark.slow
+READMES = ("README.md", "config/README.md")
+# Options after which Snakemake runs no job; any other README command gets -n here.
+RUNS_NO_JOB = {"-n", "--dry-run", "--unlock", "--report", "--dag", "--lint"}
 
 
 def tiny_model_folder(folder: Path) -> Path:
@@ -119,3 +127,63 @@ def test_a_target_after_configfile_is_explained(workdir: Path) -> None:
         "error: --configfile plan: file not found (a target written after --configfile is read "
         "as one more config file: put targets before --configfile, or write -- before them)"
     )
+
+
+def readme_commands() -> list[str]:
+    """Every shell line of the READMEs that runs Snakemake (or prepares for it): code blocks and inline code.
+
+    Templates, with a <placeholder> or an elided `...`, are left out.
+    """
+    commands = []
+    for name in READMES:
+        text = (REPO / name).read_text()
+        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S)
+        lines = [line for block in blocks for line in block.splitlines()]
+        lines += re.findall(
+            r"`(snakemake [^`]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+        )
+        for line in lines:
+            line = re.sub(r"\s+#.*", "", line).strip()
+            if line.startswith(("snakemake ", "cp ")) and not re.search(r"<[^>]+>|\.\.\.", line):
+                commands.append(line)
+    return list(dict.fromkeys(commands))
+
+
+def _as_run_here(command: str) -> str:
+    """The command with our Snakemake, made a dry run unless it runs no job, its pipe kept if the tool exists."""
+    if not command.startswith("snakemake "):
+        return command
+    words = command.split("|")[0].split()
+    if not RUNS_NO_JOB & set(words):
+        words.insert(1, "-n")
+    words[0] = SNAKEMAKE
+    pipe = command.split("|", 1)[1] if "|" in command else ""
+    if pipe and shutil.which(pipe.split()[0]):
+        return f"set -o pipefail; {shlex.join(words)} | {pipe}"
+    return shlex.join(words)  # graphviz's dot is not everywhere: the Snakemake half still runs
+
+
+def test_every_readme_command_works_as_written(finished_small_run: Path) -> None:
+    """Run on a finished small run: the recovery and inspection commands need no --cores."""
+    commands = readme_commands()
+    for needed in (
+        "snakemake --unlock",
+        "snakemake --report report.html",
+        "snakemake --dag dot all",
+    ):
+        assert any(c.startswith(needed) for c in commands), needed
+    for command in commands:
+        proc = subprocess.run(["bash", "-c", _as_run_here(command)], cwd=finished_small_run,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    report = (finished_small_run / "report.html").read_text()
+    for plot in ("pretrain/loss.png", "grpo/reward.png"):
+        name = plot.split("/")[1]
+        embedded = re.search(
+            rf'"data:image/png;[^",]*filename={name};base64,([A-Za-z0-9+/=]+)"', report
+        )
+        assert embedded, f"{plot} is not in the report"
+        assert (
+            base64.b64decode(embedded.group(1))
+            == (finished_small_run / "results/tiny" / plot).read_bytes()
+        )

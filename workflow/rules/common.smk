@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from snakemake.common.tbdstring import TBDString
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from stagetrain import config as stconfig
@@ -34,6 +35,18 @@ PLAN_KEYS = {
 
 wildcard_constraints:
     stage="|".join(TRAINING_STAGES),
+
+
+def all_cores():
+    """Every core Snakemake was given: the training ranks use them all.
+
+    --unlock, --report and --dag run no job and need no --cores, but
+    workflow.cores refuses to answer without one; 1 stands in for them.
+    """
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
 
 
 def logged(rule_name):
