@@ -14,8 +14,16 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
+from stagetrain import configfiles
 
-configfile: "config/config.yaml"
+
+# A config file given with --configfile stands on its own: every key it leaves
+# out takes the schema's default, never config/config.yaml's. The embedded
+# default runs only when no --configfile is given (config/README.md).
+if not workflow.overwrite_configfiles:
+    configfiles.check(["config/config.yaml"])
+
+    configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"

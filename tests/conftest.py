@@ -23,11 +23,9 @@ def default_config() -> dict[str, Any]:
     return stconfig.load(REPO / "config" / "config.yaml")
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """A copy of the workflow in a temporary folder, so runs and config edits stay there."""
-    root = tmp_path / "wf"
-    root.mkdir()
+def copy_workflow(root: Path) -> Path:
+    """Copy the workflow into `root` (created), so runs and config edits stay there."""
+    root.mkdir(parents=True)
     for part in WORKFLOW_PARTS:
         src = REPO / part
         if src.is_dir():
@@ -35,6 +33,12 @@ def workdir(tmp_path: Path) -> Path:
         else:
             shutil.copy(src, root / part)
     return root
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A copy of the workflow in a temporary folder, so runs and config edits stay there."""
+    return copy_workflow(tmp_path / "wf")
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -53,9 +57,11 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
     return proc
 
 
-def edit_config(workdir: Path, section: str, **changes: Any) -> None:
-    """Change keys of one section of the workdir's config.yaml (nested keys as dicts)."""
-    path = workdir / "config" / "config.yaml"
+def edit_config(
+    workdir: Path, section: str, *, file: str = "config/config.yaml", **changes: Any
+) -> None:
+    """Change keys of one section of a config file of the workdir (nested keys as dicts)."""
+    path = workdir / file
     data = yaml.safe_load(path.read_text())
 
     def merge(into: dict[str, Any], new: dict[str, Any]) -> None:
@@ -70,9 +76,26 @@ def edit_config(workdir: Path, section: str, **changes: Any) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def small_run(workdir: Path, steps: int = 12) -> None:
-    """Shrink the default config so the training stages take seconds."""
-    edit_config(workdir, "data", train_tokens=30_000, val_tokens=3_000)
-    edit_config(workdir, "tokenizer", training_sample_mb=0.2)
-    edit_config(workdir, "pretrain", seq_len=32, global_batch_size=8, steps=steps, log_every=1, eval_every=4,
-                checkpoint_every=4, eval_batches=2, optimizer={"warmup_steps": 2})  # fmt: skip
+def small_run(workdir: Path, steps: int = 12, *, file: str = "config/config.yaml") -> None:
+    """Shrink a config (the default one unless `file` says) so the training stages take seconds."""
+    edit_config(workdir, "data", file=file, train_tokens=30_000, val_tokens=3_000)
+    edit_config(workdir, "tokenizer", file=file, training_sample_mb=0.2)
+    edit_config(workdir, "pretrain", file=file, seq_len=32, global_batch_size=8, steps=steps, log_every=1,
+                eval_every=4, checkpoint_every=4, eval_batches=2, optimizer={"warmup_steps": 2})  # fmt: skip
+
+
+def small_grpo(workdir: Path, *, file: str = "config/config.yaml") -> None:
+    """Shrink the GRPO stage of a config to two steps of a few short rollouts."""
+    edit_config(workdir, "grpo", file=file, steps=2, prompts_per_step=4, group_size=4, max_new_tokens=8,
+                eval_problems=8, eval_every=2, checkpoint_every=2, eval_batches=1,
+                optimizer={"warmup_steps": 1})  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def finished_small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workflow copy whose shrunk default pipeline has run to the end, shared by the tests that read it."""
+    root = copy_workflow(tmp_path_factory.mktemp("finished") / "wf")
+    small_run(root, steps=4)
+    small_grpo(root)
+    snakemake(root, "all")
+    return root

@@ -118,6 +118,97 @@ def test_invalid_yaml_and_missing_files_name_the_file(tmp_path: Path) -> None:
         stconfig.load(listed)
 
 
+def _keys_of_type(kind: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every (dotted key, subschema) whose type is or includes `kind`, outside arrays of objects."""
+    out = []
+    for dotted, sub in _walk(stconfig.schema()):
+        kinds = sub.get("type", [])
+        if "[]" not in dotted and kind in (kinds if isinstance(kinds, list) else [kinds]):
+            out.append((dotted, sub))
+    return out
+
+
+def _nested(dotted: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for "a.b"."""
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
+
+
+INTEGER_KEYS = _keys_of_type("integer")
+
+
+def test_the_integer_keys_are_found() -> None:
+    names = {dotted for dotted, _ in INTEGER_KEYS}
+    assert {
+        "tokenizer.vocab_size",
+        "hardware.cpu_ranks",
+        "parallelism.dp",
+        "grpo.optimizer.warmup_steps",
+    } <= names
+    assert len(names) > 40
+
+
+@pytest.mark.parametrize(("dotted", "sub"), INTEGER_KEYS, ids=[d for d, _ in INTEGER_KEYS])
+def test_a_whole_number_float_is_refused_for_every_integer_key(
+    dotted: str, sub: dict[str, Any]
+) -> None:
+    """JSON Schema counts 512.0 as an integer; the stages count with it and crash, so it is refused."""
+    whole = max(sub.get("minimum", 1), 1)
+    whole = min(whole, sub.get("maximum", whole))
+    stconfig.validate(_nested(dotted, whole))  # the same number as an int is fine
+    with pytest.raises(StageError) as err:
+        stconfig.validate(_nested(dotted, float(whole)))
+    assert str(err.value).startswith(f"config: {dotted}: expected integer")
+    assert str(err.value).endswith(f"got {float(whole)!r}") and "\n" not in str(err.value)
+
+
+PATTERN_KEYS = [(dotted, sub) for dotted, sub in _walk(stconfig.schema()) if "pattern" in sub]
+
+
+def test_the_pattern_keys_are_found() -> None:
+    assert {dotted for dotted, _ in PATTERN_KEYS} == {"run.name", "consolidate.max_shard_size"}
+
+
+@pytest.mark.parametrize(("dotted", "sub"), PATTERN_KEYS, ids=[d for d, _ in PATTERN_KEYS])
+def test_every_pattern_must_match_the_whole_string(dotted: str, sub: dict[str, Any]) -> None:
+    """Python's `$` matches before a final newline: "tiny\\n" would name a results folder."""
+    stconfig.validate(_nested(dotted, sub["default"]))
+    with pytest.raises(StageError, match=f"^config: {dotted}: expected a string matching"):
+        stconfig.validate(_nested(dotted, sub["default"] + "\n"))
+
+
+@pytest.mark.parametrize(
+    ("families", "task_files", "message"),
+    [
+        (["counting", "comparsion"], [], "unknown family 'comparsion' (allowed: arithmetic, comparison, counting)"),
+        (["counting", "counting"], [], "'counting' is listed twice"),
+        (["mine"], ["corpus/mine.jsonl"], "'mine' is a family of data.generated.task_files, which only the pretraining corpus uses; GRPO draws from: arithmetic, comparison, counting"),
+    ],
+)  # fmt: skip
+def test_curriculum_families_are_checked_with_the_config(
+    families: list[str], task_files: list[str], message: str
+) -> None:
+    """A typo used to surface only when GRPO started, minutes into a run, without naming the key."""
+    raw = {
+        "grpo": {"curriculum": {"families": families}},
+        "data": {"generated": {"task_files": task_files}},
+    }
+    with pytest.raises(StageError) as err:
+        stconfig.validate(raw)
+    assert str(err.value) == f"config: grpo.curriculum.families: {message}"
+
+
+def test_config_files_that_are_no_mapping_are_one_line_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "folder.yaml").mkdir()
+    (tmp_path / "latin1.yaml").write_bytes(b"run:\n  name: caf\xe9\n")
+    for name, message in [("empty.yaml", "empty config file"), ("folder.yaml", "is a folder, not a file"),
+                          ("latin1.yaml", "not UTF-8 text")]:  # fmt: skip
+        with pytest.raises(StageError, match=f"{name}: {message}"):
+            stconfig.load(tmp_path / name)
+
+
 def test_validate_section_checks_one_section() -> None:
     assert stconfig.validate_section("run", {"name": "x"}) == {"name": "x", "seed": 1234}
     with pytest.raises(StageError, match="config: run.nme: unknown key"):

@@ -144,12 +144,9 @@ def test_tokenizer_stage_runs_and_data_edits_rerun_it_but_grpo_edits_do_not(work
     assert "plan_parallelism" not in after_data and "detect_hardware" not in after_data
 
 
-def test_the_whole_pipeline_runs_and_reports(workdir: Path) -> None:
+def test_the_whole_pipeline_runs_and_reports(finished_small_run: Path) -> None:
     """`snakemake all` on a shrunk default config: every stage, both consolidations, the report."""
-    small_run(workdir, steps=4)
-    edit_config(workdir, "grpo", steps=2, prompts_per_step=4, group_size=4, max_new_tokens=8, eval_problems=8,
-                eval_every=2, checkpoint_every=2, eval_batches=1, optimizer={"warmup_steps": 1})  # fmt: skip
-    snakemake(workdir, "all")
+    workdir = finished_small_run
     run = workdir / "results/tiny"
     records = [
         json.loads(line) for line in (run / "pretrain/metrics.jsonl").read_text().splitlines()

@@ -6,16 +6,24 @@ description. The Snakefile validates the whole config with
 `validate` here, which uses the same schema and fills the same defaults, so a
 stage never sees a key the schema does not know or misses a default.
 
-Two things the plain tools get wrong, and why this module exists:
+What the plain tools get wrong, and why this module exists:
 - PyYAML keeps the last of two equal keys and drops the first without a word;
   `load_yaml` rejects duplicate keys with the file and line.
 - jsonschema reports errors as multi-line dumps; `validate` turns the most
   relevant one into one line naming the dotted key and what was expected.
+- JSON Schema counts 512.0 as an integer, which later crashes the stages that
+  count with it; here `integer` means a whole number written without a point.
+- jsonschema matches `pattern` with re.search, where `$` also matches before a
+  final newline ("tiny\n" passes '^[a-z]+$'); here a pattern must match the
+  whole string.
+- The schema cannot say that the GRPO curriculum's families must be task
+  families; `validate` checks them, so a typo fails before the run starts.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from functools import cache
 from importlib import resources
@@ -27,6 +35,7 @@ import yaml
 from jsonschema import Draft202012Validator, validators
 
 from stagetrain.errors import StageError
+from stagetrain.tasks.registry import FAMILIES
 
 # One schema file: workflow/schemas/config.schema.yaml, which Snakemake validates against;
 # the package's schemas/config.schema.yaml is a symbolic link to it, which a wheel stores
@@ -65,6 +74,12 @@ def load_yaml(path: str | Path) -> Any:
             return yaml.load(handle, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise StageError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise StageError(f"{path}: is a folder, not a file") from None
+    except OSError as err:
+        raise StageError(f"{path}: cannot read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise StageError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -78,13 +93,24 @@ def schema() -> dict[str, Any]:
     return load_yaml(SCHEMA_PATH)
 
 
-def _with_defaults(validator_class: type) -> type:
-    """Extend a validator class so that `properties` fills each missing key's default.
+def _is_whole_number(checker: Any, instance: Any) -> bool:
+    """`integer` as the stages need it: an int, not a float that happens to be whole."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
 
-    This is the recipe snakemake.utils.validate uses, with two differences:
-    defaults are deep-copied (a shared `{}` default would otherwise be mutated by
-    every later fill), and non-objects are left to the type check instead of
-    crashing on `setdefault`.
+
+def _full_match(validator, pattern, instance, schema):  # noqa: ANN001, ANN202
+    """`pattern` matched against the whole string (re.fullmatch), not searched in it."""
+    if validator.is_type(instance, "string") and re.fullmatch(pattern, instance) is None:
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _strict(validator_class: type) -> type:
+    """Extend a validator class: defaults filled, whole-number integers, whole-string patterns.
+
+    The defaults are filled by `properties` as snakemake.utils.validate does it,
+    with two differences: defaults are deep-copied (a shared `{}` default would
+    otherwise be mutated by every later fill), and non-objects are left to the
+    type check instead of crashing on `setdefault`.
     """
     check_properties = validator_class.VALIDATORS["properties"]
 
@@ -95,10 +121,14 @@ def _with_defaults(validator_class: type) -> type:
                     instance[key] = copy.deepcopy(prop["default"])
         yield from check_properties(validator, properties, instance, subschema)
 
-    return validators.extend(validator_class, {"properties": fill_defaults})
+    return validators.extend(
+        validator_class,
+        {"properties": fill_defaults, "pattern": _full_match},
+        type_checker=validator_class.TYPE_CHECKER.redefine("integer", _is_whole_number),
+    )
 
 
-_DefaultingValidator = _with_defaults(Draft202012Validator)
+_StrictValidator = _strict(Draft202012Validator)
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
@@ -115,7 +145,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
         where = f"{path}." if error.absolute_path else ""
         return f"{where}{missing[0]}: required key missing"
     if kind == "type":
-        return f"{path}: expected {error.validator_value}, got {error.instance!r}"
+        kinds = error.validator_value
+        expected = " or ".join(kinds) if isinstance(kinds, list) else kinds
+        return f"{path}: expected {expected}, got {error.instance!r}"
     if kind == "enum":
         options = ", ".join(repr(v) for v in error.validator_value)
         return f"{path}: expected one of {options}, got {error.instance!r}"
@@ -136,11 +168,35 @@ def validate(config: Mapping[str, Any], source: str = "config") -> dict[str, Any
         StageError: one line naming the first offending dotted key.
     """
     filled = copy.deepcopy(dict(config))
-    validator = _DefaultingValidator(schema())
+    validator = _StrictValidator(schema())
     best = jsonschema.exceptions.best_match(validator.iter_errors(filled))
     if best is not None:
         raise StageError(f"{source}: {_describe(best)}")
+    _check_curriculum_families(filled, source)
     return filled
+
+
+def _check_curriculum_families(config: Mapping[str, Any], source: str) -> None:
+    """GRPO draws its prompts from the task registry: refuse other names before the run starts.
+
+    A task file's family (data.generated.task_files, named after the file) feeds
+    only the pretraining corpus, so it gets its own explanation.
+    """
+    key = "grpo.curriculum.families"
+    families = config["grpo"]["curriculum"]["families"]
+    allowed = ", ".join(sorted(FAMILIES))
+    file_families = {Path(f).stem for f in config["data"]["generated"]["task_files"]}
+    for i, name in enumerate(families):
+        if name in families[:i]:
+            raise StageError(f"{source}: {key}: {name!r} is listed twice")
+        if name in FAMILIES:
+            continue
+        if name in file_families:
+            raise StageError(
+                f"{source}: {key}: {name!r} is a family of data.generated.task_files, which "
+                f"only the pretraining corpus uses; GRPO draws from: {allowed}"
+            )
+        raise StageError(f"{source}: {key}: unknown family {name!r} (allowed: {allowed})")
 
 
 def validate_section(name: str, section: Any) -> dict[str, Any]:
@@ -152,11 +208,21 @@ def validate_section(name: str, section: Any) -> dict[str, Any]:
     return validate({name: section})[name]
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """Load, strictly parse and validate a config file."""
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a config file, strictly parsed, not yet validated.
+
+    Raises:
+        StageError: one line naming the file: missing, a folder, unreadable, bad
+            YAML (with the line), a duplicate key, empty, or not a mapping.
+    """
     raw = load_yaml(path)
     if raw is None:
-        raw = {}
+        raise StageError(f"{path}: empty config file; expected a mapping of config sections")
     if not isinstance(raw, dict):
         raise StageError(f"{path}: expected a mapping of config sections, got {type(raw).__name__}")
-    return validate(raw, source=str(path))
+    return raw
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load, strictly parse and validate a config file."""
+    return validate(read_file(path), source=str(path))

@@ -5,18 +5,18 @@ import sys
 from pathlib import Path
 
 from snakemake.common.tbdstring import TBDString
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from stagetrain import config as stconfig
-from stagetrain import slurm
+from stagetrain import configfiles, slurm
 from stagetrain.errors import StageError
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
 # strictly first, so each mistake is one line naming the key.
+configfiles.check(workflow.configfiles)
 try:
-    for _path in workflow.configfiles:
-        stconfig.load_yaml(_path)
     stconfig.validate(config)
 except StageError as _err:
     sys.exit(f"error: {_err}")
@@ -35,6 +35,18 @@ PLAN_KEYS = {
 
 wildcard_constraints:
     stage="|".join(TRAINING_STAGES),
+
+
+def all_cores():
+    """Every core Snakemake was given: the training ranks use them all.
+
+    --unlock, --report and --dag run no job and need no --cores, but
+    workflow.cores refuses to answer without one; 1 stands in for them.
+    """
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
 
 
 def logged(rule_name):

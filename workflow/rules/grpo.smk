@@ -23,7 +23,7 @@ rule grpo:
         run=config["run"],
         grpo=config["grpo"],
     # The ranks use every core; running other jobs beside them would only slow both.
-    threads: workflow.cores
+    threads: all_cores()
     # On Slurm: nodes, tasks, CPUs, GPUs and memory as plan.json says (profiles/slurm).
     resources:
         **plan_resources("grpo"),

@@ -24,7 +24,7 @@ rule pretrain:
         model=config["model"],
         pretrain=config["pretrain"],
     # The ranks use every core; running other jobs beside them would only slow both.
-    threads: workflow.cores
+    threads: all_cores()
     # On Slurm: nodes, tasks, CPUs, GPUs and memory as plan.json says (profiles/slurm).
     resources:
         **plan_resources("pretrain"),

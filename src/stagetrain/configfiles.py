@@ -1,0 +1,55 @@
+"""One-line errors for the config files named on Snakemake's command line.
+
+Snakemake reads every `--configfile` while it parses its command line, before
+the Snakefile runs, and reports a bad one without naming it: "Config file is not
+valid JSON or YAML" for a syntax error, "must be given ... with keys at top
+level" for an empty file or a list, a traceback for a missing file or a folder.
+The workflow profile is the one file of the workflow that Snakemake reads before
+them, so each profile under profiles/ calls `check_command_line` (through yte's
+`__definitions__`, which Snakemake evaluates in profiles); the Snakefile calls
+`check` on every config file it uses, for runs without a profile.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from stagetrain import config as stconfig
+from stagetrain.errors import StageError
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def check(paths: Iterable[str | Path], option: str = "") -> None:
+    """Parse each file strictly; on the first bad one, exit with one line naming it.
+
+    `option` prefixes the line (e.g. "--configfile ") to say where the name came from.
+    """
+    for path in paths:
+        try:
+            stconfig.read_file(path)
+        except StageError as err:
+            hint = ""
+            if not Path(path).exists() and Path(path).suffix not in CONFIG_SUFFIXES:
+                hint = (
+                    " (a target written after --configfile is read as one more config file: "
+                    "put targets before --configfile, or write -- before them)"
+                )
+            sys.exit(f"error: {option}{err}{hint}")
+
+
+def command_line_configfiles(argv: Sequence[str]) -> list[str]:
+    """The --configfile arguments of a Snakemake command line, as Snakemake's own parser reads them."""
+    if not any(arg.startswith("--configf") for arg in argv):
+        return []  # building Snakemake's parser takes ~0.2 s: only when there is a file to check
+    from snakemake.cli import get_argument_parser  # the profile hook runs inside Snakemake
+
+    args, _ = get_argument_parser().parse_known_args(list(argv))
+    return [str(path) for path in args.configfile or []]
+
+
+def check_command_line(argv: Sequence[str] | None = None) -> None:
+    """Check the --configfile files of this Snakemake process's command line (the profile hook)."""
+    check(command_line_configfiles(sys.argv[1:] if argv is None else argv), "--configfile ")
