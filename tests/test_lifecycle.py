@@ -32,7 +32,8 @@ from stagetrain.pretrain import lock as stage_lock
 from stagetrain.pretrain.checkpoints import KILL_DURING_SAVE
 from stagetrain.pretrain.lock import LOCK_NAME, StageLock
 
-LAYOUT = {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 1}  # ZeRO-1: each rank writes a shard
+# ZeRO-1, so that each rank writes a shard of its own
+LAYOUT = {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 1}
 STEPS = {"steps": 8, "checkpoint_every": 4, "eval_every": 8}
 
 
@@ -181,7 +182,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def lone(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The summary of an uninterrupted run, alone on its folder."""
-    return run(data, tmp_path_factory.mktemp("lone"), world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
+    out = tmp_path_factory.mktemp("lone")
+    return run(data, out, world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
 
 
 def _same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -209,8 +211,9 @@ def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
 
     with _timed("two runs at once"), ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(start, range(2)))
-    assert sorted(p.returncode != 0 for p in procs) == [False, True], [p.stderr[-3000:] for p in procs]
-    loser = next(p for p in procs if p.returncode != 0)
+    failed = [p.returncode != 0 for p in procs]
+    assert sorted(failed) == [False, True], [p.stderr[-3000:] for p in procs]
+    loser = procs[failed.index(True)]
     errors = {line for line in loser.stderr.splitlines() if line.startswith("error: ")}
     holder = json.loads((tmp_path / "checkpoints" / LOCK_NAME).read_text())
     assert errors == {
