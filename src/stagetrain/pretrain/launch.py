@@ -11,7 +11,10 @@ Snakemake in Snakemake's process group, and so is the launcher, but torchrun
 starts each rank in a session of its own, so a signal to the group (kill -9,
 a closed terminal, a batch system that kills the job's process group) never
 reaches the ranks, and orphaned ranks used to train on beside a rerun. Chosen:
-`prctl(PR_SET_PDEATHSIG)`, in two places.
+`prctl(PR_SET_PDEATHSIG)`, at each link.
+- The stage script asks for SIGTERM when Snakemake (or the shell that ran it)
+  dies, at the start of `launch_stage`; Python dies of it at once, and the
+  launcher follows.
 - The launcher is started through `python -m stagetrain.pretrain.launch`, which
   asks for SIGTERM when the stage script dies and then execs the real command.
   SIGTERM, not SIGKILL: torchrun and srun answer it by stopping their ranks
@@ -210,6 +213,7 @@ def launch_stage(
     from stagetrain.io import atomic_write_json
     from stagetrain.pretrain.lock import StageLock
 
+    die_with_parent(signal.SIGTERM)  # Snakemake (or the shell) gone: stop, and the launcher with us
     plan = json.loads(Path(inputs["plan"]).read_text())
     root = Path(outputs["summary"]).resolve().parents[1] / "checkpoints" / stage
     StageLock(root).check_free()  # a second run fails here, before it writes its job.json
