@@ -69,8 +69,11 @@ class StageLock:
 
     def _lock(self) -> int:
         """A descriptor of the lock file, locked exclusively; a StageError if that cannot be."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise StageError(f"{self.path}: cannot open the lock file ({err.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
