@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SNAKEMAKE, small_run
+from conftest import SNAKEMAKE, small_run, snakemake
 from pretrain_harness import final_params, launch, prepare_data, run
 
 from stagetrain.errors import StageError
@@ -146,20 +146,34 @@ def _pids_running(needle: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_no_rank_outlives_a_sigkilled_snakemake(workdir: Path) -> None:
+def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_snakemake(
+    workdir: Path,
+) -> None:
     small_run(workdir, steps=400)
     proc = subprocess.Popen([SNAKEMAKE, "--cores", "2", "pretrain"], cwd=workdir, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    spec = str(workdir / "results/tiny/checkpoints/pretrain/job.json")
-    pointers = workdir / "results/tiny/checkpoints/pretrain"
+    root = workdir / "results/tiny/checkpoints/pretrain"
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not any(pointers.glob("*/latest.json")):
+        while time.monotonic() < deadline and not any(root.glob("*/latest.json")):
             assert proc.poll() is None, "snakemake ended before training"
             time.sleep(0.2)
-        ranks = _pids_running(f"stagetrain.pretrain.train --spec {spec}")
+        ranks = _pids_running(f"stagetrain.pretrain.train --spec {root / 'job.json'}")
         assert len(ranks) == 3  # torchrun's agent and two ranks, training
+
+        spec_written = (root / "job.json").stat().st_mtime_ns
+        second = snakemake(workdir, "--nolock", "pretrain", check=False)
+        holder = json.loads((root / LOCK_NAME).read_text())
+        last = (workdir / "results/tiny/logs/pretrain.log").read_text().strip().splitlines()[-1]
+        assert second.returncode != 0 and holder["pid"] in ranks
+        assert last == (
+            f"error: {root}: another run of this stage is writing here (pid {holder['pid']} on host "
+            f"{holder['host']} since {holder['since']}); wait for it to end or stop it, then rerun"
+        )
+        # the refused run wrote nothing, not even its job spec
+        assert (root / "job.json").stat().st_mtime_ns == spec_written
+
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         took = _wait_dead(ranks, 10)
