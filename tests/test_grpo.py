@@ -6,7 +6,9 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +167,30 @@ def test_evaluation_script_reports_accuracy_per_family_and_level(
     main([model, "--families", "counting", "--levels", "1", "--problems", "4"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("family") and lines[1].split()[:2] == ["counting", "1"]
+
+
+def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
+    start: tuple, tmp_path: Path
+) -> None:
+    """The GRPO stage locks its checkpoint root through the same `Checkpoints.hold` as pretrain."""
+    data, model = start
+
+    def launch(_: int) -> subprocess.CompletedProcess[str]:
+        layout = {"dp": 2, "tp": 1, "zero_stage": 1}
+        return launch_grpo(data, model, tmp_path, world=2, layout=layout, cfg=grpo_config())
+
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(launch, range(2)))
+    failed = [p.returncode != 0 for p in procs]
+    assert sorted(failed) == [False, True], [p.stderr[-3000:] for p in procs]
+    errors = {
+        line for line in procs[failed.index(True)].stderr.splitlines() if line.startswith("error: ")
+    }
+    holder = json.loads((tmp_path / "checkpoints" / "writer.lock").read_text())
+    assert errors == {
+        f"error: {tmp_path / 'checkpoints'}: another run of this stage is writing here (pid {holder['pid']} "
+        f"on host {holder['host']} since {holder['since']}); wait for it to end or stop it, then rerun"
+    }
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 0
+    assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2, 3]

@@ -93,6 +93,14 @@ def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg, layout = spec["grpo"], plan["stages"]["grpo"]["layout"]
+    components = {
+        "model": read_json(Path(spec["model"]) / "MANIFEST.json")["files"], "tokenizer": meta["tokenizer_sha256"],
+        "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
+        "precision": layout["precision"], "seed": spec["seed"],
+    }  # fmt: skip
+    checkpoints = Checkpoints(Path(spec["checkpoints"]), components,
+                              {k: layout[k] for k in ("dp", "tp", "zero_stage")}, cfg["keep_checkpoints"])  # fmt: skip
+    checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, _, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
@@ -108,19 +116,13 @@ def setup(spec: dict[str, Any]) -> Run:
                           max_new_tokens=cfg["max_new_tokens"], eos_id=tokenizer.eos_token_id)  # fmt: skip
     seq = cfg["max_prompt_len"] + cfg["max_new_tokens"]
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
-    components = {
-        "model": read_json(Path(spec["model"]) / "MANIFEST.json")["files"], "tokenizer": meta["tokenizer_sha256"],
-        "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
-        "precision": layout["precision"], "seed": spec["seed"],
-    }  # fmt: skip
     eval_set = [p for family in cfg["curriculum"]["families"]
                 for p in problems([family], [min(curriculum.start_level, top_level(curriculum, family))], "test",
                                   cfg["eval_problems"], seed=spec["seed"])]  # fmt: skip
     return Run(
         spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
-        checkpoints=Checkpoints(Path(spec["checkpoints"]), components, {k: layout[k] for k in ("dp", "tp", "zero_stage")},
-                                cfg["keep_checkpoints"]),
+        checkpoints=checkpoints,
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout["micro_batch_size"])),
         generation_batch=_generation_batch(plan),
     )  # fmt: skip

@@ -14,6 +14,14 @@ A changed config gets a new fingerprint, so it starts fresh, and the log says
 which components changed. The layout (dp, tp, ZeRO stage) is not part of it: a
 checkpoint resumed under another layout is refused with a message, because
 DeepSpeed's sharded files are tied to the layout that wrote them.
+
+Only one run writes here at a time: `hold` has rank 0 lock the stage's
+checkpoint root (stagetrain.pretrain.lock) before anything is written.
+
+Debug hook, for the test that kills a rank in the middle of a save: with
+STAGETRAIN_KILL_DURING_SAVE=<rank>:<step> set, that rank writes the first file
+of that step's save, cuts it to half its size and SIGKILLs itself, as a kill
+during `torch.save` would leave it. Nothing else reads the variable.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,8 +41,10 @@ import torch.distributed as dist
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
 from stagetrain.pretrain.integrity import POINTER, read_pointer, resume_point, step_of
+from stagetrain.pretrain.lock import StageLock
 
 log = logging.getLogger("stagetrain")
+KILL_DURING_SAVE = "STAGETRAIN_KILL_DURING_SAVE"
 
 
 def fingerprint(components: Mapping[str, Any]) -> str:
@@ -57,6 +69,28 @@ class Checkpoints:
         self.layout = dict(layout)
         self.keep = keep
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.lock: StageLock | None = None
+
+    def hold(self) -> None:
+        """Rank 0 locks the stage's checkpoint root for the rest of its life; all ranks learn the outcome.
+
+        Every rank must call it, before anything is written: the others wait
+        for rank 0's answer, so none writes before rank 0 holds the lock, and
+        when another run holds it every rank raises the same one-line error.
+        """
+        error = None
+        if self.rank == 0:
+            try:
+                self.lock = StageLock(self.folder.parent)
+                self.lock.acquire()
+            except StageError as err:
+                error = str(err)
+        if dist.is_initialized():
+            answer = [error]
+            dist.broadcast_object_list(answer, src=0)
+            error = answer[0]
+        if error:
+            raise StageError(error)
 
     def why_fresh(self) -> str | None:
         """If other fingerprints exist beside ours, which components differ from the newest."""
@@ -98,6 +132,8 @@ class Checkpoints:
     def save(self, engine: Any, step: int, client_state: Mapping[str, Any]) -> None:
         """Save on every rank, then (rank 0) point at it and drop checkpoints beyond `keep`."""
         tag = tag_of(step)
+        if os.environ.get(KILL_DURING_SAVE) == f"{self.rank}:{step}":
+            _die_in_first_file(engine)
         engine.save_checkpoint(
             str(self.folder), tag=tag, client_state=dict(client_state), save_latest=False
         )
@@ -117,3 +153,15 @@ class Checkpoints:
             if old.is_dir() and old.name not in complete:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s saved in %s", tag, self.folder)
+
+
+def _die_in_first_file(engine: Any) -> None:
+    """The debug hook (module docstring): the next file `engine` saves is cut in half, then SIGKILL."""
+    save = engine.checkpoint_engine.save
+
+    def save_then_die(state_dict: Any, path: str) -> None:
+        save(state_dict, path)
+        os.truncate(path, os.path.getsize(path) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    engine.checkpoint_engine.save = save_then_die

@@ -79,6 +79,9 @@ def setup(spec: dict[str, Any]) -> Run:
     """Start the process group, check the world against the plan, build the engine and the data."""
     plan, meta, ds_config, device = engines.join_world(spec)
     layout = plan["stages"]["pretrain"]["layout"]
+    checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config),
+                              {k: layout[k] for k in ("dp", "tp", "zero_stage")}, spec["pretrain"]["keep_checkpoints"])  # fmt: skip
+    checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, params, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"]["init_from"],
@@ -97,15 +100,13 @@ def setup(spec: dict[str, Any]) -> Run:
     if n_eval == 0:
         raise StageError(f"{spec['val']}: fewer than {seq + 1} tokens, not one validation window")
     shape = ModelShape(**{k: v for k, v in plan["model"].items() if k in ModelShape.__slots__})
-    layout_key = {k: layout[k] for k in ("dp", "tp", "zero_stage")}
     return Run(
         spec=spec, engine=engine, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group),
         sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout["global_batch"],
                         dp=layout["dp"], micro_batch_size=layout["micro_batch_size"], seed=spec["seed"]),
         train=train, val=val, eval_windows=np.arange(n_eval),
-        checkpoints=Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config), layout_key,
-                                spec["pretrain"]["keep_checkpoints"]),
+        checkpoints=checkpoints,
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
         params={**params, "predicted_tokens_per_s": plan["stages"]["pretrain"]["throughput"].get("tokens_per_s")},
