@@ -2,6 +2,6 @@
 
 Modules: `launch` (the torchrun / srun command), `batches` (which samples each
 data-parallel rank reads at each step), `checkpoints` (fingerprinted, resumable,
-atomic pointer), `metrics` (registry, MFU, progress), `engine` (model and engine
+atomic pointer), `lock` (one writer per stage's checkpoint folder), `metrics` (registry, MFU, progress), `engine` (model and engine
 construction), `train` (the loop; the torchrun entry point).
 """
