@@ -107,12 +107,13 @@ def test_cpu_plans_rank_candidates_by_predicted_speed() -> None:
 
 def test_measure_gives_every_precision_at_a_ranks_thread_count() -> None:
     hardware = {"gpu": None, "cpu_ranks": 2, "cpu": {"cores": 2}}
+    before = torch.get_num_threads()
     result = speed.measure(hardware)
+    assert torch.get_num_threads() == before  # the measurement's thread count is not left behind
     assert result["device"] == "cpu" and result["threads"] == 1
     assert set(result["gflops"]) == {"fp32", "bf16", "fp16"}
     assert all(v > 0 for v in result["gflops"].values())
     assert result["capability"] == torch.backends.cpu.get_cpu_capability()
-    assert torch.get_num_threads() == torch.get_num_threads()  # restored (no exception above)
 
 
 def test_cpu_flags_reads_cpuinfo(tmp_path: Path) -> None:
