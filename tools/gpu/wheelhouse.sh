@@ -9,8 +9,9 @@
 # target platform; lines marked "build" have none and are built here with `pip wheel`
 # (DeepSpeed needs torch importable while building: PYTHON names an interpreter that has
 # it, default .venv/bin/python, else python3). Fails if a built wheel is not pure Python,
-# if a name appears twice, if a wheel duplicates a package of the image (tools/gpu/image.txt),
-# or if the total passes 60 MiB (everything that travels must stay under 64 MiB).
+# if a name appears twice, if a wheel duplicates a package of the image (tools/gpu/image.txt)
+# without an "override" mark, or if the total passes 60 MiB (everything that travels must
+# stay under 64 MiB).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -47,25 +48,30 @@ mkdir -p "$work/whl"
 # that DeepSpeed's setup.py sees torch. DS_BUILD_OPS=0: ops compile there, at first use.
 DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps --no-build-isolation -w "$work/whl" -r "$builds"
 
-"$python" - "$work/whl" "$here/image.txt" <<'EOF'
-"""Check the wheels: one version per name, none of the image's packages, all installable on
-CPython 3.12 x86_64 Linux (a built wheel must be pure Python: py3-none-any)."""
+"$python" - "$work/whl" "$here/image.txt" "$here/requirements.txt" <<'EOF'
+"""Check the wheels: one version per name, none of the image's packages unless marked
+"override", all installable on CPython 3.12 x86_64 Linux (a built wheel must be pure
+Python: py3-none-any)."""
 import re
 import sys
 from pathlib import Path
 
-folder, image = Path(sys.argv[1]), Path(sys.argv[2])
+folder, image, requirements = (Path(a) for a in sys.argv[1:4])
 
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-provided = {
-    norm(re.split(r"[=<>\s]", line)[0])
-    for line in image.read_text().splitlines()
-    if line.strip() and not line.startswith("#")
-}
+def names(path: Path, marked: str = "") -> set[str]:
+    return {
+        norm(re.split(r"[=<>\s]", line)[0])
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.startswith("#") and marked in line
+    }
+
+
+provided = names(image) - names(requirements, "override")
 seen: dict[str, str] = {}
 bad = []
 for wheel in sorted(folder.glob("*.whl")):
