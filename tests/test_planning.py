@@ -387,3 +387,18 @@ def test_multi_node_plan_keeps_tp_inside_a_node() -> None:
     for stage in plan["stages"].values():
         assert stage["layout"]["tp"] <= 8 and 8 % stage["layout"]["tp"] == 0
         assert stage["layout"]["dp"] * stage["layout"]["tp"] == 32
+
+
+def test_gpu_check_preset_fits_one_h200_and_its_pretraining_fits_the_check_time() -> None:
+    """tools/gpu/check.sh has under 8 minutes for the whole pipeline on one H200: the
+    preset's pretraining must be planned to take well under a minute at the planned speed."""
+    cfg = _preset(
+        "gpu-check-h200",
+        hardware={"source": "describe", "gpu": "H200", "gpus_per_node": 1, "host_memory_gib": 128},
+    )
+    plan = _plan(cfg)
+    assert 0.9e9 < plan["model"]["params"] < 1.3e9  # a ~1B model
+    for stage in plan["stages"].values():
+        assert stage["memory"]["fits"] and stage["layout"]["precision"] == "bf16"
+    pretrain = plan["stages"]["pretrain"]
+    assert pretrain["throughput"]["step_s"] * cfg["pretrain"]["steps"] < 60

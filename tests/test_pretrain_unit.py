@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,15 @@ def test_metrics_reach_tensorboard_and_a_resume_replaces_the_steps_after_its_che
     ]
     assert [e.step for e in acc.Scalars("curriculum/level/counting")] == [1, 2]
     assert "curriculum/events" not in acc.Tags()["scalars"]
+
+
+def test_metrics_without_tensorboard_installed_log_the_reason_and_keep_the_json_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The GPU check's machine has no tensorboard: training must go on without event files.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    metrics = MetricsLog(tmp_path / "m.jsonl", 0, events=tmp_path / "tensorboard")
+    metrics.write({"step": 1, "train/loss": 2.0})
+    assert json.loads((tmp_path / "m.jsonl").read_text())["train/loss"] == 2.0
+    assert not (tmp_path / "tensorboard").exists()
+    assert "no TensorBoard event files" in caplog.text

@@ -22,6 +22,7 @@ Two things the client does not do on its own:
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import time
@@ -29,6 +30,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from stagetrain.errors import StageError
@@ -60,7 +62,7 @@ class _Watch:
     limit_s: float
     deadline: float = field(init=False)
     refusal: Any = None
-    """The last response with a status in REFUSED (an httpx2.Response), or None."""
+    """The last response with a status in REFUSED (a response of `_http()`), or None."""
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.limit_s
@@ -101,14 +103,24 @@ def _pause_after(response: Any) -> float:
 
 
 @cache
+def _http() -> ModuleType:
+    """The HTTP library huggingface_hub is built on: httpx2 from its 2.0 on, httpx in 1.x.
+
+    Both have the same API; 1.x is what the GPU machine's image holds (tools/gpu/image.txt).
+    """
+    import huggingface_hub
+
+    return importlib.import_module(type(huggingface_hub.get_session()).__module__.split(".")[0])
+
+
+@cache
 def _watched_client_class() -> type:
-    """An httpx2.Client that holds each request of a watched fetch to the fetch's deadline."""
-    import httpx2
+    """A client of `_http()` that holds each request of a watched fetch to the fetch's deadline."""
+    http = _http()
+    retried = (http.TimeoutException, http.NetworkError, http.RemoteProtocolError)
 
-    retried = (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError)
-
-    class WatchedClient(httpx2.Client):
-        def send(self, request: httpx2.Request, **kwargs: Any) -> httpx2.Response:
+    class WatchedClient(http.Client):
+        def send(self, request: Any, **kwargs: Any) -> Any:
             watch = _WATCH.get()
             if watch is None:  # not inside `fetch` (e.g. transformers loading a model)
                 return super().send(request, **kwargs)
@@ -160,7 +172,6 @@ def _install() -> None:
 
 def _reason(err: Exception, filename: str) -> str:
     """What a huggingface_hub or transport error means for the user, in a few words."""
-    import httpx2
     from huggingface_hub import errors
 
     status = getattr(getattr(err, "response", None), "status_code", None)
@@ -188,7 +199,7 @@ def _reason(err: Exception, filename: str) -> str:
         return f"HTTP error {status}"
     if isinstance(err, OSError) and err.errno is not None:  # e.g. a full disk under the cache
         return f"cannot fetch {filename} ({err.strerror})"
-    if isinstance(err, (httpx2.RequestError, OSError)):  # any transport error, refused, DNS
+    if isinstance(err, (_http().RequestError, OSError)):  # any transport error, refused, DNS
         return f"hub unreachable ({type(err).__name__}) and {filename} not in the cache"
     raise err  # not a failure this module knows how to explain: a bug, keep the traceback
 
@@ -199,7 +210,6 @@ def fetch(repo: str, filename: str, *, revision: str, repo_type: str = "model") 
     Waits at most `timeout_s()` seconds for the hub in all (plus at most one second of
     the client's pause before resuming a stalled download).
     """
-    import httpx2
     import huggingface_hub
     from huggingface_hub import errors
     from huggingface_hub.utils import hf_raise_for_status
@@ -228,7 +238,7 @@ def fetch(repo: str, filename: str, *, revision: str, repo_type: str = "model") 
                 f"{where}: hub unreachable ({err}; gave up within the {watch.limit_s:g} s limit of "
                 f"{TIMEOUT_ENV}) and {filename} not in the cache"
             ) from None
-    except (errors.HfHubHTTPError, errors.HFValidationError, httpx2.RequestError, OSError) as err:
+    except (errors.HfHubHTTPError, errors.HFValidationError, _http().RequestError, OSError) as err:
         raise HubError(f"{where}: {_reason(err, filename)}{suffix}") from None
     finally:
         _WATCH.reset(reset)

@@ -28,6 +28,7 @@ METRICS: dict[str, str] = {
     "throughput/tokens_per_s": "training tokens per second over all ranks since the previous record; every record",
     "throughput/mfu(%)": "model FLOPs utilisation, (6N + 12 L h s) x tokens/s over the peak of all devices; null on CPUs or GPUs missing from the catalog",
     "memory/max_allocated(GiB)": "peak GPU memory allocated by torch on rank 0 since the previous record; GPU only",
+    "memory/max_reserved(GiB)": "peak GPU memory held by torch's caching allocator on rank 0 since the previous record (allocated plus cached blocks: what the device must have); GPU only",
     "memory/max_rss(GiB)": "peak resident memory of rank 0's process; CPU only",
     "eval/loss": "mean loss on the fixed validation batches; every eval_every steps and at the end",
     "time/elapsed_s": "seconds since this process started training; every record",
@@ -74,11 +75,16 @@ class MetricsLog:
     ) -> None:
         self.path, self.registry, self.events = path, registry, None
         if events is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: after a resume, TensorBoard drops the events past the checkpoint
-            # that the first run wrote, as the JSON log drops its lines.
-            self.events = SummaryWriter(str(events), purge_step=resume_step + 1)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                # tensorboard is a declared dependency, but a machine that lacks it (the offline
+                # GPU check's, tools/gpu) still trains: the curves stay in metrics.jsonl.
+                log.warning("no TensorBoard event files in %s: %s", events, err)
+            else:
+                # purge_step: after a resume, TensorBoard drops the events past the checkpoint
+                # that the first run wrote, as the JSON log drops its lines.
+                self.events = SummaryWriter(str(events), purge_step=resume_step + 1)
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if path.exists():  # after a restart, keep what the resumed checkpoint had reached

@@ -184,6 +184,7 @@ def record(
     }  # fmt: skip
     if run.device.type == "cuda":
         out["memory/max_allocated(GiB)"] = torch.cuda.max_memory_allocated() / 2**30
+        out["memory/max_reserved(GiB)"] = torch.cuda.max_memory_reserved() / 2**30
         torch.cuda.reset_peak_memory_stats()
     else:
         out["memory/max_rss(GiB)"] = max_rss_gib()
