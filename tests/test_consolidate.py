@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -51,20 +52,22 @@ def runs(
     runs = {}
     for name, layout in layouts.items():
         config = moe if name == "moe" else data["model_config"]
-        summary = run(data, tmp_path_factory.mktemp(name), world=2, layout=layout, model_config=config)
+        summary = run(
+            data, tmp_path_factory.mktemp(name), world=2, layout=layout, model_config=config
+        )
         runs[name] = {**summary, "model_config": config}
     return runs
 
 
 def _consolidate(
-    data: dict[str, str], summary: dict[str, Any], out: Path, **cfg: Any
+    data: dict[str, str], summary: dict[str, Any], out: Path, on_phase: Any = None, **cfg: Any
 ) -> dict[str, Any]:
     summary_path = out.parent / f"{out.name}-summary.json"
     summary_path.write_text(json.dumps(summary))
     return consolidate(
         stage="pretrain", summary_path=str(summary_path), tokenizer_dir=data["tokenizer"],
         model_config_path=summary.get("model_config", data["model_config"]), meta_path=data["meta"],
-        out=str(out), cfg={"dtype": "fp32", "max_shard_size": "2GB", **cfg},
+        out=str(out), cfg={"dtype": "fp32", "max_shard_size": "2GB", **cfg}, on_phase=on_phase,
     )  # fmt: skip
 
 
@@ -72,7 +75,11 @@ def _reference_shards(summary: dict[str, Any], dtype: str, max_size: str, out: P
     """The shards and index as consolidation wrote them before it streamed (kept here as the reference):
     DeepSpeed's own zero_to_fp32 (lazy mode) for ZeRO 1-3 under the weights-only unpickler, the model
     file's whole tensors for ZeRO 0, torch.cat of the tp slices for AutoTP; safetensors' save_file."""
-    folder, tag, layout = summary["checkpoint"]["folder"], summary["checkpoint"]["tag"], summary["layout"]
+    folder, tag, layout = (
+        summary["checkpoint"]["folder"],
+        summary["checkpoint"]["tag"],
+        summary["layout"],
+    )
     config = load_model_config(summary["model_config"])
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -85,7 +92,11 @@ def _reference_shards(summary: dict[str, Any], dtype: str, max_size: str, out: P
             weights = {}
             for name in names:
                 parts = [s[name] for s in slices]
-                dims = [d for d, (a, b) in enumerate(zip(parts[0].shape, shapes[name], strict=True)) if a != b]
+                dims = [
+                    d
+                    for d, (a, b) in enumerate(zip(parts[0].shape, shapes[name], strict=True))
+                    if a != b
+                ]
                 weights[name] = torch.cat(parts, dim=dims[0]) if dims else parts[0]
         elif layout["zero_stage"] == 0:
             weights = torch.load(files[0], weights_only=True)["module"]
@@ -101,7 +112,11 @@ def _reference_shards(summary: dict[str, Any], dtype: str, max_size: str, out: P
         filename = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}
         for name in group:
-            value = weights[name] if isinstance(weights[name], torch.Tensor) else weights[name].contiguous()
+            value = (
+                weights[name]
+                if isinstance(weights[name], torch.Tensor)
+                else weights[name].contiguous()
+            )
             tensors[name] = value.to(DTYPES[dtype]).contiguous().view(shapes[name])
         save_file(tensors, str(out / filename), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(group, filename))
@@ -119,14 +134,18 @@ def test_streamed_shards_equal_the_reference_bytes(data: dict[str, str], runs: d
                                                    name: str, dtype: str, max_size: str) -> None:  # fmt: skip
     """Every shard and the index, byte for byte, as the whole-tensor implementation wrote them; the
     folder verifies (reloaded, the logged loss reproduced: MoE included)."""
-    manifest = _consolidate(data, runs[name], tmp_path / "model", dtype=dtype, max_shard_size=max_size)
+    manifest = _consolidate(
+        data, runs[name], tmp_path / "model", dtype=dtype, max_shard_size=max_size
+    )
     _reference_shards(runs[name], dtype, max_size, tmp_path / "reference")
     expected = sorted(p.name for p in (tmp_path / "reference").iterdir())
     assert len(expected) > 2 if max_size != "2GB" else len(expected) == 2
     for filename in expected:
         assert (tmp_path / "model" / filename).read_bytes() == (tmp_path / "reference" / filename).read_bytes(), filename  # fmt: skip
     assert manifest["verification"]["method"] == "loss"
-    assert manifest["verification"]["eval_loss"] == pytest.approx(runs[name]["final_eval_loss"], rel=2e-2)
+    assert manifest["verification"]["eval_loss"] == pytest.approx(
+        runs[name]["final_eval_loss"], rel=2e-2
+    )
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -149,6 +168,41 @@ def test_fp32_output_equals_deepspeeds_fp32_state_dict(
     assert all(torch.equal(written[k], reference[k]) for k in written)
     assert manifest["verification"]["relative_tolerance"] == 1e-4
     assert manifest["vocab_size"] == 512 and manifest["step"] == 4
+
+
+def test_finite_verification_reads_every_shard_back(
+    data: dict[str, str], runs: dict, tmp_path: Path
+) -> None:
+    """verify: finite writes the same folder without reloading the model, and reads each shard back from
+    disk: a NaN or a cut written into a shard after the conversion is found, and nothing is left."""
+    manifest = _consolidate(data, runs["zero3"], tmp_path / "model", dtype="bf16", max_shard_size="1MB", verify="finite")  # fmt: skip
+    index = json.loads((tmp_path / "model" / INDEX).read_text())
+    assert manifest["verification"] == {"method": "finite", "tensors": len(index["weight_map"]),
+                                        "training_eval_loss": runs["zero3"]["final_eval_loss"]}  # fmt: skip
+    _reference_shards(runs["zero3"], "bf16", "1MB", tmp_path / "reference")
+    assert all((tmp_path / "model" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "reference").iterdir())  # fmt: skip
+
+    def damage(edit: Any) -> Any:
+        def on_phase(phase: str) -> None:
+            if phase == "convert":
+                edit(sorted((tmp_path / ".model.tmp").glob("*.safetensors"))[-1])
+
+        return on_phase
+
+    def nan(shard: Path) -> None:
+        with open(shard, "r+b") as handle:
+            handle.seek(-2, 2)
+            handle.write(b"\xc0\x7f")  # a bf16 NaN, little-endian
+
+    def cut(shard: Path) -> None:
+        os.truncate(shard, shard.stat().st_size - 10)
+
+    shutil.rmtree(tmp_path / "model")
+    for edit, message in ((nan, r"pretrain: \S+ reads back from model-00003-of-00003.safetensors with non-finite values; nothing was written"),
+                          (cut, "pretrain: model-00003-of-00003.safetensors does not read back as safetensors")):  # fmt: skip
+        with pytest.raises(StageError, match=message) as err:
+            _consolidate(data, runs["zero3"], tmp_path / "model", damage(edit), dtype="bf16", max_shard_size="1MB", verify="finite")  # fmt: skip
+        assert "\n" not in str(err.value) and _nothing_written(tmp_path)
 
 
 def test_the_folder_loads_with_transformers_and_reproduces_the_loss(

@@ -26,7 +26,9 @@ def _tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("piece", [1, 7, 4096])
-def test_streamed_shards_are_the_bytes_of_save_file(tmp_path: Path, dtype: torch.dtype, piece: int) -> None:
+def test_streamed_shards_are_the_bytes_of_save_file(
+    tmp_path: Path, dtype: torch.dtype, piece: int
+) -> None:
     """Any chunking gives the bytes safetensors' own save_file writes for the same shard."""
     tensors = _tensors(dtype)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
@@ -110,7 +112,9 @@ def test_zero12_layout_cuts_the_groups_vector_at_ranks_and_paddings(tmp_path: Pa
         regions.append([region_of(path, meta["g"][0], "g")])
     shapes = [{"p0": (3, 5), "p1": (7,)}]
     weights = zero12_layout(shapes, regions, [[1, 0]], "ckpt")
-    assert torch.equal(_read(weights["p0"]), params[0]) and torch.equal(_read(weights["p1"]), params[1])
+    assert torch.equal(_read(weights["p0"]), params[0]) and torch.equal(
+        _read(weights["p1"]), params[1]
+    )
     with pytest.raises(StageError, match="ckpt: group 0's parameters take 16 elements, its fp32 partitions hold 23"):  # fmt: skip
         zero12_layout([{"p0": (3, 5)}], regions, [[1]], "ckpt")
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from stagetrain.consolidate.stored import Reader, Region, Stored
@@ -238,7 +238,7 @@ def _verify_finite(tmp: Path, stage: str, names: list[str], shapes: Mapping[str,
     seen: dict[str, tuple[int, ...]] = {}
     with Reader() as reader:
         for filename in files:
-            for name, stored in _shard_tensors(tmp / filename, dtype).items():
+            for name, stored in _shard_tensors(tmp / filename, stage, dtype).items():
                 seen[name] = stored.shape
                 if not all(torch.isfinite(chunk).all() for chunk in reader.chunks(stored)):
                     raise StageError(f"{stage}: {name} reads back from {filename} with non-finite "
@@ -251,21 +251,25 @@ def _verify_finite(tmp: Path, stage: str, names: list[str], shapes: Mapping[str,
     return {"method": "finite", "tensors": len(seen)}
 
 
-def _shard_tensors(path: Path, dtype: torch.dtype) -> dict[str, Stored]:
-    """Where each tensor of a written shard lies, as safetensors itself parses it (names, dtypes,
-    shapes; it refuses inconsistent offsets), with the offsets from the header."""
-    with safe_open(path, framework="pt") as shard:
-        names = list(shard.keys())
-        for name in names:
-            if shard.get_slice(name).get_dtype() != SAFETENSORS_DTYPES[dtype]:
-                raise StageError(f"{path}: {name} is not {SAFETENSORS_DTYPES[dtype]}")
+def _shard_tensors(path: Path, stage: str, dtype: torch.dtype) -> dict[str, Stored]:
+    """Where each tensor of a written shard lies, as safetensors itself parses the file (it refuses
+    a header whose offsets do not fit the file), with the offsets from the header."""
+    try:
+        with safe_open(path, framework="pt") as shard:
+            names = list(shard.keys())
+            dtypes = {shard.get_slice(name).get_dtype() for name in names}
+    except SafetensorError as err:
+        raise StageError(f"{stage}: {path.name} does not read back as safetensors ({err}); "
+                         "nothing was written") from None  # fmt: skip
+    if dtypes - {SAFETENSORS_DTYPES[dtype]}:
+        raise StageError(f"{stage}: {path.name} holds {sorted(dtypes)}, not only "
+                         f"{SAFETENSORS_DTYPES[dtype]}; nothing was written")  # fmt: skip
     with open(path, "rb") as handle:
         size = int.from_bytes(handle.read(8), "little")
         entries = json.loads(handle.read(size))
-    start = 8 + size
     return {
-        name: Stored(tuple(entries[name]["shape"]), (Region(path, start + entries[name]["data_offsets"][0], dtype,
-                     math.prod(entries[name]["shape"])),))
+        name: Stored(tuple(entries[name]["shape"]), (Region(path, 8 + size + entries[name]["data_offsets"][0],
+                     dtype, math.prod(entries[name]["shape"])),))
         for name in names
     }  # fmt: skip
 
