@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from stagetrain.consolidate.folder import finite_as
 from stagetrain.consolidate.stored import Reader, Region, Stored, describe, region_of, span
 from stagetrain.consolidate.weights import zero3_layout, zero12_layout
 from stagetrain.consolidate.writer import INDEX, plan_shards, write_shards
@@ -70,12 +71,22 @@ def test_regions_read_exactly_the_tensors_bytes_in_small_chunks(tmp_path: Path) 
     obj = {"a": flat[10:110].view(10, 10), "b": flat[500:], "moment": torch.full((5000,), 7.0)}
     path, meta = _saved(tmp_path, obj)
     regions = {k: region_of(path, meta[k], k) for k in ("a", "b")}
+    before = _rchar()
+    own = _rchar() - before  # reading /proc/self/io counts too
+    before += own
     with Reader(chunk_bytes=64) as reader:
         for key, region in regions.items():
             stored = Stored(tuple(obj[key].shape), (region,))
             chunks = [c.clone() for c in reader.chunks(stored)]
             assert max(c.numel() for c in chunks) == 16
             assert torch.equal(torch.cat(chunks), obj[key].reshape(-1))
+    assert _rchar() - before - own == (100 + 500) * 4  # the two regions' bytes, not the 20 KB moment
+
+
+def _rchar() -> int:
+    """Bytes this process has asked the kernel to read (/proc/self/io)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"])
 
 
 def test_autotp_slices_are_interleaved_along_their_split_dimension(tmp_path: Path) -> None:
@@ -144,3 +155,19 @@ def test_span_names_a_short_partition() -> None:
     assert span(pieces, 3, 3, "w") == (Region(Path("x"), 12, torch.float32, 1), Region(Path("y"), 8, torch.float32, 2))  # fmt: skip
     with pytest.raises(StageError, match="w: the fp32 partitions end 1 elements before"):
         span(pieces, 6, 3, "w")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_finite_as_agrees_with_isfinite_after_conversion(dtype: torch.dtype) -> None:
+    """The extremes decide: fp32 values beyond bf16's range round to inf, a NaN anywhere is caught."""
+    big = torch.finfo(torch.bfloat16).max
+    edges = [0.0, 1e30, big, 3.3961e38, 3.4e38, -3.4e38, float("inf"), -float("inf"), float("nan")]
+    for edge in edges:
+        for where in (0, 500, 999):
+            chunk = torch.randn(1000)
+            chunk[where] = edge
+            assert finite_as(chunk, dtype) == bool(torch.isfinite(chunk.to(dtype)).all()), (
+                edge,
+                where,
+            )
+    assert finite_as(torch.arange(10), dtype)
