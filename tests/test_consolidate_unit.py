@@ -80,7 +80,8 @@ def test_regions_read_exactly_the_tensors_bytes_in_small_chunks(tmp_path: Path) 
             chunks = [c.clone() for c in reader.chunks(stored)]
             assert max(c.numel() for c in chunks) == 16
             assert torch.equal(torch.cat(chunks), obj[key].reshape(-1))
-    assert _rchar() - before - own == (100 + 500) * 4  # the two regions' bytes, not the 20 KB moment
+    read = _rchar() - before - own
+    assert read == (100 + 500) * 4  # the two regions' bytes, not the 20 KB moment
 
 
 def _rchar() -> int:
