@@ -169,7 +169,8 @@ def main() -> None:
         rounds.append(r)
         print(f"round {i + 1}: cp -r {r['cp_gbps']:.3f} GB/s, convert {r['convert_gbps']:.3f} GB/s "
               f"(ratio {r['convert_gbps'] / r['cp_gbps']:.2f}; {r['convert_s']:.1f} s), verify {r['verify_s']:.1f} s, "
-              f"manifest {r['describe_s']:.1f} s; convert peak +{(r['convert_hwm'] - baseline) / 1e6:.0f} MB, "
+              f"manifest {r['describe_s']:.1f} s; peak +{(r['convert_hwm'] - baseline) / 1e6:.0f} MB converting, "
+              f"+{(r['verify_hwm'] - baseline) / 1e6:.0f} MB verifying; "
               f"read from disk {r['read_bytes'] / 1e6:,.0f} MB", flush=True)  # fmt: skip
     best_cp, best = max(r["cp_gbps"] for r in rounds), max(rounds, key=lambda r: r["convert_gbps"])
     above = max(r["convert_hwm"] for r in rounds) - baseline  # memory and reads: the worst round
