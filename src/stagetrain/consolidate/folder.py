@@ -186,11 +186,10 @@ def _write(tmp: Path, config: Any, dtype: torch.dtype, tokenizer_dir: str, names
             shutil.copyfile(path, tmp / path.name)
     with Reader() as reader, _one_thread():
 
-        def converted(name: str) -> Any:
+        def converted(name: str) -> Iterator[torch.Tensor]:
             for chunk in reader.chunks(weights[name]):
-                if not finite_as(
-                    chunk, dtype
-                ):  # shards are written in name order: the first one named
+                # shards are written in name order: the first non-finite tensor is the one named
+                if not finite_as(chunk, dtype):
                     raise StageError(
                         f"{source}: {name} holds non-finite values (NaN or inf) as {cfg['dtype']}; "
                         "the checkpoint is damaged or training diverged; nothing was written"
