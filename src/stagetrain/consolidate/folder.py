@@ -214,7 +214,7 @@ def finite_as(chunk: torch.Tensor, dtype: torch.dtype) -> bool:
 @contextmanager
 def _one_thread() -> Iterator[None]:
     """Elementwise work on chunks of a few MiB is memory-bound: torch's threads only add their
-    synchronisation (25x slower with two threads than one on a busy two-core host)."""
+    synchronisation (20-60x slower with two threads than one on a busy two-core host)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -148,6 +148,8 @@ class Reader:
 
     def chunks(self, stored: Stored) -> Iterator[torch.Tensor]:
         """The tensor's elements in row-major order, in chunks of the stored dtype."""
+        if not stored.pieces:  # no elements
+            return
         itemsize = stored.dtype.itemsize
         size = len(self.buffer) // itemsize * itemsize
         view = memoryview(self.buffer)
