@@ -128,7 +128,7 @@ def _reference_shards(summary: dict[str, Any], dtype: str, max_size: str, out: P
     ("name", "dtype", "max_size"),
     [("zero0", "bf16", "1MB"), ("zero1", "fp32", "2GB"), ("zero2", "bf16", "300KB"), ("zero2", "fp32", "1MB"),
      ("zero3", "bf16", "1MB"), ("zero3", "fp32", "2GB"), ("tp2", "bf16", "1MB"), ("tp2", "fp32", "2GB"),
-     ("moe", "bf16", "200KB")],
+     ("moe", "bf16", "200KB"), ("moe", "fp32", "2GB")],
 )  # fmt: skip
 def test_streamed_shards_equal_the_reference_bytes(data: dict[str, str], runs: dict, tmp_path: Path,
                                                    name: str, dtype: str, max_size: str) -> None:  # fmt: skip
