@@ -5,7 +5,7 @@
 
 Trains the model for one step on two CPU ranks (fp32, so the checkpoint holds
 fp32 partitions beside both Adam moments; 24m: a 24M-parameter Llama under
-ZeRO-2, 300m: a 304M-parameter Llama under ZeRO-3, about 4.9 GB of checkpoint)
+ZeRO-2, 300m: a 309M-parameter Llama under ZeRO-3, 3.7 GB of checkpoint)
 into `--work`, or reuses the run already there. Then, for `--rounds` rounds,
 interleaved so that the shared machine's load falls on both alike: drops the
 checkpoint's pages from the page cache (sync, then posix_fadvise DONTNEED on

@@ -6,7 +6,7 @@ alone, and each tensor's bytes are written as its chunks arrive, so no shard
 and no whole tensor is ever held in memory. Tensors are written in sorted name
 order with fixed metadata, so the same weights always give the same bytes; the
 bytes are those of `safetensors.torch.save_file` (which sorts by dtype, then
-name, and pads the JSON header with spaces to 8 bytes), as tests/test_writer.py
+name, and pads the JSON header with spaces to 8 bytes), as tests/test_consolidate_unit.py
 checks.
 """
 
