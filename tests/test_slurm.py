@@ -10,6 +10,7 @@ from stagetrain.slurm import (
     TRAINING_RESOURCES,
     Allocation,
     allocation,
+    consolidate_mem_mb,
     expand_nodelist,
     job_resources,
 )
@@ -29,6 +30,18 @@ def test_a_two_node_gpu_plan_asks_for_one_task_and_one_gpu_per_rank() -> None:
         "mem_mb": 3 * 1024 + 8 * 4096, "gres": "gpu:8", "tasks_per_gpu": 0, "mpi": "srun",
         "runtime": 2 * 1000 * 1.5 // 60 + 30,  # twice the predicted 25 minutes, plus 30
     }  # fmt: skip
+
+
+def test_consolidation_memory_is_the_verified_model_not_the_checkpoint() -> None:
+    """Streaming needs no memory per parameter; the loss check holds the model in the output dtype
+    and one micro batch of logits (here 2 x 4096 tokens x 128K vocabulary, 10 bytes each in bf16)."""
+    plan = {"model": {"params": 70 * 10**9, "vocab_size": 128 * 1024},
+            "stages": {"pretrain": {"layout": {"micro_batch_size": 2, "seq_len": 4096}},
+                       "grpo": {"layout": {"micro_batch_size": 1, "seq_len": 1024}}}}  # fmt: skip
+    logits = 2 * 4096 * 128 * 1024 * 10
+    assert consolidate_mem_mb(plan, {"dtype": "bf16", "verify": "loss"}) == -(-(140 * 10**9 + logits) // 2**20) + 4096  # fmt: skip
+    assert consolidate_mem_mb(plan, {"dtype": "fp32", "verify": "loss"}) > 280 * 10**9 // 2**20
+    assert consolidate_mem_mb(plan, {"dtype": "bf16", "verify": "finite"}) == 4096
 
 
 def test_a_cpu_plan_counts_the_model_state_in_host_memory() -> None:

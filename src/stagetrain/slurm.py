@@ -28,9 +28,10 @@ RANK_HOST_MB = 4096
 holds 0.9 GiB and torchrun 0.5 GiB (ps); 4 GiB leaves room for a CUDA context,
 larger vocabularies and checkpoint writes."""
 
-CONSOLIDATE_BYTES_PER_PARAM = 16
-"""zero_to_fp32 reads whole optimizer-state files: fp32 weights and Adam's two
-moments are 12 bytes per parameter, plus the fp32 state dict it builds."""
+VERIFY_BYTES_PER_PARAM = {"bf16": 2, "fp32": 4}
+"""The loss verification's reloaded model: one copy of each weight in the output
+dtype (transformers builds the model on the meta device and loads each weight
+once; docs/benchmarks.md has the measured figure)."""
 
 MiB = 2**20
 TRAINING_RESOURCES = (
@@ -108,9 +109,22 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def consolidate_mem_mb(plan: Mapping[str, Any]) -> int:
-    """Host memory of a consolidation job: the checkpoint as zero_to_fp32 loads it, plus a rank's share."""
-    return -(-plan["model"]["params"] * CONSOLIDATE_BYTES_PER_PARAM // MiB) + RANK_HOST_MB
+def consolidate_mem_mb(plan: Mapping[str, Any], consolidate: Mapping[str, Any]) -> int:
+    """Host memory of a consolidation job (`consolidate`: the config's section).
+
+    Reading the checkpoint and writing the shards stream a few MiB at a time, so
+    only the loss verification grows with the model: the reloaded model, and one
+    micro batch of logits (in the output dtype, an fp32 copy and the
+    cross-entropy's log-probabilities). 4 GiB covers the libraries and the rest.
+    """
+    if consolidate["verify"] != "loss":
+        return RANK_HOST_MB
+    per_param = VERIFY_BYTES_PER_PARAM[consolidate["dtype"]]
+    tokens = max(
+        s["layout"]["micro_batch_size"] * s["layout"]["seq_len"] for s in plan["stages"].values()
+    )
+    logits = tokens * plan["model"]["vocab_size"] * (per_param + 8)
+    return -(-(plan["model"]["params"] * per_param + logits) // MiB) + RANK_HOST_MB
 
 
 @dataclass(frozen=True, slots=True)

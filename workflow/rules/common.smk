@@ -101,6 +101,6 @@ def _stage_resources(stage, plan_path, plan_mtime_ns):
     and plan.json and hardware.json are read once per plan version, not once per key."""
     plan = json.loads(Path(plan_path).read_text())
     if stage == "consolidate":
-        return {"mem_mb": slurm.consolidate_mem_mb(plan)}
+        return {"mem_mb": slurm.consolidate_mem_mb(plan, config["consolidate"])}
     cores = json.loads(Path(f"{RUN}/hardware.json").read_text())["cpu"]["cores"]
     return slurm.job_resources(plan, stage, cores, optimizer_steps(stage))

@@ -1,33 +1,47 @@
-"""Reading a stage's final checkpoint into one state dict, after checking that every file is there and loads.
+"""Where each weight of a stage's final checkpoint lies, after checking that every file is there and loads.
 
-Every file is read by torch's weights-only unpickler (`pretrain.integrity`), so
-a crafted checkpoint file is refused with one line and none of its code runs.
+Every file is first checked and loaded by torch's weights-only unpickler
+(`pretrain.integrity`), so a crafted checkpoint file is refused with one line
+and none of its code runs. Then each file is described without reading its
+tensors (`stored.describe`), and each weight becomes a `Stored`: the regions of
+the files that hold it, in order. Only those regions are ever read, so the Adam
+moments beside the fp32 weights in the optimizer files are not.
 
-ZeRO 1-3 checkpoints go through DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint`
-in lazy mode: tensors are assembled from the rank partitions one at a time, when
-the writer asks for them. ZeRO 0 keeps whole weights in the model file. AutoTP
-(tp > 1) writes one model file per tp rank, each holding its slice of the split
-layers; `gather_tp` rebuilds each tensor by concatenating the slices along the
-one dimension where a slice is 1/tp of the full shape (from the model config),
-and takes replicated tensors (norms, embeddings kept whole) from rank 0.
+The layouts are DeepSpeed 0.19's, as its `zero_to_fp32` reads them (the names of
+`deepspeed.checkpoint.constants`):
+
+- ZeRO 1-2: rank r's optimizer file holds, per parameter group g,
+  `single_partition_of_fp32_groups[g]`, its share of the group's flat fp32
+  vector (the ranks' shares in rank order make the vector). Parameters lie in
+  the vector in the order of the model file's `param_shapes[g]`, each followed
+  by its `param_alignment_paddings[g][i]` elements of padding.
+- ZeRO-3: rank r's `fp32_flat_groups`, concatenated, hold the r-th
+  ceil(n/dp)-element slice of every parameter of n elements, in `param_shapes`
+  order; the last slice is padded with zeros.
+- ZeRO 0 keeps whole weights in the model file (`module`), and AutoTP (tp > 1)
+  one model file per tp rank, each holding its slice of the split layers;
+  `gather_tp` places each tensor's slices side by side along the one dimension
+  where a slice is 1/tp of the full shape (from the model config), and takes
+  replicated tensors (norms, embeddings kept whole) from rank 0.
+
+Buffers come from the model file of rank 0 (`buffer_names`), and names DeepSpeed
+lists in `shared_params` take the regions of the parameter they share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-import torch
-
+from stagetrain.consolidate.stored import Region, Stored, describe, region_of, span
 from stagetrain.errors import StageError
-from stagetrain.pretrain.integrity import (
-    POINTER,
-    check_tag,
-    load_file,
-    read_pointer,
-    weights_only_loads,
-)
+from stagetrain.pretrain.integrity import POINTER, check_tag, read_pointer
+
+MODULE = "module"
+OPTIMIZER = "optimizer_state_dict"
+FP32_GROUPS = {1: "single_partition_of_fp32_groups", 2: "single_partition_of_fp32_groups",
+               3: "fp32_flat_groups"}  # fmt: skip
 
 
 def checkpoint_files(folder: Path, tag: str, layout: Mapping[str, int]) -> list[Path]:
@@ -45,15 +59,23 @@ def checkpoint_files(folder: Path, tag: str, layout: Mapping[str, int]) -> list[
     return check_tag(folder, tag, layout)
 
 
+def module_weights(path: Path) -> dict[str, Stored]:
+    """The whole tensors of a model file's `module` (ZeRO 0, or one AutoTP rank's slices)."""
+    module = describe(path)[MODULE]
+    return {name: Stored(tuple(t.shape), (region_of(path, t, name),)) for name, t in module.items()}
+
+
 def gather_tp(
-    shards: list[Mapping[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
-    """Whole tensors from AutoTP slices: concatenated along the split dimension, else rank 0's."""
+    shards: list[Mapping[str, Stored]], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, Stored]:
+    """Whole tensors from AutoTP slices: side by side along the split dimension, else rank 0's."""
     tp = len(shards)
     full = {}
     for name, expected in shapes.items():
+        if name not in shards[0]:
+            continue
         parts = [shard[name] for shard in shards]
-        if tuple(parts[0].shape) == expected:
+        if parts[0].shape == expected:
             full[name] = parts[0]
             continue
         dims = [
@@ -61,24 +83,103 @@ def gather_tp(
         ]
         if len(dims) != 1:
             raise StageError(
-                f"{name}: tp slices of shape {tuple(parts[0].shape)} do not make {expected} with tp={tp}"
+                f"{name}: tp slices of shape {parts[0].shape} do not make {expected} with tp={tp}"
             )
-        full[name] = torch.cat(parts, dim=dims[0])
+        pieces = tuple(piece for part in parts for piece in part.pieces)
+        full[name] = Stored(expected, pieces, split_dim=dims[0])
     return full
 
 
 def read_weights(
     folder: Path, tag: str, layout: Mapping[str, int], shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, Any]:
-    """The checkpoint's weights by parameter name: tensors, or lazy ones with `.contiguous()`."""
+) -> dict[str, Stored]:
+    """Where each of the checkpoint's weights lies, by parameter name."""
     files = checkpoint_files(folder, tag, layout)
     if layout["tp"] > 1:
-        return gather_tp([load_file(f)["module"] for f in files[: layout["tp"]]], shapes)
+        return gather_tp([module_weights(f) for f in files[: layout["tp"]]], shapes)
     if layout["zero_stage"] == 0:
-        return dict(load_file(files[0])["module"])
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return module_weights(files[0])
+    dp = layout["dp"]
+    return zero_weights(files[0], files[-dp:], layout["zero_stage"])
 
-    # zero_to_fp32 calls torch.load(weights_only=False); forced through the weights-only unpickler
-    # (every file was already loaded that way by checkpoint_files, so this cannot fail on safety).
-    with weights_only_loads():
-        return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag, lazy_mode=True)
+
+def zero_weights(model_file: Path, optim_files: list[Path], stage: int) -> dict[str, Stored]:
+    """The fp32 weights of a ZeRO 1-3 checkpoint (rank 0's model file, every rank's optimizer file)."""
+    model = describe(model_file)
+    missing = [k for k in ("param_shapes", "buffer_names", "shared_params") if k not in model]
+    if missing:
+        raise StageError(f"{model_file}: not a ZeRO model-states file (no {missing[0]!r})")
+    frozen = model.get("frozen_param_shapes") or {}
+    if frozen:
+        raise StageError(
+            f"{model_file}: {len(frozen)} frozen parameters (e.g. {next(iter(frozen))}); "
+            "consolidation reads only trained ones"
+        )
+    partitions, paddings = [], None
+    for path in optim_files:
+        state = describe(path)[OPTIMIZER]
+        key = FP32_GROUPS[stage]
+        if key not in state:
+            raise StageError(f"{path}: not a ZeRO-{stage} optimizer file (no {key!r})")
+        partitions.append([region_of(path, t, f"{key}[{g}]") for g, t in enumerate(state[key])])
+        paddings = state.get("param_alignment_paddings")
+    shapes = [
+        {name: tuple(shape) for name, shape in group.items()} for group in model["param_shapes"]
+    ]
+    where = f"{optim_files[0].parent}: ZeRO-{stage} over {len(optim_files)} ranks"
+    if stage == 3:
+        weights = zero3_layout(shapes, partitions, where)
+    else:
+        weights = zero12_layout(shapes, partitions, paddings, where)
+    module = model[MODULE]
+    for name in model["buffer_names"]:
+        if name in module:
+            weights[name] = Stored(
+                tuple(module[name].shape), (region_of(model_file, module[name], name),)
+            )
+    for name, source in model["shared_params"].items():
+        if source in weights:
+            weights[name] = weights[source]
+    return weights
+
+
+def zero12_layout(shapes: Sequence[Mapping[str, tuple[int, ...]]], partitions: Sequence[Sequence[Region]],
+                  paddings: Sequence[Sequence[int]] | None, where: str) -> dict[str, Stored]:  # fmt: skip
+    """ZeRO 1-2: `partitions[rank][group]` are the ranks' shares of each group's flat vector."""
+    world = len(partitions)
+    align = 2 * world  # DeepSpeed pads each group to a multiple of this (zero_to_fp32's check)
+    weights = {}
+    for g, group in enumerate(shapes):
+        vector = [ranks[g] for ranks in partitions]
+        available = sum(piece.numel for piece in vector)
+        if paddings is not None and len(paddings[g]) != len(group):
+            raise StageError(f"{where}: group {g} has {len(group)} parameters but "
+                             f"{len(paddings[g])} alignment paddings")  # fmt: skip
+        offset = 0
+        for i, (name, shape) in enumerate(group.items()):
+            numel = math.prod(shape)
+            weights[name] = Stored(shape, span(vector, offset, numel, where))
+            offset += numel + (paddings[g][i] if paddings is not None else 0)
+        if -(-offset // align) != -(-available // align):
+            raise StageError(f"{where}: group {g}'s parameters take {offset} elements, its fp32 "
+                             f"partitions hold {available}; the model states do not match the optimizer files")  # fmt: skip
+    return weights
+
+
+def zero3_layout(shapes: Sequence[Mapping[str, tuple[int, ...]]], partitions: Sequence[Sequence[Region]],
+                 where: str) -> dict[str, Stored]:  # fmt: skip
+    """ZeRO-3: `partitions[rank]` are the rank's flat groups, holding its slice of every parameter."""
+    world = len(partitions)
+    weights, offset = {}, 0
+    for group in shapes:
+        for name, shape in group.items():
+            numel = math.prod(shape)
+            share = -(-numel // world)
+            slices = [piece for rank in partitions for piece in span(rank, offset, share, where)]
+            weights[name] = Stored(shape, span(slices, 0, numel, where))
+            offset += share
+    available = sum(piece.numel for piece in partitions[0])
+    if offset != available:
+        raise StageError(f"{where}: the parameters take {offset} elements of each rank's fp32 "
+                         f"partition, which holds {available}; the model states do not match the optimizer files")  # fmt: skip
+    return weights

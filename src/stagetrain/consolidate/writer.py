@@ -1,26 +1,31 @@
 """Sharded safetensors in the Hugging Face layout: model-0000i-of-0000n.safetensors plus the index.
 
 Shards are planned from the tensors' sizes first (so the file names know the
-count), then written one at a time: only one shard's tensors are materialised
-at once. Tensors are written in sorted name order with fixed metadata, so the
-same weights always give the same bytes.
+count). Each shard is then streamed: its header is computed from the shapes
+alone, and each tensor's bytes are written as its chunks arrive, so no shard
+and no whole tensor is ever held in memory. Tensors are written in sorted name
+order with fixed metadata, so the same weights always give the same bytes; the
+bytes are those of `safetensors.torch.save_file` (which sorts by dtype, then
+name, and pads the JSON header with spaces to 8 bytes), as tests/test_consolidate_unit.py
+checks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Callable, Mapping
+import struct
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-
-from stagetrain.io import public_file
 
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
 INDEX = "model.safetensors.index.json"
+METADATA = {"format": "pt"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def parse_size(text: str) -> int:
@@ -42,25 +47,49 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+def header(names: list[str], shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> bytes:
+    """The safetensors header of a shard of `names` (one dtype, so data order is name order)."""
+    entries: dict[str, Any] = {"__metadata__": METADATA}
+    start = 0
+    for name in sorted(names):
+        end = start + math.prod(shapes[name]) * dtype.itemsize
+        entries[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shapes[name]),
+            "data_offsets": [start, end],
+        }
+        start = end
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
 def write_shards(
     names: list[str],
-    sizes: Mapping[str, int],
-    materialise: Callable[[str], torch.Tensor],
+    shapes: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    chunks: Callable[[str], Iterator[torch.Tensor]],
     folder: Path,
     max_bytes: int,
 ) -> dict[str, Any]:
-    """Write the tensors; return the index (also written to `folder`)."""
-    groups = plan_shards({n: sizes[n] for n in names}, max_bytes)
+    """Write the tensors, each from `chunks(name)` (its values in row-major order, in `dtype`,
+    any number of pieces); return the index (also written to `folder`)."""
+    sizes = {n: math.prod(shapes[n]) * dtype.itemsize for n in names}
+    groups = plan_shards(sizes, max_bytes)
     weight_map = {}
     for i, group in enumerate(groups, 1):
         filename = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file(
-            {name: materialise(name) for name in group},
-            str(folder / filename),
-            metadata={"format": "pt"},
-        )
-        public_file(folder / filename)
+        with open(folder / filename, "wb") as out:
+            out.write(header(group, shapes, dtype))
+            for name in group:
+                written = 0
+                for chunk in chunks(name):
+                    data = chunk.contiguous().view(torch.uint8).numpy()
+                    out.write(data)
+                    written += data.nbytes
+                if written != sizes[name]:
+                    raise RuntimeError(f"{name}: {written} bytes written, {sizes[name]} expected")
         weight_map.update(dict.fromkeys(group, filename))
-    index = {"metadata": {"total_size": sum(sizes[n] for n in names)}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return index
