@@ -1,27 +1,39 @@
 """Benchmark: tree rollouts against flat sampling at the same generated-token budget.
 
-    python benchmarks/grpo_rollouts.py [--run results/tiny] [--prompts 64] [--steps 40]
+    python benchmarks/grpo_rollouts.py [--run results/tiny] [--prompts 64] [--levels 2,3]
+                                       [--steps 40] [--seeds 3]
 
-Needs a consolidated model of the default run (`snakemake --cores all` makes it).
+Needs a consolidated model of the default run (`snakemake --cores all pretrain` makes it).
 
 1. Rollouts, side by side on the same prompts and the same policy: flat
    samples `group_size` completions per prompt; the tree search gets, per
    prompt, the tokens flat sampling generated for it as its budget (and no leaf
-   limit). Prints scored leaves per 1000 generated tokens of each, their ratio,
-   and the mean reward of the leaves. Prompts are level-1 and level-2 problems
-   of the default families, as the curriculum draws them.
-2. Training: the GRPO stage on two CPU ranks from that model, once flat and
-   once tree, the same steps, prompts per step, leaves per prompt and seed
-   (the default config's grpo section otherwise, its tree shape for the tree
-   run); prints the held-out accuracy before and after each and the tokens
-   each generated.
+   limit). Both generate at most the plan's GRPO generation batch of sequences
+   per `generate` call; the trees of all prompts grow together, one call per
+   round for the nodes every tree selected. Prints scored leaves per 1000
+   generated tokens, seconds per scored leaf, the mean reward of the leaves and
+   the share of prompts whose leaves all got the same reward, each against flat.
+   Prompts are drawn at `--levels` of the default families (2 and 3: worked
+   solutions of 16-26 tokens).
+2. Training: the GRPO stage on two CPU ranks from that model, flat and tree,
+   `--seeds` seeds each, at the same generated-token budget: flat runs `--steps`
+   steps, the tree the steps that spend flat's tokens at part 1's tokens per leaf
+   (its groups are group_size leaves). The default config's grpo section
+   otherwise. Prints the held-out accuracy gain of each run, and the mean gain of
+   each mode with its standard error.
+
+Last line: one JSON object with the targets' numbers (`leaves_per_1k_ratio`,
+`seconds_per_leaf_ratio` of the config's tree shape; `gain_tree`, `gain_flat`,
+`gain_se` of part 2), null where a part was skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -31,106 +43,141 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain import config as stconfig
-from stagetrain.grpo.rollouts import flat_groups, tree_groups
+from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
 from stagetrain.grpo.steps import prompt_ids
 from stagetrain.grpo.tree import TreeConfig
+from stagetrain.io import read_json
 from stagetrain.tasks import sample, score
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+SHAPES = ((2, 4), (2, 8), (4, 8), (2, 16))
+"""(B, K) tree shapes of part 1; the config's own shape is added."""
 
 
-def rollouts(folder: Path, grpo: dict, prompts: int, seed: int) -> None:
-    """Part 1: leaves per 1000 generated tokens, flat against tree, same prompts and budget."""
+def _summary(groups: list[Group], seconds: float) -> dict[str, float]:
+    leaves = sum(len(g.rewards) for g in groups)
+    tokens = sum(g.generated_tokens for g in groups)
+    return {
+        "leaves": leaves, "tokens": tokens, "per_1k": 1000 * leaves / tokens, "seconds": seconds,
+        "s_per_leaf": seconds / leaves, "reward": sum(r for g in groups for r in g.rewards) / leaves,
+        "zero_std": sum(not g.varies for g in groups) / len(groups), "length": sum(g.flat_tokens for g in groups) / leaves,
+    }  # fmt: skip
+
+
+def rollouts(
+    folder: Path, grpo: dict, prompts: int, levels: list[int], seed: int, batch: int
+) -> dict:
+    """Part 1: leaves per 1000 generated tokens and seconds per leaf, tree shapes against flat."""
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rng = random.Random(seed)
     families = grpo["curriculum"]["families"]
-    batch = [sample(rng.choice(families), rng.choice([1, 2]), "train", rng) for _ in range(prompts)]
-    ids = [prompt_ids(tok, p, grpo["max_prompt_len"]) for p in batch]
+    problems = [
+        sample(rng.choice(families), rng.choice(levels), "train", rng) for _ in range(prompts)
+    ]
+    ids = [prompt_ids(tok, p, grpo["max_prompt_len"]) for p in problems]
     common = {
         "temperature": grpo["temperature"],
         "top_p": grpo["top_p"],
         "pad_id": tok.pad_token_id,
     }
 
-    def reward(i: int, completion: list[int], offset: int = 0) -> float:
-        return score(tok.decode(completion, skip_special_tokens=False), batch[offset + i])
+    def reward(i: int, completion: list[int]) -> float:
+        return score(tok.decode(completion, skip_special_tokens=False), problems[i])
 
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.no_grad():
-        flat = flat_groups(model, ids, reward, group_size=grpo["group_size"],
-                           max_new_tokens=grpo["max_new_tokens"], eos_id=tok.eos_token_id,
-                           max_batch=len(ids) * grpo["group_size"], **common)  # fmt: skip
-    flat_s = time.perf_counter() - start
-    rows = [("flat", flat, flat_s)]
-    for b, k in ((2, 1), (2, 4), (4, 4), (2, 8)):
-        trees, seconds = [], 0.0
-        for i, (prompt, group) in enumerate(zip(ids, flat, strict=True)):
-            cfg = TreeConfig(branching=b, segment_tokens=k, max_leaves=10**6,
-                             max_tokens=max(1, group.generated_tokens), max_new_tokens=grpo["max_new_tokens"],
-                             uct_c=grpo["tree"]["uct_c"], eos_id=tok.eos_token_id)  # fmt: skip
-            start = time.perf_counter()
-            with torch.no_grad():
-                trees += tree_groups(
-                    model, [prompt], lambda j, c, i=i: reward(j, c, i), cfg, **common
-                )
-            seconds += time.perf_counter() - start
-        rows.append((f"tree B={b} K={k}", trees, seconds))
-    base = None
-    print(
-        f"{prompts} prompts; flat: {grpo['group_size']} samples each; tree: flat's tokens for the prompt as budget"
-    )
-    print(
-        f"{'rollout':<14} {'leaves':>7} {'tokens':>7} {'leaves/1k tok':>14} {'ratio':>6} {'mean reward':>12} {'tokens/s':>9}"
-    )
-    for name, groups, seconds in rows:
-        leaves = sum(len(g.rewards) for g in groups)
-        tokens = sum(g.generated_tokens for g in groups)
-        per_k = 1000 * leaves / tokens
-        base = base or per_k
-        mean = sum(r for g in groups for r in g.rewards) / leaves
-        print(f"{name:<14} {leaves:>7} {tokens:>7} {per_k:>14.1f} {per_k / base:>6.2f} {mean:>12.3f} {tokens / seconds:>9.0f}")  # fmt: skip
+        flat = flat_groups(model, ids, reward, group_size=grpo["group_size"], max_new_tokens=grpo["max_new_tokens"],
+                           eos_id=tok.eos_token_id, max_batch=batch, **common)  # fmt: skip
+    rows = {"flat": _summary(flat, time.perf_counter() - start)}
+    own = (grpo["tree"]["branching"], grpo["tree"]["segment_tokens"])
+    for b, k in sorted({*SHAPES, own}):
+        cfg = TreeConfig(branching=b, segment_tokens=k, max_leaves=10**6, max_tokens=1, max_new_tokens=grpo["max_new_tokens"],
+                         uct_c=grpo["tree"]["uct_c"], eos_id=tok.eos_token_id)  # fmt: skip
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            trees = tree_groups(model, ids, reward, cfg, max_batch=batch, budgets=[g.generated_tokens for g in flat], **common)  # fmt: skip
+        rows[f"tree B={b} K={k}" + (" (config)" if (b, k) == own else "")] = _summary(
+            trees, time.perf_counter() - start
+        )
+    base = rows["flat"]
+    print(f"{prompts} prompts at levels {levels} of {families}; flat: {grpo['group_size']} samples each; "
+          f"tree: flat's tokens for the prompt as budget; at most {batch} sequences per generate call")  # fmt: skip
+    print("| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length |")  # fmt: skip
+    print("| --- " * 10 + "|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['leaves']} | {r['tokens']:,} | {r['per_1k']:.1f} | {r['per_1k'] / base['per_1k']:.2f} | "
+              f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | {r['reward']:.3f} | "
+              f"{r['zero_std']:.2f} | {r['length']:.1f} |")  # fmt: skip
+    mine = next(r for name, r in rows.items() if name.endswith("(config)"))
+    return {
+        "leaves_per_1k_ratio": mine["per_1k"] / base["per_1k"],
+        "seconds_per_leaf_ratio": mine["s_per_leaf"] / base["s_per_leaf"],
+        "tokens_per_leaf_ratio": (mine["tokens"] / mine["leaves"])
+        / (base["tokens"] / base["leaves"]),
+    }
 
 
-def training(folder: Path, run: Path, cfg: dict, steps: int) -> None:
-    """Part 2: the GRPO stage, flat and tree, same steps, prompts and leaves per prompt."""
+def _grpo_run(
+    data: dict, folder: Path, out: Path, cfg: dict, rollout: str, steps: int, seed: int
+) -> tuple[float, int]:
+    """One GRPO run on two CPU ranks: (held-out accuracy gain, generated tokens)."""
     import pretrain_harness as harness
 
+    grpo = {
+        **cfg["grpo"],
+        "rollout": rollout,
+        "steps": steps,
+        "eval_every": steps,
+        "checkpoint_every": steps,
+    }
+    local = {
+        **cfg,
+        "grpo": grpo,
+        "parallelism": dict(cfg["parallelism"]),
+        "run": {**cfg["run"], "seed": seed},
+    }
+    layout = {"dp": 2, "tp": 1, "zero_stage": 0}
+    summary = harness.run_grpo(data, str(folder), out, world=2, layout=layout, cfg=local)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tokens = sum(r.get("rollout/generated_tokens", 0) for r in records)  # eval records have none
+    return summary["accuracy"]["end"] - summary["accuracy"]["start"], tokens
+
+
+def training(
+    folder: Path, run: Path, cfg: dict, steps: int, seeds: int, tokens_per_leaf_ratio: float
+) -> dict:
+    """Part 2: GRPO flat and tree, `seeds` seeds each, at flat's generated-token budget."""
     data = {key: str(run / rel) for key, rel in (("tokenizer", "tokenizer"), ("val", "data/val.bin"),
             ("meta", "data/meta.json"), ("model_config", "model_config.json"))}  # fmt: skip
-    layout = {"dp": 2, "tp": 1, "zero_stage": 0}
-    print(f"\nGRPO, {steps} steps from {folder} on 2 CPU ranks, {cfg['grpo']['prompts_per_step']} prompts x "
-          f"{cfg['grpo']['group_size']} leaves per step")  # fmt: skip
+    tree_steps = max(1, round(steps / tokens_per_leaf_ratio))
+    print(f"\nGRPO from {folder} on 2 CPU ranks, {cfg['grpo']['prompts_per_step']} prompts x {cfg['grpo']['group_size']} "
+          f"leaves per step; flat {steps} steps, tree {tree_steps} steps (flat's tokens at part 1's tokens per leaf)")  # fmt: skip
     print(
-        f"{'rollout':<8} {'accuracy start':>15} {'end':>6} {'gain':>6} {'generated tokens':>17} {'seconds':>8}"
+        "| rollout | seed | steps | gain | generated tokens | seconds |\n| --- | --- | --- | --- | --- | --- |"
     )
+    gains: dict[str, list[float]] = {"flat": [], "tree": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for rollout in ("flat", "tree"):
-            grpo = {
-                **cfg["grpo"],
-                "rollout": rollout,
-                "steps": steps,
-                "eval_every": steps,
-                "checkpoint_every": steps,
-            }
-            local = {**cfg, "grpo": grpo, "parallelism": dict(cfg["parallelism"])}
-            start = time.perf_counter()
-            summary = harness.run_grpo(
-                data, str(folder), Path(tmp) / rollout, world=2, layout=layout, cfg=local
-            )
-            seconds = time.perf_counter() - start
-            records = [
-                json.loads(line)
-                for line in (Path(tmp) / rollout / "metrics.jsonl").read_text().splitlines()
-            ]
-            tokens = sum(
-                r.get("rollout/generated_tokens", 0) for r in records
-            )  # eval records have none
-            acc = summary["accuracy"]
-            print(f"{rollout:<8} {acc['start']:>15.3f} {acc['end']:>6.3f} {acc['end'] - acc['start']:>+6.3f} "
-                  f"{tokens:>17,} {seconds:>8.0f}")  # fmt: skip
+        for seed in range(cfg["run"]["seed"], cfg["run"]["seed"] + seeds):
+            for rollout, n in (("flat", steps), ("tree", tree_steps)):
+                start = time.perf_counter()
+                gain, tokens = _grpo_run(
+                    data, folder, Path(tmp) / f"{rollout}{seed}", cfg, rollout, n, seed
+                )
+                gains[rollout].append(gain)
+                print(f"| {rollout} | {seed} | {n} | {gain:+.3f} | {tokens:,} | {time.perf_counter() - start:.0f} |", flush=True)  # fmt: skip
+    out = {f"gain_{mode}": statistics.fmean(g) for mode, g in gains.items()}
+    out["gain_se"] = {
+        mode: statistics.stdev(g) / math.sqrt(len(g)) if len(g) > 1 else None
+        for mode, g in gains.items()
+    }
+    print(
+        f"mean gain: flat {out['gain_flat']:+.3f}, tree {out['gain_tree']:+.3f}; standard errors {out['gain_se']}"
+    )
+    return out
 
 
 def main() -> None:
@@ -140,18 +187,35 @@ def main() -> None:
     parser.add_argument("--run", default="results/tiny", help="the default run's results folder")
     parser.add_argument("--prompts", type=int, default=64, help="prompts of part 1 (0: skip it)")
     parser.add_argument(
-        "--steps", type=int, default=40, help="GRPO steps of each training run (0: skip part 2)"
+        "--levels", default="2,3", help="curriculum levels of part 1's prompts, comma-separated"
     )
+    parser.add_argument(
+        "--steps", type=int, default=40, help="flat GRPO steps of part 2 (0: skip it)"
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of each rollout mode in part 2")
     args = parser.parse_args()
     run = Path(args.run).resolve()
     folder = run / "model" / "pretrain"
     if not (folder / "MANIFEST.json").exists():
-        sys.exit(f"error: {folder}: no consolidated model; run `snakemake --cores all` first")
+        sys.exit(
+            f"error: {folder}: no consolidated model; run `snakemake --cores all pretrain` first"
+        )
     cfg = stconfig.load(REPO / "config" / "config.yaml")
+    batch = read_json(run / "plan.json")["stages"]["grpo"]["generation"]["batch"]
+    result = {
+        "leaves_per_1k_ratio": None,
+        "seconds_per_leaf_ratio": None,
+        "tokens_per_leaf_ratio": None,
+    }
     if args.prompts:
-        rollouts(folder, cfg["grpo"], args.prompts, cfg["run"]["seed"])
+        levels = [int(level) for level in args.levels.split(",")]
+        result |= rollouts(folder, cfg["grpo"], args.prompts, levels, cfg["run"]["seed"], batch)
+    result |= {"gain_tree": None, "gain_flat": None, "gain_se": None}
     if args.steps:
-        training(folder, run, cfg, args.steps)
+        result |= training(
+            folder, run, cfg, args.steps, args.seeds, result["tokens_per_leaf_ratio"] or 1.0
+        )
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

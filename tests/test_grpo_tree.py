@@ -10,10 +10,12 @@ import pytest
 from stagetrain.errors import StageError
 from stagetrain.grpo.tree import (
     Node,
+    Request,
     SearchTree,
     TreeConfig,
     flat_equivalent_tokens,
     search,
+    search_trees,
     segments,
 )
 
@@ -235,6 +237,87 @@ def test_search_is_deterministic_for_the_same_callbacks() -> None:
 def test_search_rejects_a_wrong_number_of_continuations() -> None:
     with pytest.raises(ValueError, match="expected 2"):
         search(_cfg(), lambda prefixes, b, k: [[1]], _even_score)
+
+
+# --- several trees in batched rounds ----------------------------------------------------------
+
+
+def _batch_expand(calls: list[list[Request]] | None = None):
+    """A pure batched sampler: each request's continuations depend on its tree and prefix only,
+    so batching cannot change them (the real sampler's do; its path is the tree GRPO test's)."""
+    single = _fake_expand()
+
+    def expand(requests: list[Request], b: int, k: int) -> list[list[int]]:
+        if calls is not None:
+            calls.append(list(requests))
+        out = []
+        for r in requests:
+            # A different prefix per tree, so that trees differ; cut back to the limit below.
+            out += [c + [r.tree % 7 + 1] * k for c in single([[r.tree] + r.prefix], b, k)]
+        return out
+
+    return expand
+
+
+def _tree_score(tree: int, completion: list[int]) -> float:
+    return _even_score(completion) if tree % 2 else 1.0 - _even_score(completion)
+
+
+def _alone(cfg: TreeConfig, index: int) -> SearchTree:
+    """Tree `index` grown by itself, one node per call."""
+    expand = _batch_expand()
+
+    def one(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
+        return expand([Request(tree=index, prefix=p, limit=k) for p in prefixes], b, k)
+
+    return search(cfg, one, lambda completion: _tree_score(index, completion))
+
+
+def test_trees_grown_together_equal_each_tree_grown_alone() -> None:
+    cfgs = [_cfg(max_leaves=6), _cfg(max_leaves=100, max_tokens=15), _cfg(max_new_tokens=5)]
+    together = search_trees(cfgs, _batch_expand(), _tree_score, max_batch=64)
+    assert len({len(t.nodes) for t in together}) > 1  # the trees differ
+    for i, (cfg, tree) in enumerate(zip(cfgs, together, strict=True)):
+        assert [asdict(n) for n in tree.nodes] == [asdict(n) for n in _alone(cfg, i).nodes]
+
+
+def test_a_round_is_one_call_for_every_open_tree_within_the_generation_batch() -> None:
+    cfgs = [_cfg(max_leaves=4 + 2 * i) for i in range(5)]
+    calls: list[list[Request]] = []
+    trees = search_trees(cfgs, _batch_expand(calls), _tree_score, max_batch=64)
+    expansions = [sum(1 for n in t.nodes if n.children) for t in trees]
+    assert len(calls) == max(expansions)  # one call per round: the longest search's rounds
+    assert [len(c) for c in calls] == [sum(e > r for e in expansions) for r in range(len(calls))]
+    assert all(len({r.tree for r in call}) == len(call) for call in calls)  # a node per tree
+    capped: list[list[Request]] = []
+    again = search_trees(cfgs, _batch_expand(capped), _tree_score, max_batch=5)
+    assert max(len(call) for call in capped) == 2  # 5 // B sequences' worth of nodes
+    assert sum(map(len, capped)) == sum(expansions)
+    assert [[asdict(n) for n in t.nodes] for t in again] == [
+        [asdict(n) for n in t.nodes] for t in trees
+    ]
+
+
+def test_continuations_are_cut_to_each_nodes_own_limit() -> None:
+    """One call asks for the longest limit; a node near max_new_tokens keeps fewer tokens."""
+    cfgs = [_cfg(max_new_tokens=4, max_leaves=100), _cfg(max_new_tokens=12, max_leaves=100)]
+    calls: list[list[Request]] = []
+    trees = search_trees(cfgs, _batch_expand(calls), _tree_score, max_batch=64)
+    assert any(len({r.limit for r in call}) > 1 for call in calls)
+    assert trees[0].select() is None  # searched exhaustively within 4 tokens
+    for tree in trees:
+        assert all(len(tree.completion(n)) <= tree.cfg.max_new_tokens for n in tree.nodes)
+        assert all(
+            leaf.tokens[-1] == EOS or len(tree.completion(leaf)) == tree.cfg.max_new_tokens
+            for leaf in tree.leaves()
+        )
+
+
+def test_search_trees_rejects_mixed_branching_and_a_wrong_number_of_continuations() -> None:
+    with pytest.raises(ValueError, match="same branching"):
+        search_trees([_cfg(), _cfg(branching=3)], _batch_expand(), _tree_score, max_batch=8)
+    with pytest.raises(ValueError, match="expected 4"):
+        search_trees([_cfg(), _cfg()], lambda r, b, k: [[1]] * 3, _tree_score, max_batch=8)
 
 
 # --- export ----------------------------------------------------------------------------------
