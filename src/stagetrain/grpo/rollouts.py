@@ -150,8 +150,11 @@ def tree_groups(
         cfgs = [replace(cfg, max_tokens=max(1, b)) for b in budgets]
 
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
-        return sample(model, [list(prompts[r.tree]) + r.prefix for r in requests], n, k,
-                      temperature=temperature, top_p=top_p, eos_id=cfg.eos_id, pad_id=pad_id)  # fmt: skip
+        out = sample(model, [list(prompts[r.tree]) + r.prefix for r in requests], n, k,
+                     temperature=temperature, top_p=top_p, eos_id=cfg.eos_id, pad_id=pad_id)  # fmt: skip
+        # A sampled pad token ends a completion as flat sampling's cut does; a segment needs a
+        # token, so one that starts with pad is an eos (the completion ends there).
+        return [c or [cfg.eos_id] for c in out]
 
     trees = search_trees(cfgs, expand, score, max_batch)
     return [_tree_group(prompt, tree) for prompt, tree in zip(prompts, trees, strict=True)]
