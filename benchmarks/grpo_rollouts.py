@@ -65,23 +65,15 @@ def _summary(groups: list[Group], seconds: float) -> dict[str, float]:
     }  # fmt: skip
 
 
-def rollouts(
-    folder: Path, grpo: dict, prompts: int, levels: list[int], seed: int, batch: int
-) -> dict:
-    """Part 1: leaves per 1000 generated tokens and seconds per leaf, tree shapes against flat."""
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    rng = random.Random(seed)
-    families = grpo["curriculum"]["families"]
-    problems = [
-        sample(rng.choice(families), rng.choice(levels), "train", rng) for _ in range(prompts)
-    ]
+def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shapes) -> dict:  # noqa: ANN001
+    """Flat sampling, then each tree shape with flat's tokens per prompt as its budget."""
     ids = [prompt_ids(tok, p, grpo["max_prompt_len"]) for p in problems]
     common = {
         "temperature": grpo["temperature"],
         "top_p": grpo["top_p"],
         "pad_id": tok.pad_token_id,
     }
+    own = (grpo["tree"]["branching"], grpo["tree"]["segment_tokens"])
 
     def reward(i: int, completion: list[int]) -> float:
         return score(tok.decode(completion, skip_special_tokens=False), problems[i])
@@ -89,42 +81,114 @@ def rollouts(
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.no_grad():
-        flat = flat_groups(model, ids, reward, group_size=grpo["group_size"], max_new_tokens=grpo["max_new_tokens"],
-                           eos_id=tok.eos_token_id, max_batch=batch, **common)  # fmt: skip
+        flat = flat_groups(
+            model,
+            ids,
+            reward,
+            group_size=grpo["group_size"],
+            max_new_tokens=grpo["max_new_tokens"],
+            eos_id=tok.eos_token_id,
+            max_batch=batch,
+            **common,
+        )
     rows = {"flat": _summary(flat, time.perf_counter() - start)}
-    own = (grpo["tree"]["branching"], grpo["tree"]["segment_tokens"])
-    for b, k in sorted({*SHAPES, own}):
-        cfg = TreeConfig(branching=b, segment_tokens=k, max_leaves=10**6, max_tokens=1, max_new_tokens=grpo["max_new_tokens"],
-                         uct_c=grpo["tree"]["uct_c"], eos_id=tok.eos_token_id)  # fmt: skip
+    for b, k in shapes:
+        cfg = TreeConfig(
+            branching=b,
+            segment_tokens=k,
+            max_leaves=10**6,
+            max_tokens=1,
+            max_new_tokens=grpo["max_new_tokens"],
+            uct_c=grpo["tree"]["uct_c"],
+            eos_id=tok.eos_token_id,
+        )
         torch.manual_seed(seed)
         start = time.perf_counter()
         with torch.no_grad():
-            trees = tree_groups(model, ids, reward, cfg, max_batch=batch, budgets=[g.generated_tokens for g in flat], **common)  # fmt: skip
+            trees = tree_groups(
+                model,
+                ids,
+                reward,
+                cfg,
+                max_batch=batch,
+                budgets=[g.generated_tokens for g in flat],
+                **common,
+            )
         rows[f"tree B={b} K={k}" + (" (config)" if (b, k) == own else "")] = _summary(
             trees, time.perf_counter() - start
         )
-    base = rows["flat"]
-    print(f"{prompts} prompts at levels {levels} of {families}; flat: {grpo['group_size']} samples each; "
-          f"tree: flat's tokens for the prompt as budget; at most {batch} sequences per generate call")  # fmt: skip
-    print("| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length |")  # fmt: skip
-    print("| --- " * 10 + "|")
-    for name, r in rows.items():
-        print(f"| {name} | {r['leaves']} | {r['tokens']:,} | {r['per_1k']:.1f} | {r['per_1k'] / base['per_1k']:.2f} | "
-              f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | {r['reward']:.3f} | "
-              f"{r['zero_std']:.2f} | {r['length']:.1f} |")  # fmt: skip
-    mine = next(r for name, r in rows.items() if name.endswith("(config)"))
+    return rows  # fmt: skip
+
+
+def _ratios(rows: dict) -> dict:
+    base, mine = rows["flat"], next(r for name, r in rows.items() if name.endswith("(config)"))
     return {
         "leaves_per_1k_ratio": mine["per_1k"] / base["per_1k"],
         "seconds_per_leaf_ratio": mine["s_per_leaf"] / base["s_per_leaf"],
-        "tokens_per_leaf_ratio": (mine["tokens"] / mine["leaves"])
-        / (base["tokens"] / base["leaves"]),
-    }
+        "tokens_per_leaf_ratio": (mine["tokens"] / mine["leaves"]) / (base["tokens"] / base["leaves"]),
+    }  # fmt: skip
+
+
+def _load(folder: Path):  # noqa: ANN202
+    torch.set_num_threads(1)  # a shared 2-core machine: threads that wait on each other add noise
+    tok = AutoTokenizer.from_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), tok
+
+
+def rollouts(
+    folder: Path, grpo: dict, prompts: int, levels: list[int], seed: int, batch: int
+) -> dict:
+    """Part 1: leaves per 1000 generated tokens and seconds per leaf, tree shapes against flat."""
+    model, tok = _load(folder)
+    rng = random.Random(seed)
+    families = grpo["curriculum"]["families"]
+    problems = [
+        sample(rng.choice(families), rng.choice(levels), "train", rng) for _ in range(prompts)
+    ]
+    own = (grpo["tree"]["branching"], grpo["tree"]["segment_tokens"])
+    rows = _compare(model, tok, grpo, problems, seed, batch, sorted({*SHAPES, own}))
+    base = rows["flat"]
+    print(
+        f"{prompts} prompts at levels {levels} of {families}; flat: {grpo['group_size']} samples each; "
+        f"tree: flat's tokens for the prompt as budget; at most {batch} sequences per generate call"
+    )
+    print(
+        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length |"
+    )
+    print("| --- " * 10 + "|")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {r['leaves']} | {r['tokens']:,} | {r['per_1k']:.1f} | {r['per_1k'] / base['per_1k']:.2f} | "
+            f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | {r['reward']:.3f} | "
+            f"{r['zero_std']:.2f} | {r['length']:.1f} |"
+        )
+    return _ratios(rows)  # fmt: skip
+
+
+def curve(folder: Path, grpo: dict, prompts: int, seed: int, batch: int) -> None:
+    """The tree's advantage against completion length: the config's shape at each level alone."""
+    model, tok = _load(folder)
+    own = (grpo["tree"]["branching"], grpo["tree"]["segment_tokens"])
+    families = grpo["curriculum"]["families"]
+    print(f"\nTree B={own[0]} K={own[1]} against flat, {prompts} prompts per level of {families}")
+    print(
+        "| level | flat leaf length | leaves/1k ratio | s/leaf ratio | zero-std flat | zero-std tree |"
+    )
+    print("| --- " * 6 + "|")
+    for level in range(1, 6):
+        rng = random.Random(seed + level)
+        problems = [sample(rng.choice(families), level, "train", rng) for _ in range(prompts)]
+        rows = _compare(model, tok, grpo, problems, seed, batch, [own])
+        r, tree = _ratios(rows), rows[next(n for n in rows if n != "flat")]
+        print(f"| {level} | {rows['flat']['length']:.1f} | {r['leaves_per_1k_ratio']:.2f} | "
+              f"{r['seconds_per_leaf_ratio']:.2f} | {rows['flat']['zero_std']:.2f} | {tree['zero_std']:.2f} |", flush=True)  # fmt: skip
 
 
 def _grpo_run(
     data: dict, folder: Path, out: Path, cfg: dict, rollout: str, steps: int, seed: int
-) -> tuple[float, int]:
-    """One GRPO run on two CPU ranks: (held-out accuracy gain, generated tokens)."""
+) -> tuple[float, int, float]:
+    """One GRPO run on two CPU ranks: (held-out accuracy gain, generated tokens, mean share of
+    prompts per step whose rewards did not vary)."""
     import pretrain_harness as harness
 
     grpo = {
@@ -144,31 +208,32 @@ def _grpo_run(
     summary = harness.run_grpo(data, str(folder), out, world=2, layout=layout, cfg=local)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tokens = sum(r.get("rollout/generated_tokens", 0) for r in records)  # eval records have none
-    return summary["accuracy"]["end"] - summary["accuracy"]["start"], tokens
+    zero = statistics.fmean(
+        r["frac_reward_zero_std"] for r in records if "frac_reward_zero_std" in r
+    )
+    return summary["accuracy"]["end"] - summary["accuracy"]["start"], tokens, zero
 
 
-def training(
-    folder: Path, run: Path, cfg: dict, steps: int, seeds: int, tokens_per_leaf_ratio: float
-) -> dict:
+def training(folder: Path, run: Path, cfg: dict, steps: int, seeds: int, tree_steps: int) -> dict:
     """Part 2: GRPO flat and tree, `seeds` seeds each, at flat's generated-token budget."""
     data = {key: str(run / rel) for key, rel in (("tokenizer", "tokenizer"), ("val", "data/val.bin"),
             ("meta", "data/meta.json"), ("model_config", "model_config.json"))}  # fmt: skip
-    tree_steps = max(1, round(steps / tokens_per_leaf_ratio))
     print(f"\nGRPO from {folder} on 2 CPU ranks, {cfg['grpo']['prompts_per_step']} prompts x {cfg['grpo']['group_size']} "
-          f"leaves per step; flat {steps} steps, tree {tree_steps} steps (flat's tokens at part 1's tokens per leaf)")  # fmt: skip
+          f"leaves per step; flat {steps} steps, tree {tree_steps} steps (to spend flat's generated tokens)")  # fmt: skip
     print(
-        "| rollout | seed | steps | gain | generated tokens | seconds |\n| --- | --- | --- | --- | --- | --- |"
+        "| rollout | seed | steps | gain | generated tokens | zero-std groups | seconds |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |"
     )
     gains: dict[str, list[float]] = {"flat": [], "tree": []}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(cfg["run"]["seed"], cfg["run"]["seed"] + seeds):
             for rollout, n in (("flat", steps), ("tree", tree_steps)):
                 start = time.perf_counter()
-                gain, tokens = _grpo_run(
+                gain, tokens, zero = _grpo_run(
                     data, folder, Path(tmp) / f"{rollout}{seed}", cfg, rollout, n, seed
                 )
                 gains[rollout].append(gain)
-                print(f"| {rollout} | {seed} | {n} | {gain:+.3f} | {tokens:,} | {time.perf_counter() - start:.0f} |", flush=True)  # fmt: skip
+                print(f"| {rollout} | {seed} | {n} | {gain:+.3f} | {tokens:,} | {zero:.2f} | {time.perf_counter() - start:.0f} |", flush=True)  # fmt: skip
     out = {f"gain_{mode}": statistics.fmean(g) for mode, g in gains.items()}
     out["gain_se"] = {
         mode: statistics.stdev(g) / math.sqrt(len(g)) if len(g) > 1 else None
@@ -192,7 +257,16 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=40, help="flat GRPO steps of part 2 (0: skip it)"
     )
+    parser.add_argument(
+        "--curve", action="store_true", help="also part 1 at each level alone (advantage by length)"
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds of each rollout mode in part 2")
+    parser.add_argument(
+        "--tree-steps",
+        type=int,
+        default=0,
+        help="tree GRPO steps of part 2 (0: from part 1's tokens per leaf)",
+    )
     args = parser.parse_args()
     run = Path(args.run).resolve()
     folder = run / "model" / "pretrain"
@@ -210,11 +284,13 @@ def main() -> None:
     if args.prompts:
         levels = [int(level) for level in args.levels.split(",")]
         result |= rollouts(folder, cfg["grpo"], args.prompts, levels, cfg["run"]["seed"], batch)
+    if args.curve:
+        curve(folder, cfg["grpo"], args.prompts or 32, cfg["run"]["seed"], batch)
     result |= {"gain_tree": None, "gain_flat": None, "gain_se": None}
     if args.steps:
-        result |= training(
-            folder, run, cfg, args.steps, args.seeds, result["tokens_per_leaf_ratio"] or 1.0
-        )
+        ratio = result["tokens_per_leaf_ratio"] or 1.0
+        tree_steps = args.tree_steps or max(1, round(args.steps / ratio))
+        result |= training(folder, run, cfg, args.steps, args.seeds, tree_steps)
     print(json.dumps(result))
 
 
