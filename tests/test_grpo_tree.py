@@ -194,8 +194,8 @@ def test_search_calls_expand_once_per_iteration_with_the_segment_limit() -> None
     calls: list[tuple[list[list[int]], int, int]] = []
     cfg = _cfg(max_new_tokens=5)
     tree = search(cfg, _fake_expand(calls), _even_score)
-    expanded = [n for n in tree.nodes if n.children]
-    assert len(calls) == len(expanded)
+    expanded = [tree.nodes[tree.nodes[i].parent] for i in range(1, len(tree.nodes), cfg.branching)]
+    assert len(calls) == len(expanded) and expanded.count(tree.root) > 1  # the root widened
     for (prefixes, b, k), node in zip(calls, expanded, strict=True):
         assert prefixes == [tree.completion(node)] and b == cfg.branching
         assert k == min(cfg.segment_tokens, cfg.max_new_tokens - len(prefixes[0]))
@@ -209,7 +209,7 @@ def test_sharing_prefixes_generates_fewer_tokens_than_flat_sampling() -> None:
 
 def test_exhaustive_search_of_a_full_binary_tree_has_exact_counts() -> None:
     """No eos, K = 1, max_new_tokens = 3: 2 + 4 + 8 nodes, 8 leaves of 3 tokens each."""
-    cfg = _cfg(segment_tokens=1, max_new_tokens=3, max_leaves=100)
+    cfg = _cfg(segment_tokens=1, max_new_tokens=3, max_leaves=8)
     scores: list[list[int]] = []
 
     def never_eos(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
@@ -285,7 +285,7 @@ def test_a_round_is_one_call_for_every_open_tree_within_the_generation_batch() -
     cfgs = [_cfg(max_leaves=4 + 2 * i) for i in range(5)]
     calls: list[list[Request]] = []
     trees = search_trees(cfgs, _batch_expand(calls), _tree_score, max_batch=64)
-    expansions = [sum(1 for n in t.nodes if n.children) for t in trees]
+    expansions = [(len(t.nodes) - 1) // 2 for t in trees]
     assert len(calls) == max(expansions)  # one call per round: the longest search's rounds
     assert [len(c) for c in calls] == [sum(e > r for e in expansions) for r in range(len(calls))]
     assert all(len({r.tree for r in call}) == len(call) for call in calls)  # a node per tree
@@ -304,13 +304,32 @@ def test_continuations_are_cut_to_each_nodes_own_limit() -> None:
     calls: list[list[Request]] = []
     trees = search_trees(cfgs, _batch_expand(calls), _tree_score, max_batch=64)
     assert any(len({r.limit for r in call}) > 1 for call in calls)
-    assert trees[0].select() is None  # searched exhaustively within 4 tokens
+    assert len(trees[0].root.children) > 2  # every path within 4 tokens ended: it widened
     for tree in trees:
         assert all(len(tree.completion(n)) <= tree.cfg.max_new_tokens for n in tree.nodes)
         assert all(
             leaf.tokens[-1] == EOS or len(tree.completion(leaf)) == tree.cfg.max_new_tokens
             for leaf in tree.leaves()
         )
+
+
+def test_a_tree_whose_paths_all_end_widens_its_root_until_its_leaf_budget() -> None:
+    """Answers that end within one segment: without widening the group would be B leaves."""
+    cfg = _cfg(max_leaves=8)
+
+    def short(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
+        return [[3 + i, EOS] for _ in prefixes for i in range(b)]
+
+    tree = search(cfg, short, _even_score)
+    assert len(tree.leaves()) == 8 and len(tree.root.children) == 8
+    assert tree.generated_tokens == 16 == flat_equivalent_tokens(tree)  # flat sampling, no sharing
+    assert tree.root.visits == 8 and tree.root.value == 0.5
+    with pytest.raises(ValueError, match="already expanded"):
+        tree.expand(tree.nodes[1], [[1]])  # a finished leaf never widens
+    open_tree = SearchTree(cfg)
+    _grow(open_tree, open_tree.root, [1], [2])
+    with pytest.raises(ValueError, match="already expanded"):
+        _grow(open_tree, open_tree.root, [3], [4])  # an open root is not widened
 
 
 def test_search_trees_rejects_mixed_branching_and_a_wrong_number_of_continuations() -> None:

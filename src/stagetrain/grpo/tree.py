@@ -149,15 +149,24 @@ class SearchTree:
     def expand(self, node: Node, continuations: list[list[int]]) -> list[Node]:
         """Add one child per continuation (cut after its first eos) and count its tokens.
 
+        The root may be expanded again once every path under it has finished (`closed`): it
+        widens, so a prompt whose completions all end within a segment still gets its leaves.
         All continuations are checked before any is added, so a bad one leaves the tree as it was.
         """
-        if node.finished or node.children or not continuations:
+        widening = node.id == ROOT and self.closed
+        if node.finished or (node.children and not widening) or not continuations:
             raise ValueError(f"node {node.id}: finished or already expanded, or no continuations")
         limit, length = self.segment_limit(node), len(self.completion(node))
         cut = [self._cut(node, tokens, limit) for tokens in continuations]
+        self._closed.discard(node.id)
         children = [self._add_child(node, tokens, length) for tokens in cut]
         self._close_up(node)
         return children
+
+    @property
+    def closed(self) -> bool:
+        """Whether every path has ended in a finished leaf (`select` gives None)."""
+        return ROOT in self._closed
 
     def _cut(self, node: Node, tokens: list[int], limit: int) -> list[int]:
         eos = self.cfg.eos_id
@@ -241,9 +250,10 @@ def _spent(tree: SearchTree) -> bool:
 def search_trees(
     cfgs: Sequence[TreeConfig], expand: BatchExpand, score: TreeScore, max_batch: int
 ) -> list[SearchTree]:
-    """Grow one tree per config together, in rounds, until each spends a budget or closes.
+    """Grow one tree per config together, in rounds, until each spends its leaf or token budget.
 
-    A round selects one node (UCT) in every tree still open and within budget, expands all of
+    A round selects one node (UCT) in every tree within budget (the root again in a tree whose
+    paths have all finished: it widens), expands all of
     them with as few `expand` calls as `max_batch` allows (at most max_batch // B nodes, so
     at most max_batch sequences, per call, in tree order), scores each finished child and backs
     its reward up. A tree's budgets are checked before each round, so its last expansion may
@@ -261,13 +271,11 @@ def search_trees(
 
 
 def _select_round(trees: Sequence[SearchTree]) -> list[tuple[int, Node]]:
-    """(tree index, selected node) of every tree that is within budget and not closed."""
-    chosen = []
-    for i, tree in enumerate(trees):
-        node = None if _spent(tree) else tree.select()
-        if node is not None:
-            chosen.append((i, node))
-    return chosen
+    """(tree index, node to expand) of every tree within budget: the UCT selection, or the
+    root when every path has finished (it widens: B more children of the prompt). Without
+    widening, a prompt whose answers all end in the first segment would get B leaves, not a
+    group: on the level-1 prompts of the tiny model (2-3 token answers) every tree did."""
+    return [(i, tree.select() or tree.root) for i, tree in enumerate(trees) if not _spent(tree)]
 
 
 def _expand_batch(
