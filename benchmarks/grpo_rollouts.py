@@ -1,7 +1,7 @@
 """Benchmark: tree rollouts against flat sampling at the same generated-token budget.
 
     python benchmarks/grpo_rollouts.py [--run results/tiny] [--prompts 64] [--levels 2,3]
-                                       [--steps 40] [--seeds 3]
+                                       [--curve] [--steps 40] [--tree-steps N] [--seeds 3]
 
 Needs a consolidated model of the default run (`snakemake --cores all pretrain` makes it).
 
@@ -11,19 +11,22 @@ Needs a consolidated model of the default run (`snakemake --cores all pretrain` 
    limit). Both generate at most the plan's GRPO generation batch of sequences
    per `generate` call; the trees of all prompts grow together, one call per
    round for the nodes every tree selected. Prints scored leaves per 1000
-   generated tokens, seconds per scored leaf, the mean reward of the leaves and
+   generated tokens, wall-clock and CPU seconds per scored leaf (one torch
+   thread; CPU seconds suffer less from other users' load), the mean reward of the leaves and
    the share of prompts whose leaves all got the same reward, each against flat.
    Prompts are drawn at `--levels` of the default families (2 and 3: worked
    solutions of 16-26 tokens).
 2. Training: the GRPO stage on two CPU ranks from that model, flat and tree,
    `--seeds` seeds each, at the same generated-token budget: flat runs `--steps`
    steps, the tree the steps that spend flat's tokens at part 1's tokens per leaf
-   (its groups are group_size leaves). The default config's grpo section
+   (its groups are group_size leaves), or `--tree-steps`. The default config's grpo section
    otherwise. Prints the held-out accuracy gain of each run, and the mean gain of
    each mode with its standard error.
+--curve: part 1 for the config's tree shape at each level alone, against the
+   completions' length (where the tree starts to pay).
 
 Last line: one JSON object with the targets' numbers (`leaves_per_1k_ratio`,
-`seconds_per_leaf_ratio` of the config's tree shape; `gain_tree`, `gain_flat`,
+`seconds_per_leaf_ratio`, `cpu_seconds_per_leaf_ratio` of the config's tree shape; `gain_tree`, `gain_flat`,
 `gain_se` of part 2), null where a part was skipped.
 """
 
@@ -55,12 +58,14 @@ SHAPES = ((2, 4), (2, 8), (4, 8), (2, 16))
 """(B, K) tree shapes of part 1; the config's own shape is added."""
 
 
-def _summary(groups: list[Group], seconds: float) -> dict[str, float]:
+def _summary(groups: list[Group], seconds: float, cpu: float) -> dict[str, float]:
+    """Counts and rates of one rollout mode; `cpu` is the process's CPU seconds (one torch thread),
+    which other users' load on a shared machine inflates much less than wall-clock seconds."""
     leaves = sum(len(g.rewards) for g in groups)
     tokens = sum(g.generated_tokens for g in groups)
     return {
         "leaves": leaves, "tokens": tokens, "per_1k": 1000 * leaves / tokens, "seconds": seconds,
-        "s_per_leaf": seconds / leaves, "reward": sum(r for g in groups for r in g.rewards) / leaves,
+        "s_per_leaf": seconds / leaves, "cpu_per_leaf": cpu / leaves, "reward": sum(r for g in groups for r in g.rewards) / leaves,
         "zero_std": sum(not g.varies for g in groups) / len(groups), "length": sum(g.flat_tokens for g in groups) / leaves,
     }  # fmt: skip
 
@@ -79,7 +84,7 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
         return score(tok.decode(completion, skip_special_tokens=False), problems[i])
 
     torch.manual_seed(seed)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         flat = flat_groups(
             model,
@@ -91,7 +96,7 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
             max_batch=batch,
             **common,
         )
-    rows = {"flat": _summary(flat, time.perf_counter() - start)}
+    rows = {"flat": _summary(flat, time.perf_counter() - start, time.process_time() - cpu)}
     for b, k in shapes:
         cfg = TreeConfig(
             branching=b,
@@ -103,7 +108,7 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
             eos_id=tok.eos_token_id,
         )
         torch.manual_seed(seed)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with torch.no_grad():
             trees = tree_groups(
                 model,
@@ -115,7 +120,7 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
                 **common,
             )
         rows[f"tree B={b} K={k}" + (" (config)" if (b, k) == own else "")] = _summary(
-            trees, time.perf_counter() - start
+            trees, time.perf_counter() - start, time.process_time() - cpu
         )
     return rows  # fmt: skip
 
@@ -125,6 +130,7 @@ def _ratios(rows: dict) -> dict:
     return {
         "leaves_per_1k_ratio": mine["per_1k"] / base["per_1k"],
         "seconds_per_leaf_ratio": mine["s_per_leaf"] / base["s_per_leaf"],
+        "cpu_seconds_per_leaf_ratio": mine["cpu_per_leaf"] / base["cpu_per_leaf"],
         "tokens_per_leaf_ratio": (mine["tokens"] / mine["leaves"]) / (base["tokens"] / base["leaves"]),
     }  # fmt: skip
 
@@ -153,13 +159,14 @@ def rollouts(
         f"tree: flat's tokens for the prompt as budget; at most {batch} sequences per generate call"
     )
     print(
-        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length |"
+        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | CPU s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length |"
     )
-    print("| --- " * 10 + "|")
+    print("| --- " * 12 + "|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['leaves']} | {r['tokens']:,} | {r['per_1k']:.1f} | {r['per_1k'] / base['per_1k']:.2f} | "
-            f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | {r['reward']:.3f} | "
+            f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | "
+            f"{1000 * r['cpu_per_leaf']:.2f} | {r['cpu_per_leaf'] / base['cpu_per_leaf']:.2f} | {r['reward']:.3f} | "
             f"{r['zero_std']:.2f} | {r['length']:.1f} |"
         )
     return _ratios(rows)  # fmt: skip
@@ -279,6 +286,7 @@ def main() -> None:
     result = {
         "leaves_per_1k_ratio": None,
         "seconds_per_leaf_ratio": None,
+        "cpu_seconds_per_leaf_ratio": None,
         "tokens_per_leaf_ratio": None,
     }
     if args.prompts:
