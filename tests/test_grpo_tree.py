@@ -10,10 +10,12 @@ import pytest
 from stagetrain.errors import StageError
 from stagetrain.grpo.tree import (
     Node,
+    Request,
     SearchTree,
     TreeConfig,
     flat_equivalent_tokens,
     search,
+    search_trees,
     segments,
 )
 
@@ -192,8 +194,8 @@ def test_search_calls_expand_once_per_iteration_with_the_segment_limit() -> None
     calls: list[tuple[list[list[int]], int, int]] = []
     cfg = _cfg(max_new_tokens=5)
     tree = search(cfg, _fake_expand(calls), _even_score)
-    expanded = [n for n in tree.nodes if n.children]
-    assert len(calls) == len(expanded)
+    expanded = [tree.nodes[tree.nodes[i].parent] for i in range(1, len(tree.nodes), cfg.branching)]
+    assert len(calls) == len(expanded) and expanded.count(tree.root) > 1  # the root widened
     for (prefixes, b, k), node in zip(calls, expanded, strict=True):
         assert prefixes == [tree.completion(node)] and b == cfg.branching
         assert k == min(cfg.segment_tokens, cfg.max_new_tokens - len(prefixes[0]))
@@ -207,7 +209,7 @@ def test_sharing_prefixes_generates_fewer_tokens_than_flat_sampling() -> None:
 
 def test_exhaustive_search_of_a_full_binary_tree_has_exact_counts() -> None:
     """No eos, K = 1, max_new_tokens = 3: 2 + 4 + 8 nodes, 8 leaves of 3 tokens each."""
-    cfg = _cfg(segment_tokens=1, max_new_tokens=3, max_leaves=100)
+    cfg = _cfg(segment_tokens=1, max_new_tokens=3, max_leaves=8)
     scores: list[list[int]] = []
 
     def never_eos(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
@@ -235,6 +237,106 @@ def test_search_is_deterministic_for_the_same_callbacks() -> None:
 def test_search_rejects_a_wrong_number_of_continuations() -> None:
     with pytest.raises(ValueError, match="expected 2"):
         search(_cfg(), lambda prefixes, b, k: [[1]], _even_score)
+
+
+# --- several trees in batched rounds ----------------------------------------------------------
+
+
+def _batch_expand(calls: list[list[Request]] | None = None):
+    """A pure batched sampler: each request's continuations depend on its tree and prefix only,
+    so batching cannot change them (the real sampler's do; its path is the tree GRPO test's)."""
+    single = _fake_expand()
+
+    def expand(requests: list[Request], b: int, k: int) -> list[list[int]]:
+        if calls is not None:
+            calls.append(list(requests))
+        out = []
+        for r in requests:
+            # A different prefix per tree, so that trees differ; cut back to the limit below.
+            out += [c + [r.tree % 7 + 1] * k for c in single([[r.tree] + r.prefix], b, k)]
+        return out
+
+    return expand
+
+
+def _tree_score(tree: int, completion: list[int]) -> float:
+    return _even_score(completion) if tree % 2 else 1.0 - _even_score(completion)
+
+
+def _alone(cfg: TreeConfig, index: int) -> SearchTree:
+    """Tree `index` grown by itself, one node per call."""
+    expand = _batch_expand()
+
+    def one(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
+        return expand([Request(tree=index, prefix=p, limit=k) for p in prefixes], b, k)
+
+    return search(cfg, one, lambda completion: _tree_score(index, completion))
+
+
+def test_trees_grown_together_equal_each_tree_grown_alone() -> None:
+    cfgs = [_cfg(max_leaves=6), _cfg(max_leaves=100, max_tokens=15), _cfg(max_new_tokens=5)]
+    together = search_trees(cfgs, _batch_expand(), _tree_score, max_batch=64)
+    assert len({len(t.nodes) for t in together}) > 1  # the trees differ
+    for i, (cfg, tree) in enumerate(zip(cfgs, together, strict=True)):
+        assert [asdict(n) for n in tree.nodes] == [asdict(n) for n in _alone(cfg, i).nodes]
+
+
+def test_a_round_is_one_call_for_every_open_tree_within_the_generation_batch() -> None:
+    cfgs = [_cfg(max_leaves=4 + 2 * i) for i in range(5)]
+    calls: list[list[Request]] = []
+    trees = search_trees(cfgs, _batch_expand(calls), _tree_score, max_batch=64)
+    expansions = [(len(t.nodes) - 1) // 2 for t in trees]
+    assert len(calls) == max(expansions)  # one call per round: the longest search's rounds
+    assert [len(c) for c in calls] == [sum(e > r for e in expansions) for r in range(len(calls))]
+    assert all(len({r.tree for r in call}) == len(call) for call in calls)  # a node per tree
+    capped: list[list[Request]] = []
+    again = search_trees(cfgs, _batch_expand(capped), _tree_score, max_batch=5)
+    assert max(len(call) for call in capped) == 2  # 5 // B sequences' worth of nodes
+    assert sum(map(len, capped)) == sum(expansions)
+    assert [[asdict(n) for n in t.nodes] for t in again] == [
+        [asdict(n) for n in t.nodes] for t in trees
+    ]
+
+
+def test_continuations_are_cut_to_each_nodes_own_limit() -> None:
+    """One call asks for the longest limit; a node near max_new_tokens keeps fewer tokens."""
+    cfgs = [_cfg(max_new_tokens=4, max_leaves=100), _cfg(max_new_tokens=12, max_leaves=100)]
+    calls: list[list[Request]] = []
+    trees = search_trees(cfgs, _batch_expand(calls), _tree_score, max_batch=64)
+    assert any(len({r.limit for r in call}) > 1 for call in calls)
+    assert len(trees[0].root.children) > 2  # every path within 4 tokens ended: it widened
+    for tree in trees:
+        assert all(len(tree.completion(n)) <= tree.cfg.max_new_tokens for n in tree.nodes)
+        assert all(
+            leaf.tokens[-1] == EOS or len(tree.completion(leaf)) == tree.cfg.max_new_tokens
+            for leaf in tree.leaves()
+        )
+
+
+def test_a_tree_whose_paths_all_end_widens_its_root_until_its_leaf_budget() -> None:
+    """Answers that end within one segment: without widening the group would be B leaves."""
+    cfg = _cfg(max_leaves=8)
+
+    def short(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
+        return [[3 + i, EOS] for _ in prefixes for i in range(b)]
+
+    tree = search(cfg, short, _even_score)
+    assert len(tree.leaves()) == 8 and len(tree.root.children) == 8
+    assert tree.generated_tokens == 16 == flat_equivalent_tokens(tree)  # flat sampling, no sharing
+    assert tree.root.visits == 8 and tree.root.value == 0.5
+    with pytest.raises(ValueError, match="already expanded"):
+        tree.expand(tree.nodes[1], [[1]])  # a finished leaf never widens
+    open_tree = SearchTree(cfg)
+    _grow(open_tree, open_tree.root, [1], [2])
+    with pytest.raises(ValueError, match="already expanded"):
+        _grow(open_tree, open_tree.root, [3], [4])  # an open root is not widened
+
+
+def test_search_trees_rejects_mixed_branching_and_a_wrong_number_of_continuations() -> None:
+    with pytest.raises(ValueError, match="same branching"):
+        search_trees([_cfg(), _cfg(branching=3)], _batch_expand(), _tree_score, max_batch=8)
+    with pytest.raises(ValueError, match="expected 4"):
+        search_trees([_cfg(), _cfg()], lambda r, b, k: [[1]] * 3, _tree_score, max_batch=8)
 
 
 # --- export ----------------------------------------------------------------------------------

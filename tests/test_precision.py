@@ -174,6 +174,24 @@ def test_generation_batch_below_the_ranks_rollouts_is_generated_in_chunks() -> N
     assert [g.rewards for g in groups] == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
 
 
+def test_tree_rollouts_expand_every_trees_node_in_calls_of_at_most_the_planned_batch() -> None:
+    from stagetrain.grpo.rollouts import tree_groups
+    from stagetrain.grpo.tree import TreeConfig
+
+    cfg = TreeConfig(branching=2, segment_tokens=2, max_leaves=6, max_tokens=100, max_new_tokens=6,
+                     uct_c=1.0, eos_id=1)  # fmt: skip
+    model = _Recording()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        groups = tree_groups(model, [[3, 4], [5, 6, 7], [8], [9, 10]], lambda i, c: float(i % 2), cfg,
+                             temperature=1.0, top_p=1.0, pad_id=0, max_batch=6)  # fmt: skip
+    expanded = sum(g.nodes for g in groups) // cfg.branching
+    assert max(model.batches) == 6  # 3 nodes x B: the cap, not one node per call
+    assert sum(model.batches) == expanded * cfg.branching
+    assert len(model.batches) < expanded
+    assert all(len(g.rewards) >= cfg.branching for g in groups)
+
+
 def test_grpo_memory_counts_the_kv_cache_of_the_whole_generation_batch() -> None:
     def extra(prompts: int) -> int:
         cfg = _preset("llama-1b-h200")

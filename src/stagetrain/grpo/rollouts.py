@@ -7,6 +7,9 @@ tree   a search tree per prompt (`grpo.tree`): UCT selects a partial completion,
        `generate` samples `branching` continuations of `segment_tokens` tokens
        from it (prefix shared), finished leaves are scored by the verifier and
        their rewards backed up, until group_size leaves or the token budget.
+       The trees of the rank's prompts grow together: one `generate` call per
+       round for the node each open tree selected (left-padded, KV cache; in
+       chunks of at most the generation batch's sequences).
        Token advantages: the segment's value among its siblings plus the leaf's
        group advantage (`grpo.advantages.tree_token_advantages`).
 """
@@ -14,13 +17,20 @@ tree   a search tree per prompt (`grpo.tree`): UCT selects a partial completion,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from stagetrain.grpo.advantages import group_advantages, tree_token_advantages
-from stagetrain.grpo.tree import TreeConfig, flat_equivalent_tokens, search, segments
+from stagetrain.grpo.tree import (
+    Request,
+    SearchTree,
+    TreeConfig,
+    flat_equivalent_tokens,
+    search_trees,
+    segments,
+)
 
 
 @dataclass(kw_only=True)
@@ -127,30 +137,40 @@ def tree_groups(
     temperature: float,
     top_p: float,
     pad_id: int,
+    max_batch: int,
+    budgets: Sequence[int] | None = None,
 ) -> list[Group]:
-    """A search tree per prompt; its finished leaves are the group."""
-    groups = []
-    for i, prompt in enumerate(prompts):
+    """A search tree per prompt, all grown together (`tree.search_trees`): each round's
+    selected nodes of every tree are expanded in one `generate` call of at most `max_batch`
+    sequences; each tree's finished leaves are its group. `budgets`, if given, replaces
+    `cfg.max_tokens` per prompt (the benchmark gives each tree flat sampling's tokens)."""
+    if budgets is None:
+        cfgs = [cfg] * len(prompts)
+    else:
+        cfgs = [replace(cfg, max_tokens=max(1, b)) for b in budgets]
 
-        def expand(
-            prefixes: list[list[int]], n: int, k: int, prompt: list[int] = prompt
-        ) -> list[list[int]]:
-            return sample(model, [prompt + p for p in prefixes], n, k, temperature=temperature, top_p=top_p,
-                          eos_id=cfg.eos_id, pad_id=pad_id)  # fmt: skip
+    def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
+        out = sample(model, [list(prompts[r.tree]) + r.prefix for r in requests], n, k,
+                     temperature=temperature, top_p=top_p, eos_id=cfg.eos_id, pad_id=pad_id)  # fmt: skip
+        # A sampled pad token ends a completion as flat sampling's cut does; a segment needs a
+        # token, so one that starts with pad is an eos (the completion ends there).
+        return [c or [cfg.eos_id] for c in out]
 
-        tree = search(cfg, expand, lambda completion, i=i: score(i, completion))
-        rows, _ = segments(tree)
-        per_leaf = tree_token_advantages(rows)
-        leaves = tree.leaves()
-        groups.append(
-            Group(
-                prompt=prompt,
-                completions=[tree.completion(leaf) for leaf in leaves],
-                rewards=[leaf.value for leaf in leaves],
-                advantages=[per_leaf[leaf.id] for leaf in leaves],
-                generated_tokens=tree.generated_tokens,
-                flat_tokens=flat_equivalent_tokens(tree),
-                nodes=len(tree.nodes) - 1,
-            )
-        )
-    return groups
+    trees = search_trees(cfgs, expand, score, max_batch)
+    return [_tree_group(prompt, tree) for prompt, tree in zip(prompts, trees, strict=True)]
+
+
+def _tree_group(prompt: list[int], tree: SearchTree) -> Group:
+    """A tree's finished leaves as a group, with per-segment token advantages."""
+    rows, _ = segments(tree)
+    per_leaf = tree_token_advantages(rows)
+    leaves = tree.leaves()
+    return Group(
+        prompt=prompt,
+        completions=[tree.completion(leaf) for leaf in leaves],
+        rewards=[leaf.value for leaf in leaves],
+        advantages=[per_leaf[leaf.id] for leaf in leaves],
+        generated_tokens=tree.generated_tokens,
+        flat_tokens=flat_equivalent_tokens(tree),
+        nodes=len(tree.nodes) - 1,
+    )

@@ -176,7 +176,8 @@ def step(
             "pad_id": tok.pad_token_id,
         }
         if run.tree:
-            groups = tree_groups(run.engine.module, prompts, reward, run.tree, **common)
+            groups = tree_groups(run.engine.module, prompts, reward, run.tree,
+                                 max_batch=run.generation_batch, **common)  # fmt: skip
         else:
             groups = flat_groups(run.engine.module, prompts, reward, group_size=cfg["group_size"],
                                  max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id,

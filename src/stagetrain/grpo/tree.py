@@ -1,10 +1,17 @@
-"""The MCTS mode of the GRPO stage: one search tree per prompt whose nodes are partial completions.
+"""The tree mode of the GRPO stage: one search tree per prompt whose nodes are partial completions.
 
 Flat GRPO samples whole completions per prompt, and siblings that share a long prefix each pay
-to generate it. The tree generates a prefix once and branches from it: it selects a node by UCT,
-samples B continuations of at most K tokens from it, scores the finished ones with the verifier
-and backs the rewards up, so it scores more completions for the same generated tokens, and every
-node gets a value (the mean reward of the finished leaves under it) for per-segment advantages.
+to generate it. The tree generates a prefix once and branches from it. The search is a UCT tree
+sampler with verifier rewards at the leaves and no rollout simulation: it selects a node by UCT
+(mean reward of the finished leaves under a child plus an exploration term), samples B
+continuations of at most K tokens from it, scores the finished ones with the verifier and backs
+the rewards up. Unfinished nodes get no value estimate until a leaf under them finishes. So it
+scores more completions for the same generated tokens, and every node gets a value (the mean
+reward of the finished leaves under it) for per-segment advantages.
+
+`search_trees` grows the trees of many prompts together in rounds: each round selects one node
+in every open tree and expands them all in one batched sampler call (as few calls as the
+generation batch allows), so the sampler runs once per round rather than once per node.
 
 The module knows no model: the caller passes `expand` (the sampler) and `score` (the verifier),
 so the search is tested with fakes and is deterministic whenever the callbacks are.
@@ -13,7 +20,7 @@ so the search is tested with fakes and is deterministic whenever the callbacks a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from stagetrain.errors import StageError
@@ -142,15 +149,24 @@ class SearchTree:
     def expand(self, node: Node, continuations: list[list[int]]) -> list[Node]:
         """Add one child per continuation (cut after its first eos) and count its tokens.
 
+        The root may be expanded again once every path under it has finished (`closed`): it
+        widens, so a prompt whose completions all end within a segment still gets its leaves.
         All continuations are checked before any is added, so a bad one leaves the tree as it was.
         """
-        if node.finished or node.children or not continuations:
+        widening = node.id == ROOT and self.closed
+        if node.finished or (node.children and not widening) or not continuations:
             raise ValueError(f"node {node.id}: finished or already expanded, or no continuations")
         limit, length = self.segment_limit(node), len(self.completion(node))
         cut = [self._cut(node, tokens, limit) for tokens in continuations]
+        self._closed.discard(node.id)
         children = [self._add_child(node, tokens, length) for tokens in cut]
         self._close_up(node)
         return children
+
+    @property
+    def closed(self) -> bool:
+        """Whether every path has ended in a finished leaf (`select` gives None)."""
+        return ROOT in self._closed
 
     def _cut(self, node: Node, tokens: list[int], limit: int) -> list[int]:
         eos = self.cfg.eos_id
@@ -204,29 +220,105 @@ class SearchTree:
         return [node for node in self.nodes if node.finished]
 
 
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One selected node of one tree, to be expanded in a batched `generate` call."""
+
+    tree: int
+    """The tree's index in the list `search_trees` grows (the caller's prompt index)."""
+    prefix: list[int]
+    """The node's completion: tokens after the prompt, root to node."""
+    limit: int
+    """The most tokens a continuation of this node may add (`SearchTree.segment_limit`)."""
+
+
+BatchExpand = Callable[[list[Request], int, int], list[list[int]]]
+"""(requests, B, K) -> B continuations per request, flattened in request order.
+
+K is the largest `limit` of the requests (one sampler call has one length); the search cuts
+each continuation to its own request's limit and after its first eos.
+"""
+TreeScore = Callable[[int, list[int]], float]
+"""The verifier's reward for one finished completion of the tree with the given index."""
+
+
+def _spent(tree: SearchTree) -> bool:
+    """Whether the tree's leaf or token budget is used up."""
+    return len(tree.leaves()) >= tree.cfg.max_leaves or tree.generated_tokens >= tree.cfg.max_tokens
+
+
+def search_trees(
+    cfgs: Sequence[TreeConfig], expand: BatchExpand, score: TreeScore, max_batch: int
+) -> list[SearchTree]:
+    """Grow one tree per config together, in rounds, until each spends its leaf or token budget.
+
+    A round selects one node (UCT) in every tree within budget (the root again in a tree whose
+    paths have all finished: it widens), expands all of
+    them with as few `expand` calls as `max_batch` allows (at most max_batch // B nodes, so
+    at most max_batch sequences, per call, in tree order), scores each finished child and backs
+    its reward up. A tree's budgets are checked before each round, so its last expansion may
+    overshoot by up to B - 1 leaves and B * K tokens. Nothing is random here: the same
+    callbacks give the same trees, and one tree grows exactly as it would alone.
+    """
+    if len({cfg.branching for cfg in cfgs}) > 1:
+        raise ValueError("search_trees: every tree must have the same branching")
+    trees = [SearchTree(cfg) for cfg in cfgs]
+    while chosen := _select_round(trees):
+        per_call = max(1, max_batch // trees[0].cfg.branching)
+        for at in range(0, len(chosen), per_call):
+            _expand_batch(trees, chosen[at : at + per_call], expand, score)
+    return trees
+
+
+def _select_round(trees: Sequence[SearchTree]) -> list[tuple[int, Node]]:
+    """(tree index, node to expand) of every tree within budget: the UCT selection, or the
+    root when every path has finished (it widens: B more children of the prompt). Without
+    widening, a prompt whose answers all end in the first segment would get B leaves, not a
+    group: on the level-1 prompts of the tiny model (2-3 token answers) every tree did."""
+    return [(i, tree.select() or tree.root) for i, tree in enumerate(trees) if not _spent(tree)]
+
+
+def _expand_batch(
+    trees: Sequence[SearchTree],
+    chosen: Sequence[tuple[int, Node]],
+    expand: BatchExpand,
+    score: TreeScore,
+) -> None:
+    """One `expand` call for the chosen nodes; their children added, scored and backed up."""
+    requests = [
+        Request(tree=i, prefix=trees[i].completion(node), limit=trees[i].segment_limit(node))
+        for i, node in chosen
+    ]
+    b = trees[0].cfg.branching
+    continuations = expand(requests, b, max(r.limit for r in requests))
+    if len(continuations) != b * len(requests):
+        raise ValueError(
+            f"expand returned {len(continuations)} continuations, expected {b * len(requests)}"
+        )
+    for j, (request, (i, node)) in enumerate(zip(requests, chosen, strict=True)):
+        tree, eos = trees[i], trees[i].cfg.eos_id
+        mine = [_through_eos(c, eos)[: request.limit] for c in continuations[j * b : (j + 1) * b]]
+        for child in tree.expand(node, mine):
+            if child.finished:
+                tree.backup(child, float(score(i, tree.completion(child))))
+
+
+def _through_eos(tokens: list[int], eos: int) -> list[int]:
+    """The tokens up to and including the first eos."""
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
 def search(cfg: TreeConfig, expand: Expand, score: Score) -> SearchTree:
-    """Grow a prompt's tree until a budget is spent or nothing is left to expand.
+    """Grow a single prompt's tree: `search_trees` with one tree and one node per `expand` call.
 
     Each iteration selects one node, calls `expand` once with its completion (one prefix, B,
-    `segment_limit`), scores each finished child and backs its reward up. The budgets are checked
-    before each iteration, so the last one may overshoot by up to B - 1 leaves and B * K tokens.
-    Nothing is random here: the same callbacks give the same tree. Several trees can share one
-    sampler batch by driving `select`, `expand` and `backup` themselves.
+    `segment_limit`), scores each finished child and backs its reward up.
     """
-    tree = SearchTree(cfg)
-    while len(tree.leaves()) < cfg.max_leaves and tree.generated_tokens < cfg.max_tokens:
-        node = tree.select()
-        if node is None:
-            break
-        continuations = expand([tree.completion(node)], cfg.branching, tree.segment_limit(node))
-        if len(continuations) != cfg.branching:
-            raise ValueError(
-                f"expand returned {len(continuations)} continuations, expected {cfg.branching}"
-            )
-        for child in tree.expand(node, continuations):
-            if child.finished:
-                tree.backup(child, float(score(tree.completion(child))))
-    return tree
+
+    def batch(requests: list[Request], b: int, k: int) -> list[list[int]]:
+        return expand([r.prefix for r in requests], b, k)
+
+    return search_trees([cfg], batch, lambda _, completion: score(completion), max_batch=1)[0]
 
 
 def flat_equivalent_tokens(tree: SearchTree) -> int:
