@@ -11,6 +11,7 @@ from snakemake.utils import validate
 from stagetrain import config as stconfig
 from stagetrain import configfiles, slurm
 from stagetrain.errors import StageError
+from stagetrain.inputs import local_inputs
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
@@ -21,6 +22,12 @@ try:
 except StageError as _err:
     sys.exit(f"error: {_err}")
 validate(config, "../schemas/config.schema.yaml")
+# Every local file a stage reads is a declared input (resolved here, once): an
+# edited file reruns the stage, a missing one is one line naming its key.
+try:
+    LOCAL_INPUTS = local_inputs(config)
+except StageError as _err:
+    sys.exit(f"error: {_err}")
 
 RUN = f"results/{config['run']['name']}"
 TRAINING_STAGES = ["pretrain", "grpo"]
@@ -62,6 +69,26 @@ def benchmarked(rule_name):
 def get_plan_section(section):
     """Only the keys of `section` the planner reads."""
     return {key: config[section][key] for key in PLAN_KEYS[section]}
+
+
+def get_table(wildcards):
+    """The local parallelism table the planner reads, if any."""
+    return LOCAL_INPUTS["table"]
+
+
+def get_corpus_files(wildcards):
+    """The files of the data.files globs, the task files and a local pretrained tokenizer."""
+    return [*LOCAL_INPUTS["data_files"], *LOCAL_INPUTS["task_files"], *LOCAL_INPUTS["tokenizer"]]
+
+
+def get_init_config(wildcards):
+    """The non-weight files of a local model.init_from folder: its config shapes plan and tokenizer."""
+    return LOCAL_INPUTS["init_from_config"]
+
+
+def get_init_model(wildcards):
+    """Every file of a local model.init_from folder: pretraining starts from its weights."""
+    return LOCAL_INPUTS["init_from"]
 
 
 def optimizer_steps(stage):

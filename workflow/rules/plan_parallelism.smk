@@ -1,6 +1,8 @@
 rule plan_parallelism:
     input:
         hardware=rules.detect_hardware.output.hardware,
+        table=get_table,
+        init_from=get_init_config,
     output:
         plan=f"{RUN}/plan.json",
     log:

@@ -1,6 +1,8 @@
 rule prepare_tokenizer:
     input:
         plan=rules.plan_parallelism.output.plan,
+        corpus=get_corpus_files,
+        init_from=get_init_config,
     output:
         tokenizer=directory(f"{RUN}/tokenizer"),
         train=f"{RUN}/data/train.bin",

@@ -7,6 +7,7 @@ rule pretrain:
         val=rules.prepare_tokenizer.output.val,
         meta=rules.prepare_tokenizer.output.meta,
         model_config=rules.prepare_tokenizer.output.model_config,
+        init_from=get_init_model,
     output:
         summary=f"{RUN}/pretrain/summary.json",
         metrics=f"{RUN}/pretrain/metrics.jsonl",

@@ -1,0 +1,68 @@
+"""The local files a config makes the stages read: resolved, sorted, missing ones named by key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from conftest import default_config
+
+from stagetrain.errors import StageError
+from stagetrain.inputs import local_inputs
+
+
+def _config(**sections: dict) -> dict:
+    config = copy.deepcopy(default_config())
+    for section, changes in sections.items():
+        config[section].update(changes)
+    return config
+
+
+def test_every_local_file_is_listed_sorted_and_hub_ids_are_not(tmp_path: Path) -> None:
+    (tmp_path / "corpus").mkdir()
+    for name in ("b.txt", "a.txt", "c.jsonl"):
+        (tmp_path / "corpus" / name).write_text("x\n")
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "sub/tokenizer.json"):
+        (model / name).write_text("{}")
+    table = tmp_path / "table.json"
+    table.write_text("{}")
+    tasks = tmp_path / "capitals.jsonl"
+    tasks.write_text("{}\n")
+    data = {"files": [{"path": f"{tmp_path}/corpus/*.txt"}, {"path": f"{tmp_path}/corpus/a.*"}],
+            "generated": {**default_config()["data"]["generated"], "task_files": [str(tasks)]}}  # fmt: skip
+    found = local_inputs(_config(
+        data=data, parallelism={"table_path": str(table)}, model={"init_from": str(model)},
+        tokenizer={"source": "pretrained", "path": str(model)},
+    ))  # fmt: skip
+    assert found["data_files"] == [f"{tmp_path}/corpus/a.txt", f"{tmp_path}/corpus/b.txt"]
+    assert found["table"] == [str(table)] and found["task_files"] == [str(tasks)]
+    files = [str(model / n) for n in ("config.json", "model.safetensors", "sub/tokenizer.json")]
+    assert found["init_from"] == found["tokenizer"] == files
+    assert found["init_from_config"] == [files[0], files[2]]
+
+    hub = local_inputs(
+        _config(
+            model={"init_from": "org/model"}, tokenizer={"source": "pretrained", "path": "gpt2"}
+        )
+    )
+    assert not any(hub.values())
+    unused = local_inputs(_config(tokenizer={"source": "train", "path": "./nowhere"}))
+    assert not unused["tokenizer"]
+
+
+@pytest.mark.parametrize(
+    ("sections", "line"),
+    [
+        ({"data": {"files": [{"path": "corpus/*.txt"}]}}, "config: data.files.0.path: no file matches 'corpus/*.txt'"),
+        ({"parallelism": {"table_path": "missing.json"}}, "config: parallelism.table_path: no such file 'missing.json'"),
+        ({"model": {"init_from": "./models/none"}}, "config: model.init_from: no such file or folder './models/none'"),
+        ({"tokenizer": {"source": "pretrained", "path": "/no/tok"}}, "config: tokenizer.path: no such file or folder '/no/tok'"),
+    ],
+)  # fmt: skip
+def test_a_missing_local_file_is_one_line_naming_its_key(sections: dict, line: str) -> None:
+    with pytest.raises(StageError) as err:
+        local_inputs(_config(**sections))
+    assert str(err.value) == line
