@@ -1,8 +1,10 @@
-"""The local files a config makes the stages read: resolved, sorted, missing ones named by key."""
+"""What the stages read: local files resolved, sorted, missing ones named by key; derived plan files."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ from conftest import default_config
 
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
+from stagetrain.io import write_json_if_changed
+from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
 
 
 def _config(**sections: dict) -> dict:
@@ -66,3 +70,25 @@ def test_a_missing_local_file_is_one_line_naming_its_key(sections: dict, line: s
     with pytest.raises(StageError) as err:
         local_inputs(_config(**sections))
     assert str(err.value) == line
+
+
+def test_a_derived_file_with_the_same_content_keeps_its_modification_time(tmp_path: Path) -> None:
+    path = tmp_path / "plan" / "vocab.json"
+    assert write_json_if_changed(path, {"tp": 2})
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    assert not write_json_if_changed(path, {"tp": 2})
+    assert path.stat().st_mtime_ns == 1_000_000_000
+    assert write_json_if_changed(path, {"tp": 4})
+    assert json.loads(path.read_text()) == {"tp": 4} and path.stat().st_mtime_ns > 1_000_000_000
+
+
+def test_each_reader_gets_only_its_part_of_the_plan() -> None:
+    plan = {key: key for key in SHARED_KEYS} | {
+        "table": {},
+        "warnings": ["w"],
+        "source": "estimated",
+    }
+    plan["stages"] = {"pretrain": {"layout": {"tp": 2}}, "grpo": {"layout": {"tp": 4}}}
+    assert vocab_padding(plan) == {"tp": 4}
+    grpo = stage_plan(plan, "grpo")
+    assert grpo == {**{key: key for key in SHARED_KEYS}, "stages": {"grpo": {"layout": {"tp": 4}}}}

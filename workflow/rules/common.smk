@@ -8,8 +8,10 @@ from snakemake.common.tbdstring import TBDString
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+import stagetrain
 from stagetrain import config as stconfig
 from stagetrain import configfiles, slurm
+from stagetrain.codedeps import code_digest
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
 
@@ -69,6 +71,28 @@ def benchmarked(rule_name):
 def get_plan_section(section):
     """Only the keys of `section` the planner reads."""
     return {key: config[section][key] for key in PLAN_KEYS[section]}
+
+
+def code_of(script):
+    """A digest of scripts/<script>.py and every stagetrain module it reaches: a rule param,
+    so an edited library module reruns exactly the stages that run it."""
+    root = Path(stagetrain.__file__).resolve().parent.parent
+    return code_digest(Path(workflow.basedir) / "scripts" / f"{script}.py", root)
+
+
+def get_vocab_padding(wildcards):
+    """plan/vocab.json: the tp the tokenizer stage pads the vocabulary for, not the whole plan."""
+    return checkpoints.plan_parallelism.get().output.vocab
+
+
+def get_stage_plan(wildcards):
+    """plan/<stage>.json: a training stage's own layout and the run-wide facts, not the other stage's."""
+    return getattr(checkpoints.plan_parallelism.get().output, f"{wildcards.stage}_plan")
+
+
+def get_plan_of(stage):
+    """get_stage_plan for a rule that is one stage (no stage wildcard)."""
+    return lambda wildcards: getattr(checkpoints.plan_parallelism.get().output, f"{stage}_plan")
 
 
 def get_table(wildcards):

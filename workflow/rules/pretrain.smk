@@ -1,6 +1,6 @@
 rule pretrain:
     input:
-        plan=rules.plan_parallelism.output.plan,
+        plan=get_plan_of("pretrain"),
         deepspeed_config=f"{RUN}/deepspeed/pretrain.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         train=rules.prepare_tokenizer.output.train,
@@ -21,6 +21,7 @@ rule pretrain:
     benchmark:
         benchmarked("pretrain")
     params:
+        code=code_of("pretrain"),
         run=config["run"],
         model=config["model"],
         pretrain=config["pretrain"],
