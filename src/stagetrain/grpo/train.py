@@ -108,8 +108,10 @@ def setup(spec: dict[str, Any]) -> Run:
                           max_new_tokens=cfg["max_new_tokens"], eos_id=tokenizer.eos_token_id)  # fmt: skip
     seq = cfg["max_prompt_len"] + cfg["max_new_tokens"]
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
-    components = {
-        "model": read_json(Path(spec["model"]) / "MANIFEST.json")["files"], "tokenizer": meta["tokenizer_sha256"],
+    manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
+    components = {  # the start model by content: a resharded folder of the same weights resumes
+        "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
+        "tokenizer": meta["tokenizer_sha256"],
         "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
         "precision": layout["precision"], "seed": spec["seed"],
     }  # fmt: skip
