@@ -1,4 +1,4 @@
-"""What the stages read: local files resolved, sorted, missing ones named by key; derived plan files."""
+"""What the stages read: local files, derived plan files, library modules, the weights by content."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import default_config
 
+from stagetrain.codedeps import code_digest, modules_of
+from stagetrain.consolidate.folder import weights_sha256
+from stagetrain.consolidate.writer import write_shards
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
 from stagetrain.io import write_json_if_changed
@@ -92,3 +96,47 @@ def test_each_reader_gets_only_its_part_of_the_plan() -> None:
     assert vocab_padding(plan) == {"tp": 4}
     grpo = stage_plan(plan, "grpo")
     assert grpo == {**{key: key for key in SHARED_KEYS}, "stages": {"grpo": {"layout": {"tp": 4}}}}
+
+
+def test_a_scripts_modules_are_found_by_reading_the_sources(tmp_path: Path) -> None:
+    pkg = tmp_path / "stagetrain"
+    for name, text in {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/one.py": "from . import two\nfrom .three import thing\n",
+        "a/two.py": "import json\n",
+        "a/three.py": "thing = 1\n",
+        "b.py": "",
+        "c.py": "",
+    }.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    script = tmp_path / "script.py"
+    script.write_text('from stagetrain.a.one import x\nMODULE = "stagetrain.b"\n')
+    found = [str(p.relative_to(pkg)) for p in modules_of(script, tmp_path)]
+    assert found == ["__init__.py", "a/__init__.py", "a/one.py", "a/three.py", "a/two.py", "b.py"]
+    before = code_digest(script, tmp_path)
+    (pkg / "c.py").write_text("# not reached\n")
+    assert code_digest(script, tmp_path) == before
+    (pkg / "a/three.py").write_text("thing = 2\n")
+    assert code_digest(script, tmp_path) != before
+
+
+def test_the_weights_hash_does_not_depend_on_the_sharding(tmp_path: Path) -> None:
+    tensors = {
+        f"layer.{i}.weight": torch.full((64, 64), float(i), dtype=torch.bfloat16) for i in range(4)
+    }
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    hashes = []
+    for max_bytes in (10**9, 9000):
+        folder = tmp_path / str(max_bytes)
+        folder.mkdir()
+        write_shards(sorted(tensors), sizes, tensors.__getitem__, folder, max_bytes)
+        hashes.append(weights_sha256(sorted(folder.glob("*.safetensors"))))
+    assert len(list((tmp_path / "9000").glob("*.safetensors"))) == 4
+    assert hashes[0] == hashes[1]
+    tensors["layer.3.weight"] = tensors["layer.3.weight"] + 1
+    folder = tmp_path / "changed"
+    folder.mkdir()
+    write_shards(sorted(tensors), sizes, tensors.__getitem__, folder, 10**9)
+    assert weights_sha256(sorted(folder.glob("*.safetensors"))) != hashes[0]
