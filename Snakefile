@@ -2,7 +2,7 @@
 #
 # results/<run.name>/
 #   hardware.json                 detect_hardware
-#   plan.json                     plan_parallelism
+#   plan.json plan/{vocab,pretrain,grpo}.json   plan_parallelism (a checkpoint)
 #   tokenizer/ data/ model_config.json   prepare_tokenizer
 #   deepspeed/{pretrain,grpo}.json       render_deepspeed_config
 #   pretrain/summary.json         pretrain

@@ -40,7 +40,7 @@ def _config(model: str, gpus: int) -> dict:
     return stconfig.validate(
         {
             "model": {
-                "hidden_size": hidden, "intermediate_size": inter, "num_layers": layers,
+                "architecture": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_layers": layers,
                 "num_heads": heads, "num_kv_heads": kv, "max_position_embeddings": 8192,
                 "rope_theta": 500000.0, "tie_word_embeddings": False,
             },

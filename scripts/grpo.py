@@ -3,7 +3,7 @@
 Snakemake runs it through the `grpo` rule; the ranks run `python -m stagetrain.grpo.train`
 with checkpoints in results/<run>/checkpoints/grpo/<fingerprint>/. On its own:
     python scripts/grpo.py --config config/config.yaml --model results/tiny/model/pretrain \
-        --plan results/tiny/plan.json --deepspeed-config results/tiny/deepspeed/grpo.json \
+        --plan results/tiny/plan/grpo.json --deepspeed-config results/tiny/deepspeed/grpo.json \
         --tokenizer results/tiny/tokenizer --model-config results/tiny/model_config.json \
         --meta results/tiny/data/meta.json --val results/tiny/data/val.bin \
         --summary results/tiny/grpo/summary.json --metrics results/tiny/grpo/metrics.jsonl \

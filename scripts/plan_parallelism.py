@@ -2,11 +2,17 @@
 
 Snakemake runs it through the `plan_parallelism` rule; on its own:
     python scripts/plan_parallelism.py --config config/config.yaml \
-        --hardware results/tiny/hardware.json --plan results/tiny/plan.json
+        --hardware results/tiny/hardware.json --plan results/tiny/plan.json \
+        --vocab results/tiny/plan/vocab.json --pretrain-plan results/tiny/plan/pretrain.json \
+        --grpo-plan results/tiny/plan/grpo.json
+The files under plan/ are rewritten only when their content changes: what reads
+them reruns only then.
 """
 
 import logging
 
+from stagetrain.io import write_json_if_changed
+from stagetrain.planning.derived import stage_plan, vocab_padding
 from stagetrain.planning.resolve import resolve
 from stagetrain.stage import StageIO, run_stage
 
@@ -54,6 +60,9 @@ def main(io: StageIO) -> None:
     for warning in plan["warnings"]:
         log.warning("warning: %s", warning)
     io.write_output("plan", plan)
+    write_json_if_changed(io.outputs["vocab"], vocab_padding(plan))
+    for name in plan["stages"]:
+        write_json_if_changed(io.outputs[f"{name}_plan"], stage_plan(plan, name))
 
 
 run_stage(
@@ -61,6 +70,6 @@ run_stage(
     snakemake=globals().get("snakemake"),
     doc=__doc__,
     inputs=["hardware"],
-    outputs=["plan"],
+    outputs=["plan", "vocab", "pretrain_plan", "grpo_plan"],
     sections=["hardware", "model", "tokenizer", "parallelism", "deepspeed", "pretrain", "grpo"],
 )

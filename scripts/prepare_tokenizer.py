@@ -1,7 +1,7 @@
 """prepare_tokenizer: tokenizer/, data/train.bin, data/val.bin, data/meta.json, model_config.json.
 
 Snakemake runs it through the `prepare_tokenizer` rule; on its own:
-    python scripts/prepare_tokenizer.py --config config/config.yaml --plan results/tiny/plan.json \
+    python scripts/prepare_tokenizer.py --config config/config.yaml --vocab results/tiny/plan/vocab.json \
         --tokenizer results/tiny/tokenizer --train results/tiny/data/train.bin \
         --val results/tiny/data/val.bin --meta results/tiny/data/meta.json \
         --model-config results/tiny/model_config.json
@@ -21,7 +21,7 @@ def main(io: StageIO) -> None:
         model=io.sections["model"],
         tokenizer_cfg=io.sections["tokenizer"],
         data=io.sections["data"],
-        plan=io.read_input("plan"),
+        tp=io.read_input("vocab")["tp"],
         outputs=io.outputs,
     )
     for source in meta["sources"]:
@@ -33,7 +33,7 @@ run_stage(
     main,
     snakemake=globals().get("snakemake"),
     doc=__doc__,
-    inputs=["plan"],
+    inputs=["vocab"],
     outputs=["tokenizer", "train", "val", "meta", "model_config"],
     sections=["run", "model", "tokenizer", "data"],
 )

@@ -5,7 +5,7 @@ starts the ranks with torchrun (srun + torchrun on several nodes) running
 `python -m stagetrain.pretrain.train`. Checkpoints go to
 results/<run>/checkpoints/pretrain/<fingerprint>/, outside the declared outputs,
 so a rerun after a crash resumes from the newest complete one. On its own:
-    python scripts/pretrain.py --config config/config.yaml --plan results/tiny/plan.json \
+    python scripts/pretrain.py --config config/config.yaml --plan results/tiny/plan/pretrain.json \
         --deepspeed-config results/tiny/deepspeed/pretrain.json --tokenizer results/tiny/tokenizer \
         --train results/tiny/data/train.bin --val results/tiny/data/val.bin --meta results/tiny/data/meta.json \
         --model-config results/tiny/model_config.json --summary results/tiny/pretrain/summary.json \

@@ -2,7 +2,7 @@
 
 Snakemake runs it through the `render_deepspeed_config` rule (wildcard: stage); on its own:
     python scripts/render_deepspeed_config.py --config config/config.yaml --stage pretrain \
-        --plan results/tiny/plan.json --deepspeed-config results/tiny/deepspeed/pretrain.json
+        --plan results/tiny/plan/pretrain.json --deepspeed-config results/tiny/deepspeed/pretrain.json
 """
 
 import logging

@@ -25,6 +25,7 @@ from stagetrain.corpus.prepare import prepare
 from stagetrain.corpus.shards import token_dtype, write_split
 from stagetrain.errors import StageError
 from stagetrain.model_config import training_config
+from stagetrain.planning.derived import vocab_padding
 from stagetrain.tasks import ANSWER_TOKEN, PROBLEM_TOKEN, split_of
 from stagetrain.tokenizer import SPECIAL_TOKENS, load_pretrained, save, train_bpe
 
@@ -64,7 +65,7 @@ def _prepare(cfg: dict[str, Any], out: Path, plan: dict[str, Any] | None = None)
     }  # fmt: skip
     return prepare(
         run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
-        plan=plan or _plan(cfg, _cpu_hardware()), outputs=outputs,
+        tp=vocab_padding(plan or _plan(cfg, _cpu_hardware()))["tp"], outputs=outputs,
     )  # fmt: skip
 
 
@@ -428,15 +429,15 @@ def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
     import yaml
 
     cfg_path.write_text(yaml.safe_dump(raw))
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps(_plan(stconfig.load(cfg_path), _cpu_hardware())))
+    plan = tmp_path / "vocab.json"
+    plan.write_text(json.dumps(vocab_padding(_plan(stconfig.load(cfg_path), _cpu_hardware()))))
     out = tmp_path / "out"
     with serve_hub({"datasets/org/corpus": {"main": (sha, {"train.jsonl": rows.encode()})}}) as hub:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         env.update(
             HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1"
         )
-        cmd = [sys.executable, str(REPO / "scripts/prepare_tokenizer.py"), "--config", str(cfg_path), "--plan", str(plan),
+        cmd = [sys.executable, str(REPO / "scripts/prepare_tokenizer.py"), "--config", str(cfg_path), "--vocab", str(plan),
                "--tokenizer", str(out / "tok"), "--train", str(out / "train.bin"), "--val", str(out / "val.bin"),
                "--meta", str(out / "meta.json"), "--model-config", str(out / "mc.json")]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

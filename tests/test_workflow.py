@@ -64,7 +64,7 @@ def scheduled(workdir: Path, target: str, *extra: str) -> dict[str, str]:
     """Jobs a dry run schedules for `target`, each with Snakemake's reason."""
     out = snakemake(workdir, "-n", *extra, "--", target).stdout
     jobs = {}
-    for block in out.split("\nrule ")[1:]:
+    for block in re.split(r"\n(?:rule|checkpoint) ", out)[1:]:
         rule = block.split(":", 1)[0].strip()
         stage = re.search(r"wildcards: stage=(\w+)", block)
         reason = re.search(r"reason: (.*)", block)
@@ -279,10 +279,11 @@ def test_stage_script_runs_on_its_own_and_validates_the_whole_config(
 
     plan = tmp_path / "plan.json"
     plan_cmd = [sys.executable, "scripts/plan_parallelism.py", "--config", "config/config.yaml",
-                "--hardware", str(out), "--plan", str(plan)]  # fmt: skip
+                "--hardware", str(out), "--plan", str(plan), "--vocab", str(tmp_path / "vocab.json"),
+                "--pretrain-plan", str(tmp_path / "plan_pretrain.json"), "--grpo-plan", str(tmp_path / "plan_grpo.json")]  # fmt: skip
     subprocess.run(plan_cmd, cwd=workdir, check=True, capture_output=True)
     render_cmd = [sys.executable, "scripts/render_deepspeed_config.py", "--config", "config/config.yaml",
-                  "--stage", "grpo", "--plan", str(plan), "--deepspeed-config", str(tmp_path / "grpo.json")]  # fmt: skip
+                  "--stage", "grpo", "--plan", str(tmp_path / "plan_grpo.json"), "--deepspeed-config", str(tmp_path / "grpo.json")]  # fmt: skip
     subprocess.run(render_cmd, cwd=workdir, check=True, capture_output=True)
     assert json.loads((tmp_path / "grpo.json").read_text())["train_batch_size"] == 128
 

@@ -68,3 +68,19 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise StageError(f"{path}: file not found") from None
     except json.JSONDecodeError as err:
         raise StageError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def write_json_if_changed(path: str | os.PathLike[str], obj: Any) -> bool:
+    """Write `obj` as atomic_write_json does, but only if the bytes differ; return whether it wrote.
+
+    A derived artifact rewritten with the same content keeps its modification
+    time, so nothing that reads it looks out of date (Snakemake compares mtimes).
+    """
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    try:
+        if Path(path).read_bytes() == data:
+            return False
+    except FileNotFoundError:
+        pass
+    atomic_write_bytes(path, data)
+    return True

@@ -8,9 +8,12 @@ from snakemake.common.tbdstring import TBDString
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+import stagetrain
 from stagetrain import config as stconfig
 from stagetrain import configfiles, slurm
+from stagetrain.codedeps import code_digest
 from stagetrain.errors import StageError
+from stagetrain.inputs import local_inputs
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
@@ -21,6 +24,12 @@ try:
 except StageError as _err:
     sys.exit(f"error: {_err}")
 validate(config, "../schemas/config.schema.yaml")
+# Every local file a stage reads is a declared input (resolved here, once): an
+# edited file reruns the stage, a missing one is one line naming its key.
+try:
+    LOCAL_INPUTS = local_inputs(config)
+except StageError as _err:
+    sys.exit(f"error: {_err}")
 
 RUN = f"results/{config['run']['name']}"
 TRAINING_STAGES = ["pretrain", "grpo"]
@@ -62,6 +71,48 @@ def benchmarked(rule_name):
 def get_plan_section(section):
     """Only the keys of `section` the planner reads."""
     return {key: config[section][key] for key in PLAN_KEYS[section]}
+
+
+def code_of(script):
+    """A digest of scripts/<script>.py and every stagetrain module it reaches: a rule param,
+    so an edited library module reruns exactly the stages that run it."""
+    root = Path(stagetrain.__file__).resolve().parent.parent
+    return code_digest(Path(workflow.basedir) / "scripts" / f"{script}.py", root)
+
+
+def get_vocab_padding(wildcards):
+    """plan/vocab.json: the tp the tokenizer stage pads the vocabulary for, not the whole plan."""
+    return checkpoints.plan_parallelism.get().output.vocab
+
+
+def get_stage_plan(wildcards):
+    """plan/<stage>.json: a training stage's own layout and the run-wide facts, not the other stage's."""
+    return getattr(checkpoints.plan_parallelism.get().output, f"{wildcards.stage}_plan")
+
+
+def get_plan_of(stage):
+    """get_stage_plan for a rule that is one stage (no stage wildcard)."""
+    return lambda wildcards: getattr(checkpoints.plan_parallelism.get().output, f"{stage}_plan")
+
+
+def get_table(wildcards):
+    """The local parallelism table the planner reads, if any."""
+    return LOCAL_INPUTS["table"]
+
+
+def get_corpus_files(wildcards):
+    """The files of the data.files globs, the task files and a local pretrained tokenizer."""
+    return [*LOCAL_INPUTS["data_files"], *LOCAL_INPUTS["task_files"], *LOCAL_INPUTS["tokenizer"]]
+
+
+def get_init_config(wildcards):
+    """The non-weight files of a local model.init_from folder: its config shapes plan and tokenizer."""
+    return LOCAL_INPUTS["init_from_config"]
+
+
+def get_init_model(wildcards):
+    """Every file of a local model.init_from folder: pretraining starts from its weights."""
+    return LOCAL_INPUTS["init_from"]
 
 
 def optimizer_steps(stage):

@@ -1,7 +1,7 @@
 rule consolidate:
     input:
         summary=f"{RUN}/{{stage}}/summary.json",
-        plan=rules.plan_parallelism.output.plan,
+        plan=get_stage_plan,
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         model_config=rules.prepare_tokenizer.output.model_config,
         meta=rules.prepare_tokenizer.output.meta,
@@ -16,6 +16,7 @@ rule consolidate:
     resources:
         **plan_resources("consolidate"),
     params:
+        code=code_of("consolidate"),
         consolidate=config["consolidate"],
     conda:
         "../envs/stagetrain.yaml"

@@ -6,6 +6,7 @@ rule detect_hardware:
     benchmark:
         benchmarked("detect_hardware")
     params:
+        code=code_of("detect_hardware"),
         hardware=config["hardware"],
         # What CUDA may see is part of the input: a changed mask re-detects.
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),

@@ -1,7 +1,7 @@
 rule grpo:
     input:
         model=f"{RUN}/model/pretrain",
-        plan=rules.plan_parallelism.output.plan,
+        plan=get_plan_of("grpo"),
         deepspeed_config=f"{RUN}/deepspeed/grpo.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         model_config=rules.prepare_tokenizer.output.model_config,
@@ -20,6 +20,7 @@ rule grpo:
     benchmark:
         benchmarked("grpo")
     params:
+        code=code_of("grpo"),
         run=config["run"],
         grpo=config["grpo"],
     # The ranks use every core; running other jobs beside them would only slow both.

@@ -1,6 +1,8 @@
 rule prepare_tokenizer:
     input:
-        plan=rules.plan_parallelism.output.plan,
+        vocab=get_vocab_padding,
+        corpus=get_corpus_files,
+        init_from=get_init_config,
     output:
         tokenizer=directory(f"{RUN}/tokenizer"),
         train=f"{RUN}/data/train.bin",
@@ -12,6 +14,7 @@ rule prepare_tokenizer:
     benchmark:
         benchmarked("prepare_tokenizer")
     params:
+        code=code_of("prepare_tokenizer"),
         run=config["run"],
         model=config["model"],
         tokenizer=config["tokenizer"],

@@ -1,12 +1,13 @@
 rule pretrain:
     input:
-        plan=rules.plan_parallelism.output.plan,
+        plan=get_plan_of("pretrain"),
         deepspeed_config=f"{RUN}/deepspeed/pretrain.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         train=rules.prepare_tokenizer.output.train,
         val=rules.prepare_tokenizer.output.val,
         meta=rules.prepare_tokenizer.output.meta,
         model_config=rules.prepare_tokenizer.output.model_config,
+        init_from=get_init_model,
     output:
         summary=f"{RUN}/pretrain/summary.json",
         metrics=f"{RUN}/pretrain/metrics.jsonl",
@@ -20,6 +21,7 @@ rule pretrain:
     benchmark:
         benchmarked("pretrain")
     params:
+        code=code_of("pretrain"),
         run=config["run"],
         model=config["model"],
         pretrain=config["pretrain"],

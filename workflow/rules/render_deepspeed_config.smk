@@ -1,6 +1,6 @@
 rule render_deepspeed_config:
     input:
-        plan=rules.plan_parallelism.output.plan,
+        plan=get_stage_plan,
     output:
         deepspeed_config=f"{RUN}/deepspeed/{{stage}}.json",
     log:
@@ -8,6 +8,7 @@ rule render_deepspeed_config:
     benchmark:
         benchmarked("render_deepspeed_config_{stage}")
     params:
+        code=code_of("render_deepspeed_config"),
         deepspeed=config["deepspeed"],
         training=get_training,
     conda:

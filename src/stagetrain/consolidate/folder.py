@@ -26,6 +26,7 @@ fp32 run, or fp32 master weights of a bf16 run, evaluated in another precision).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -223,6 +224,32 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def weights_sha256(shards: list[Path]) -> str:
+    """One hash of the tensors themselves (sorted names, dtype, shape, bytes), whatever the sharding.
+
+    The per-file hashes change with `consolidate.max_shard_size`; this one does
+    not, so what starts from the folder (GRPO's checkpoint fingerprint) can tell
+    the same weights in a new layout from new weights.
+    """
+    tensors = {}
+    for path in shards:
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        header.pop("__metadata__", None)
+        tensors.update({name: (path, 8 + size, info) for name, info in header.items()})
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        path, base, info = tensors[name]
+        start, end = info["data_offsets"]
+        digest.update(json.dumps([name, info["dtype"], info["shape"], end - start]).encode())
+        with open(path, "rb") as handle:
+            handle.seek(base + start)
+            for left in range(end - start, 0, -(1 << 24)):
+                digest.update(handle.read(min(left, 1 << 24)))
+    return digest.hexdigest()
+
+
 def _verify_loss(tmp: Path, stage: str, summary: Mapping[str, Any], meta: Mapping[str, Any],
                  cfg: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:  # fmt: skip
     """Reload the folder and reproduce the training's logged validation loss (module docstring)."""
@@ -317,6 +344,7 @@ def _describe(tmp: Path, stage: str, summary: Mapping[str, Any], meta: Mapping[s
             "transformers": transformers.__version__,
         },
         "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files},
+        "weights_sha256": weights_sha256([p for p in files if p.suffix == ".safetensors"]),
     }
     atomic_write_json(tmp / MANIFEST, manifest)
     return manifest

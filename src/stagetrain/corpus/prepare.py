@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -93,11 +92,13 @@ def prepare(
     model: Mapping[str, Any],
     tokenizer_cfg: Mapping[str, Any],
     data: Mapping[str, Any],
-    plan: Mapping[str, Any],
+    tp: int,
     outputs: Mapping[str, str],
 ) -> dict[str, Any]:
-    """Write every output of the stage; return data/meta.json's content."""
-    tp = math.lcm(*(stage["layout"]["tp"] for stage in plan["stages"].values()))
+    """Write every output of the stage; return data/meta.json's content.
+
+    `tp` is plan/vocab.json's: the padded vocabulary must divide by it.
+    """
     sources = corpus_sources.build(data, run["seed"])
     tokenizer = make_tokenizer(tokenizer_cfg, sources)
     special = {

@@ -93,8 +93,10 @@ def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg, layout = spec["grpo"], plan["stages"]["grpo"]["layout"]
-    components = {
-        "model": read_json(Path(spec["model"]) / "MANIFEST.json")["files"], "tokenizer": meta["tokenizer_sha256"],
+    manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
+    components = {  # the start model by content: a resharded folder of the same weights resumes
+        "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
+        "tokenizer": meta["tokenizer_sha256"],
         "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
         "precision": layout["precision"], "seed": spec["seed"],
     }  # fmt: skip

@@ -1,0 +1,147 @@
+"""What the stages read: local files, derived plan files, library modules, the weights by content."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import default_config
+
+from stagetrain.codedeps import code_digest, modules_of
+from stagetrain.consolidate.folder import weights_sha256
+from stagetrain.consolidate.writer import write_shards
+from stagetrain.errors import StageError
+from stagetrain.inputs import local_inputs
+from stagetrain.io import write_json_if_changed
+from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
+
+
+def _config(**sections: dict) -> dict:
+    config = copy.deepcopy(default_config())
+    for section, changes in sections.items():
+        config[section].update(changes)
+    return config
+
+
+def test_every_local_file_is_listed_sorted_and_hub_ids_are_not(tmp_path: Path) -> None:
+    (tmp_path / "corpus").mkdir()
+    for name in ("b.txt", "a.txt", "c.jsonl"):
+        (tmp_path / "corpus" / name).write_text("x\n")
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "sub/tokenizer.json"):
+        (model / name).write_text("{}")
+    table = tmp_path / "table.json"
+    table.write_text("{}")
+    tasks = tmp_path / "capitals.jsonl"
+    tasks.write_text("{}\n")
+    data = {"files": [{"path": f"{tmp_path}/corpus/*.txt"}, {"path": f"{tmp_path}/corpus/a.*"}],
+            "generated": {**default_config()["data"]["generated"], "task_files": [str(tasks)]}}  # fmt: skip
+    found = local_inputs(_config(
+        data=data, parallelism={"table_path": str(table)}, model={"init_from": str(model)},
+        tokenizer={"source": "pretrained", "path": str(model)},
+    ))  # fmt: skip
+    assert found["data_files"] == [f"{tmp_path}/corpus/a.txt", f"{tmp_path}/corpus/b.txt"]
+    assert found["table"] == [str(table)] and found["task_files"] == [str(tasks)]
+    files = [str(model / n) for n in ("config.json", "model.safetensors", "sub/tokenizer.json")]
+    assert found["init_from"] == found["tokenizer"] == files
+    assert found["init_from_config"] == [files[0], files[2]]
+
+    hub = local_inputs(
+        _config(
+            model={"init_from": "org/model"}, tokenizer={"source": "pretrained", "path": "gpt2"}
+        )
+    )
+    assert not any(hub.values())
+    unused = local_inputs(_config(tokenizer={"source": "train", "path": "./nowhere"}))
+    assert not unused["tokenizer"]
+
+
+@pytest.mark.parametrize(
+    ("sections", "line"),
+    [
+        ({"data": {"files": [{"path": "corpus/*.txt"}]}}, "config: data.files.0.path: no file matches 'corpus/*.txt'"),
+        ({"parallelism": {"table_path": "missing.json"}}, "config: parallelism.table_path: no such file 'missing.json'"),
+        ({"model": {"init_from": "./models/none"}}, "config: model.init_from: no such file or folder './models/none'"),
+        ({"tokenizer": {"source": "pretrained", "path": "/no/tok"}}, "config: tokenizer.path: no such file or folder '/no/tok'"),
+    ],
+)  # fmt: skip
+def test_a_missing_local_file_is_one_line_naming_its_key(sections: dict, line: str) -> None:
+    with pytest.raises(StageError) as err:
+        local_inputs(_config(**sections))
+    assert str(err.value) == line
+
+
+def test_a_derived_file_with_the_same_content_keeps_its_modification_time(tmp_path: Path) -> None:
+    path = tmp_path / "plan" / "vocab.json"
+    assert write_json_if_changed(path, {"tp": 2})
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    assert not write_json_if_changed(path, {"tp": 2})
+    assert path.stat().st_mtime_ns == 1_000_000_000
+    assert write_json_if_changed(path, {"tp": 4})
+    assert json.loads(path.read_text()) == {"tp": 4} and path.stat().st_mtime_ns > 1_000_000_000
+
+
+def test_each_reader_gets_only_its_part_of_the_plan() -> None:
+    plan = {key: key for key in SHARED_KEYS} | {
+        "table": {},
+        "warnings": ["w"],
+        "source": "estimated",
+    }
+    plan["stages"] = {"pretrain": {"layout": {"tp": 2}}, "grpo": {"layout": {"tp": 4}}}
+    assert vocab_padding(plan) == {"tp": 4}
+    grpo = stage_plan(plan, "grpo")
+    assert grpo == {**{key: key for key in SHARED_KEYS}, "stages": {"grpo": {"layout": {"tp": 4}}}}
+
+
+def test_a_scripts_modules_are_found_by_reading_the_sources(tmp_path: Path) -> None:
+    pkg = tmp_path / "stagetrain"
+    for name, text in {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/one.py": "from . import two\nfrom .three import thing\n",
+        "a/two.py": "import json\n",
+        "a/three.py": "thing = 1\n",
+        "b.py": "",
+        "c.py": "",
+    }.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    script = tmp_path / "script.py"
+    script.write_text('from stagetrain.a.one import x\nMODULE = "stagetrain.b"\n')
+    found = [str(p.relative_to(pkg)) for p in modules_of(script, tmp_path)]
+    assert found == ["__init__.py", "a/__init__.py", "a/one.py", "a/three.py", "a/two.py", "b.py"]
+    before = code_digest(script, tmp_path)
+    (pkg / "c.py").write_text("# not reached\n")
+    assert code_digest(script, tmp_path) == before
+    (pkg / "a/three.py").write_text("thing = 2\n")
+    assert code_digest(script, tmp_path) != before
+
+
+def test_the_weights_hash_does_not_depend_on_the_sharding(tmp_path: Path) -> None:
+    tensors = {
+        f"layer.{i}.weight": torch.full((64, 64), float(i), dtype=torch.bfloat16) for i in range(4)
+    }
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+
+    def chunks(name: str) -> Iterator[torch.Tensor]:
+        yield tensors[name]
+
+    hashes = []
+    for max_bytes in (10**9, 9000):
+        folder = tmp_path / str(max_bytes)
+        folder.mkdir()
+        write_shards(sorted(tensors), shapes, torch.bfloat16, chunks, folder, max_bytes)
+        hashes.append(weights_sha256(sorted(folder.glob("*.safetensors"))))
+    assert len(list((tmp_path / "9000").glob("*.safetensors"))) == 4
+    assert hashes[0] == hashes[1]
+    tensors["layer.3.weight"] = tensors["layer.3.weight"] + 1
+    folder = tmp_path / "changed"
+    folder.mkdir()
+    write_shards(sorted(tensors), shapes, torch.bfloat16, chunks, folder, 10**9)
+    assert weights_sha256(sorted(folder.glob("*.safetensors"))) != hashes[0]

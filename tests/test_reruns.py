@@ -1,0 +1,387 @@
+"""Stages rerun exactly when what they read changes: config keys, declared files, library code.
+
+The rerun matrix changes every leaf key of the config schema in a copy of a
+finished small run's config, dry-runs Snakemake, and compares the scheduled
+jobs with the expected set built from READERS, a table written here by hand
+(which rule reads which key) and the fixed order of the stages. It is printed
+(`pytest -s`) and written to the test's tmp folder as rerun_matrix.txt.
+
+Keys are grouped to keep the suite fast (a dry run costs a Snakemake start):
+keys of one section whose expected set is the same change together in one dry
+run, except the keys the workflow selects one by one (the planner's subset of
+tokenizer, pretrain and grpo, the steps and passes of the DeepSpeed config, the
+file keys, run.*), which each get their own: 30 dry runs over the 117 keys.
+A dry run cannot know what the planner will write, so it lists everything
+after plan_parallelism as possibly affected (the checkpoint's placeholder); the narrow dependencies are proven after a real
+planner run (test_a_replan_reruns_only_the_stage_whose_layout_it_changed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import REPO, SNAKEMAKE, snakemake
+
+from stagetrain import config as stconfig
+
+pytestmark = pytest.mark.slow
+RUN = "results/tiny"
+JOBS = ["detect_hardware", "plan_parallelism", "prepare_tokenizer", "render_deepspeed_config[pretrain]",
+        "render_deepspeed_config[grpo]", "pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]", "all"]  # fmt: skip
+# Each job's direct dependents (what a dry run schedules after it).
+AFTER = {
+    "detect_hardware": {"plan_parallelism"},
+    "plan_parallelism": {
+        "prepare_tokenizer",
+        "render_deepspeed_config[pretrain]",
+        "render_deepspeed_config[grpo]",
+        "pretrain",
+        "consolidate[pretrain]",
+        "grpo",
+        "consolidate[grpo]",
+    },  # fmt: skip
+    "prepare_tokenizer": {"pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]"},
+    "render_deepspeed_config[pretrain]": {"pretrain"},
+    "render_deepspeed_config[grpo]": {"grpo"},
+    "pretrain": {"consolidate[pretrain]"},
+    "consolidate[pretrain]": {"grpo"},
+    "grpo": {"consolidate[grpo]"},
+    "consolidate[grpo]": {"all"},
+    "all": set(),
+}
+DROP = object()  # a key left out of the changed config
+RENDER = {"render_deepspeed_config[pretrain]", "render_deepspeed_config[grpo]"}
+CONSOLIDATE = {"consolidate[pretrain]", "consolidate[grpo]"}
+# Which jobs read which key: the first matching prefix wins.
+READERS: list[tuple[str, set[str]]] = [
+    ("run.name", set(JOBS)),  # a new results folder
+    ("run.seed", {"prepare_tokenizer", "pretrain", "grpo"}),
+    ("model.", {"plan_parallelism", "prepare_tokenizer", "pretrain"}),
+    ("tokenizer.vocab_size", {"plan_parallelism", "prepare_tokenizer"}),
+    ("tokenizer.", {"prepare_tokenizer"}),
+    ("data.", {"prepare_tokenizer"}),
+    ("hardware.", {"detect_hardware", "plan_parallelism"}),
+    ("parallelism.", {"plan_parallelism"}),
+    ("deepspeed.", {"plan_parallelism", *RENDER}),
+    *((f"pretrain.{k}", {"plan_parallelism", "pretrain"}) for k in ("seq_len", "global_batch_size", "global_batch_unit")),
+    *((f"pretrain.{k}", {"render_deepspeed_config[pretrain]", "pretrain"}) for k in ("steps", "optimizer.")),
+    ("pretrain.", {"pretrain"}),
+    *((f"grpo.{k}", {"plan_parallelism", "grpo"}) for k in ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "kl_coef")),
+    *((f"grpo.{k}", {"render_deepspeed_config[grpo]", "grpo"}) for k in ("steps", "passes", "optimizer.")),
+    ("grpo.", {"grpo"}),
+    ("consolidate.", CONSOLIDATE),
+]  # fmt: skip
+# Keys the workflow passes one by one (not as a whole section): each gets its own dry run.
+ALONE = re.compile(
+    r"tokenizer\.vocab_size|pretrain\.(seq_len|global_batch_size|global_batch_unit|steps)|"
+    r"grpo\.(prompts_per_step|group_size|max_prompt_len|max_new_tokens|kl_coef|steps|passes)|"
+    r"parallelism\.table_path|model\.init_from|tokenizer\.path|data\.(files|generated\.task_files)|run\..*"
+)
+# Changed values the generic rule below cannot find: other keys that must change with them.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "run.name": {"run.name": "other"},
+    "model.architecture": {"model.architecture": "mixtral", "model.num_experts": 4, "model.experts_per_token": 2},
+    "model.num_experts": {"model.architecture": "mixtral", "model.num_experts": 4, "model.experts_per_token": 2},
+    "model.experts_per_token": {"model.architecture": "mixtral", "model.num_experts": 4, "model.experts_per_token": 2},
+    "model.moe_intermediate_size": {"model.architecture": "qwen2_moe", "model.num_experts": 4,
+                                    "model.experts_per_token": 2, "model.moe_intermediate_size": 64},
+    "tokenizer.source": {"tokenizer.source": "pretrained", "tokenizer.path": "gpt2"},
+    "tokenizer.pad_token": {"tokenizer.pad_token": "<|pad|>"},
+    "hardware.source": {"hardware.source": "describe", "hardware.gpu": "H100", "hardware.gpus_per_node": 2},
+    "hardware.gpu": {"hardware.source": "describe", "hardware.gpu": "H100", "hardware.gpus_per_node": 2},
+    "hardware.gpus_per_node": {"hardware.source": "describe", "hardware.gpu": "H100", "hardware.gpus_per_node": 2},
+    "parallelism.table_repo": {"parallelism.table_repo": "org/tables"},
+    "parallelism.table_revision": {"parallelism.table_revision": "v2"},
+    "data.hub": {"data.hub": [{"repo": "org/corpus", "files": ["train.jsonl"]}]},
+    "data.generated.families": {"data.generated.families": ["arithmetic"]},
+    "grpo.curriculum.families": {"grpo.curriculum.families": ["comparison"]},
+    "consolidate.max_shard_size": {"consolidate.max_shard_size": "1MB"},
+}  # fmt: skip
+
+
+def readers(key: str) -> set[str]:
+    """The jobs that read `key`, from READERS."""
+    return next(jobs for prefix, jobs in READERS if key == prefix or key.startswith(prefix))
+
+
+def downstream(jobs: set[str]) -> set[str]:
+    """`jobs` and every job after them."""
+    found, queue = set(), list(jobs)
+    while queue:
+        job = queue.pop()
+        if job not in found:
+            found.add(job)
+            queue.extend(AFTER[job])
+    return found
+
+
+def schema_leaves() -> list[tuple[str, dict[str, Any]]]:
+    """Every leaf key of the config schema with its schema node ($refs resolved; arrays are leaves)."""
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+
+    def walk(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        if "$ref" in node:
+            node = schema["$defs"][node["$ref"].rsplit("/", 1)[1]]
+        if "properties" in node:
+            for key, child in node["properties"].items():
+                yield from walk(child, f"{path}.{key}" if path else key)
+        else:
+            yield path, node
+
+    return list(walk(schema, ""))
+
+
+def get(config: dict[str, Any], key: str) -> Any:
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def put(config: dict[str, Any], key: str, value: Any) -> None:
+    """Set `key` (dotted) to `value`; DROP removes it."""
+    *parents, last = key.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    if value is DROP:
+        node.pop(last, None)
+    else:
+        node[last] = value
+
+
+def changed(key: str, node: dict[str, Any], current: Any, files: dict[str, Any]) -> dict[str, Any]:
+    """A valid changed value for `key` (and the keys that must change with it)."""
+    if key in files:
+        return files[key]
+    if key in OVERRIDES:
+        return OVERRIDES[key]
+    kinds = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+    if "enum" in node:
+        return {key: next(v for v in node["enum"] if v not in (current, None))}
+    if "boolean" in kinds:
+        return {key: not current}
+    if "integer" in kinds:
+        value = (current or 1) + 1
+        return {key: value if value <= node.get("maximum", value) else current - 1}
+    if "number" in kinds:
+        return {key: current * 0.5 if current else 0.05}
+    if "array" in kinds and key.endswith("betas"):
+        return {key: [0.8, 0.9]}
+    raise AssertionError(f"no changed value for {key} ({node})")
+
+
+def local_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Files the file keys can name, made under `root`, and their changes."""
+    (root / "corpus").mkdir(parents=True)
+    (root / "corpus/a.txt").write_text("one document\n")
+    (root / "corpus/b.txt").write_text("another document\n")
+    (root / "capitals.jsonl").write_text(
+        json.dumps({"prompt": "Capital of France?", "answer": "Paris", "level": 1}) + "\n"
+    )
+    (root / "table.json").write_text("{}\n")
+    shape = dict.fromkeys(f"model.{k}" for k in ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                 "num_kv_heads", "max_position_embeddings", "rope_theta", "tie_word_embeddings"))  # fmt: skip
+    return {
+        "parallelism.table_path": {"parallelism.table_path": str(root / "table.json")},
+        "data.files": {"data.files": [{"path": str(root / "corpus/*.txt")}]},
+        "data.generated.task_files": {"data.generated.task_files": [str(root / "capitals.jsonl")]},
+        "tokenizer.path": {"tokenizer.source": "pretrained", "tokenizer.path": str(root / "model")},
+        "model.init_from": {"model.init_from": str(root / "model"), **dict.fromkeys(shape, DROP)},
+    }  # fmt: skip
+
+
+def dry_run(workdir: Path, config: dict[str, Any] | None, *, env: dict[str, str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`snakemake -n` in `workdir`, with `config` as its only --configfile (when given)."""
+    args = [SNAKEMAKE, "--cores", "2", "-n"]
+    if config is not None:
+        path = workdir / ".rerun_config.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        args += ["--configfile", str(path)]
+    proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+    if check and proc.returncode != 0:
+        pytest.fail(f"snakemake -n exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def scheduled(out: str) -> dict[str, dict[str, str]]:
+    """Jobs of a dry run's output, named rule[stage], each with its reason and input line."""
+    jobs = {}
+    for block in re.split(r"\n(?:rule|checkpoint) ", out)[1:]:
+        rule = block.split(":", 1)[0].strip()
+        stage = re.search(r"wildcards: stage=(\w+)", block)
+        fields = {
+            k: (re.search(rf"^\s+{k}: (.*)$", block, re.M) or [None, ""])[1]
+            for k in ("reason", "input")
+        }
+        jobs[f"{rule}[{stage.group(1)}]" if stage else rule] = fields
+    return jobs
+
+
+def finished_config(workdir: Path) -> dict[str, Any]:
+    """The finished run's config, every default filled in (so a --configfile of it changes nothing)."""
+    return stconfig.load(workdir / "config/config.yaml")
+
+
+def test_rerun_matrix_over_every_config_key(finished_small_run: Path, tmp_path: Path) -> None:
+    workdir = finished_small_run
+    base = finished_config(workdir)
+    assert "Nothing to be done" in dry_run(workdir, base).stdout  # the no-op
+    files = local_files(tmp_path)
+    shutil.copytree(workdir / RUN / "model/pretrain", tmp_path / "model")
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    for key, node in schema_leaves():
+        expected = downstream(readers(key))
+        name = (key,) if ALONE.fullmatch(key) else (key.split(".")[0], *sorted(expected))
+        groups.setdefault(name, {"keys": [], "changes": {}, "expected": expected})
+        groups[name]["keys"].append(key)
+        groups[name]["changes"].update(changed(key, node, get(base, key), files))
+    lines, wrong = [], []
+    for group in groups.values():
+        config = copy.deepcopy(base)
+        for key, value in group["changes"].items():
+            put(config, key, value)
+        got = set(scheduled(dry_run(workdir, config).stdout))
+        mark = "ok" if got == group["expected"] else "WRONG"
+        lines.append(
+            f"{mark:5} {', '.join(group['keys'])}\n      -> {', '.join(j for j in JOBS if j in got) or 'nothing'}"
+        )
+        if got != group["expected"]:
+            wrong.append(
+                f"{group['keys']}: expected {sorted(group['expected'])}, got {sorted(got)}"
+            )
+    report = "\n".join(lines)
+    (tmp_path / "rerun_matrix.txt").write_text(report + "\n")
+    print(f"\nrerun matrix ({len(groups)} dry runs over {len(schema_leaves())} keys):\n{report}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_local_file_is_a_declared_input_and_a_missing_one_is_one_line(
+    finished_small_run: Path, tmp_path: Path
+) -> None:
+    workdir = finished_small_run
+    base = finished_config(workdir)
+    files = local_files(tmp_path)
+    shutil.copytree(workdir / RUN / "model/pretrain", tmp_path / "model")
+    config = copy.deepcopy(base)
+    for changes in files.values():
+        for key, value in changes.items():
+            put(config, key, value)
+    jobs = scheduled(dry_run(workdir, config).stdout)
+    model = sorted(str(p) for p in (tmp_path / "model").iterdir() if p.is_file())
+    weights = [f for f in model if f.endswith(".safetensors")]
+    corpus = [
+        str(tmp_path / "corpus/a.txt"),
+        str(tmp_path / "corpus/b.txt"),
+        str(tmp_path / "capitals.jsonl"),
+    ]
+    assert str(tmp_path / "table.json") in jobs["plan_parallelism"]["input"]
+    assert all(f in jobs["prepare_tokenizer"]["input"] for f in [*corpus, *model])
+    assert all(f in jobs["pretrain"]["input"] for f in model)
+    assert not any(
+        f in jobs["plan_parallelism"]["input"] for f in weights
+    )  # the planner reads the config
+
+    put(config, "data.files", [{"path": "corpus/*.md"}])
+    proc = dry_run(workdir, config, check=False)
+    assert proc.returncode == 1
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == "error: config: data.files.0.path: no file matches 'corpus/*.md'"
+    )
+
+
+def test_an_edited_table_reruns_the_planner(finished_small_run: Path, tmp_path: Path) -> None:
+    workdir = tmp_path / "wf"
+    shutil.copytree(finished_small_run, workdir, symlinks=True)
+    table = workdir / "table.json"
+    table.write_text("{}\n")
+    config = finished_config(workdir)
+    put(config, "parallelism.table_path", str(table))
+    path = workdir / "config/config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    snakemake(workdir, "plan_parallelism")
+    table.write_text('{"H100": {}}\n')
+    reason = scheduled(dry_run(workdir, None).stdout)["plan_parallelism"]["reason"]
+    assert reason == f"Updated input files: {table}"
+
+
+@pytest.mark.parametrize(
+    ("module", "runs_it"),
+    [
+        ("hardware/detect.py", {"detect_hardware"}),
+        ("planning/search.py", {"plan_parallelism"}),
+        ("corpus/prepare.py", {"prepare_tokenizer"}),
+        ("deepspeed_config.py", RENDER),
+        ("pretrain/train.py", {"pretrain", "grpo"}),  # GRPO's loop imports pretrain's pieces
+        ("consolidate/writer.py", CONSOLIDATE),
+        ("grpo/loss.py", {"grpo"}),
+    ],
+)
+def test_an_edited_library_module_reruns_the_stages_that_run_it(
+    finished_small_run: Path, tmp_path: Path, module: str, runs_it: set[str]
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "src/stagetrain", src / "stagetrain")
+    with open(src / "stagetrain" / module, "a") as handle:
+        handle.write("\n# edited\n")
+    jobs = scheduled(dry_run(finished_small_run, None, env={"PYTHONPATH": str(src)}).stdout)
+    assert set(jobs) == downstream(runs_it)
+    # Snakemake names one reason: a job after another rerun job gives "Input files updated".
+    first = {
+        job for job in runs_it if not any(job in downstream(AFTER[other]) for other in runs_it)
+    }
+    assert all(jobs[job]["reason"].startswith("Params have changed") for job in first)
+
+
+@pytest.mark.parametrize("key", ["grpo.kl_coef", "grpo.group_size"])
+def test_a_replan_reruns_only_the_stage_whose_layout_it_changed(
+    finished_small_run: Path, tmp_path: Path, key: str
+) -> None:
+    workdir = tmp_path / "wf"
+    shutil.copytree(finished_small_run, workdir, symlinks=True)
+    config = finished_config(workdir)
+    put(config, key, {"grpo.kl_coef": 0.05, "grpo.group_size": 2}[key])
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    snakemake(workdir, "plan_parallelism")
+    jobs = scheduled(dry_run(workdir, None).stdout)
+    assert "grpo" in jobs
+    assert set(jobs) <= {"render_deepspeed_config[grpo]", "grpo", "consolidate[grpo]", "all"}
+
+
+def test_a_new_shard_size_rewrites_the_model_and_grpo_resumes_at_its_final_step(
+    finished_small_run: Path, tmp_path: Path
+) -> None:
+    workdir = tmp_path / "wf"
+    shutil.copytree(finished_small_run, workdir, symlinks=True)
+    run = workdir / RUN
+    before = json.loads((run / "model/pretrain/MANIFEST.json").read_text())
+    first = json.loads((run / "grpo/summary.json").read_text())
+    config = finished_config(workdir)
+    put(config, "consolidate.max_shard_size", "1MB")
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    snakemake(workdir, "all")
+
+    after = json.loads((run / "model/pretrain/MANIFEST.json").read_text())
+    assert len([f for f in after["files"] if f.endswith(".safetensors")]) > 1
+    assert set(after["files"]) != set(before["files"])
+    assert after["weights_sha256"] == before["weights_sha256"]
+    grpo = json.loads((run / "grpo/summary.json").read_text())
+    assert grpo["fingerprint"] == first["fingerprint"]
+    assert grpo["resumed_from_step"] == grpo["final_step"] == first["final_step"]
+    assert grpo["optimizer_steps"] == first["optimizer_steps"]  # restored, none taken
+    log = (run / "logs/grpo.log").read_text()
+    assert f"at step {first['final_step']}" in log and not re.search(r"step \d+/\d+ reward", log)
+    assert "Nothing to be done" in dry_run(workdir, None).stdout
