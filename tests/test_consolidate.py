@@ -17,14 +17,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from stagetrain.consolidate.folder import MANIFEST, consolidate, eval_loss
 from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
 from stagetrain.errors import StageError
-from stagetrain.pretrain.integrity import safe_globals
+from stagetrain.training.integrity import safe_globals
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from stagetrain.pretrain.launch import prebuild_cpu_ops
+    from stagetrain.training.launch import prebuild_cpu_ops
 
     prebuild_cpu_ops()
     return prepare_data(tmp_path_factory.mktemp("data"))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from stagetrain.errors import StageError
-from stagetrain.pretrain.integrity import (
+from stagetrain.training.integrity import (
     POINTER,
     check_tag,
     load_file,

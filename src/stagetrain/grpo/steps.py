@@ -14,32 +14,8 @@ import torch.distributed as dist
 from stagetrain.grpo.curriculum import Curriculum, draw, update_all, window_rate
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
-from stagetrain.tasks import Problem, prompt, sample, score
-
-
-def prompt_ids(tokenizer: Any, problem: Problem, limit: int) -> list[int]:
-    """The prompt's token ids, keeping its last `limit` tokens (the question's end and the answer marker)."""
-    return tokenizer(prompt(problem), add_special_tokens=False)["input_ids"][-limit:]
-
-
-def greedy_scores(
-    model: Any, tokenizer: Any, batch: Sequence[Problem], cfg: Mapping[str, Any], chunk_size: int
-) -> list[float]:
-    """Verifier scores of greedy completions (KV cache), `chunk_size` problems per `generate` call."""
-    out = []
-    for start in range(0, len(batch), chunk_size):
-        chunk = batch[start : start + chunk_size]
-        ids = [prompt_ids(tokenizer, p, cfg["max_prompt_len"]) for p in chunk]
-        width = max(map(len, ids))
-        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-        device = next(model.parameters()).device
-        tokens = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=device)
-        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
-        gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=cfg["max_new_tokens"],
-                             eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=False)  # fmt: skip
-        texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=False)
-        out.extend(score(t, p) for t, p in zip(texts, chunk, strict=True))
-    return out
+from stagetrain.tasks import Problem, sample, score
+from stagetrain.training.evaluation import prompt_ids
 
 
 def draw_problems(run: Any, curriculum: Curriculum, rng: random.Random) -> list[Problem]:

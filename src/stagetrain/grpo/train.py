@@ -34,14 +34,14 @@ from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import atomic_write_json, read_json
-from stagetrain.pretrain import engine as engines
-from stagetrain.pretrain.batches import window_count
-from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
-from stagetrain.pretrain.integrity import weights_only_loads
-from stagetrain.pretrain.launch import rank_main
-from stagetrain.pretrain.metrics import MetricsLog, tensorboard_dir
-from stagetrain.pretrain.train import check_finite, window_loss
 from stagetrain.tasks import Problem, problems
+from stagetrain.training import engine as engines
+from stagetrain.training.batches import window_count
+from stagetrain.training.checkpoints import Checkpoints, tag_of
+from stagetrain.training.evaluation import greedy_scores, validation_loss
+from stagetrain.training.integrity import weights_only_loads
+from stagetrain.training.metrics import MetricsLog, check_finite, tensorboard_dir
+from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
 NOT_MATHS = (
@@ -171,7 +171,7 @@ def accuracy(run: Run) -> dict[str, float]:
     """Greedy accuracy per family on the fixed held-out problems (every rank evaluates all of them)."""
     run.engine.eval()
     with gathered(run), torch.no_grad():
-        correct = grpo_steps.greedy_scores(
+        correct = greedy_scores(
             run.engine.module, run.tokenizer, run.eval_set, run.cfg, run.generation_batch
         )
     run.engine.train()
@@ -185,12 +185,11 @@ def accuracy(run: Run) -> dict[str, float]:
 def val_loss(run: Run) -> float:
     """Language-model loss on the fixed validation windows (what consolidation re-checks)."""
     run.engine.eval()
-    mbs, seq = run.layout["micro_batch_size"], run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
-    with torch.no_grad():
-        losses = [window_loss(run.engine, run.device, run.val, run.eval_windows[i : i + mbs], seq).item()
-                  for i in range(0, len(run.eval_windows), mbs)]  # fmt: skip
+    seq = run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
+    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=seq,
+                           micro_batch_size=run.layout["micro_batch_size"], device=run.device)  # fmt: skip
     run.engine.train()
-    return float(np.mean(losses))
+    return loss
 
 
 def loop(run: Run) -> dict[str, Any]:

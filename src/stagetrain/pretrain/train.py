@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,20 +19,27 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.io import atomic_write_json
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
-from stagetrain.pretrain import engine as engines
-from stagetrain.pretrain.batches import Sampler, read_windows, window_count
-from stagetrain.pretrain.checkpoints import Checkpoints
-from stagetrain.pretrain.integrity import weights_only_loads
-from stagetrain.pretrain.launch import rank_main
-from stagetrain.pretrain.metrics import MetricsLog, Progress, max_rss_gib, tensorboard_dir
+from stagetrain.pretrain.metrics import METRICS
 from stagetrain.pretrain.plot import loss_plot
+from stagetrain.training import engine as engines
+from stagetrain.training.batches import Sampler, window_count
+from stagetrain.training.checkpoints import Checkpoints
+from stagetrain.training.evaluation import validation_loss, window_loss
+from stagetrain.training.integrity import weights_only_loads
+from stagetrain.training.metrics import (
+    MetricsLog,
+    Progress,
+    check_finite,
+    max_rss_gib,
+    tensorboard_dir,
+)
+from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
 NOT_MATHS = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
@@ -113,15 +119,6 @@ def setup(spec: dict[str, Any]) -> Run:
     )  # fmt: skip
 
 
-def window_loss(
-    engine: Any, device: torch.device, shard: np.ndarray, windows: np.ndarray, seq_len: int
-) -> torch.Tensor:
-    """Mean next-token cross-entropy of the model on `windows` of `shard` (fp32 logits)."""
-    tokens = torch.from_numpy(read_windows(shard, windows, seq_len)).to(device)
-    logits = engine(input_ids=tokens[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
 def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
     """The training loss of `run`'s model on `windows` of `shard`."""
     return window_loss(run.engine, run.device, shard, windows, run.spec["pretrain"]["seq_len"])
@@ -130,14 +127,10 @@ def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
 def evaluate(run: Run) -> float:
     """Loss on the fixed validation windows, the same on every rank."""
     run.engine.eval()
-    mbs = run.layout["micro_batch_size"]
-    with torch.no_grad():
-        losses = [
-            loss_on(run, run.eval_windows[i : i + mbs], run.val).item()
-            for i in range(0, len(run.eval_windows), mbs)
-        ]
+    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.spec["pretrain"]["seq_len"],
+                           micro_batch_size=run.layout["micro_batch_size"], device=run.device)  # fmt: skip
     run.engine.train()
-    return float(np.mean(losses))
+    return loss
 
 
 def train_step(run: Run, step: int) -> float:
@@ -151,21 +144,6 @@ def train_step(run: Run, step: int) -> float:
     mean = torch.stack(losses).mean()
     dist.all_reduce(mean, op=dist.ReduceOp.SUM)
     return mean.item() / dist.get_world_size()
-
-
-def check_finite(value: float, *, what: str, stage: str, step: int, precision: str) -> None:
-    """Stop with one line when a loss every rank shares (all-reduced, or computed alike) is NaN or inf.
-
-    Going on would save checkpoints of diverged weights. Under fp16 a
-    non-finite value is left to DeepSpeed's loss scaler: it skips a step whose
-    gradients overflow, lowers the scale, and stops the run itself when the
-    scale cannot go lower.
-    """
-    if precision != "fp16" and not math.isfinite(value):
-        raise StageError(
-            f"{stage}: the {what} is {value} at step {step} ({precision}): the run diverged; "
-            f"lower {stage}.optimizer.lr or check the data (no checkpoint of this step was saved)"
-        )
 
 
 def record(
@@ -205,7 +183,7 @@ def loop(run: Run) -> dict[str, Any]:
         log.info(why)
     metrics = (
         MetricsLog(
-            run.checkpoints.folder / "metrics.jsonl", start, events=tensorboard_dir(run.spec)
+            run.checkpoints.folder / "metrics.jsonl", start, METRICS, tensorboard_dir(run.spec)
         )
         if rank0
         else None
