@@ -101,7 +101,7 @@ def one(precision: str) -> None:
         for r in range(ROUNDS):
             ours = min(ours, _timed(stage_step, r * 100))
             bare = min(bare, _timed(bare_step, r * 100))
-        tokens = STEPS * run.layout["global_batch"] * run.spec["pretrain"]["seq_len"]
+        tokens = STEPS * run.layout.global_batch * run.spec["pretrain"]["seq_len"]
         print(f"{precision}: bare loop {tokens / bare:,.0f} tokens/s, pretrain step {tokens / ours:,.0f} tokens/s, "
               f"ratio {bare / ours:.2f}")  # fmt: skip
 

@@ -22,7 +22,7 @@ from conftest import default_config
 from harness.planning import cpu_hardware, plan_for
 
 from stagetrain.corpus.prepare import prepare
-from stagetrain.deepspeed_config import render
+from stagetrain.deepspeed_config import optimizer_steps, render
 from stagetrain.io import atomic_write_json
 from stagetrain.model_config import training_config
 from stagetrain.training.integrity import load_file, weights_only_loads
@@ -168,7 +168,7 @@ def launch_grpo(
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     training = {
-        "steps": cfg["grpo"]["steps"] * cfg["grpo"]["passes"],
+        "steps": optimizer_steps(cfg["grpo"]),
         "optimizer": cfg["grpo"]["optimizer"],
     }
     atomic_write_json(

@@ -20,7 +20,7 @@ from stagetrain.training.evaluation import prompt_ids
 
 def draw_problems(run: Any, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
     """This rank's prompts of the step: families uniform, each level from its family's curriculum."""
-    n = run.cfg["prompts_per_step"] // run.layout["dp"]
+    n = run.cfg["prompts_per_step"] // run.layout.dp
     return [
         sample(family, level, "train", rng)
         for family, level in draw(curriculum, run.curriculum, n, rng)
@@ -57,7 +57,7 @@ def train_on(run: Any, groups: list[Group]) -> tuple[float, dict[str, float | No
     cfg, engine = run.cfg, run.engine
     items = [(g.prompt, c) for g in groups for c in g.completions]
     keep = [g.varies for g in groups for _ in g.completions]  # groups without signal are dropped
-    pad, ga = run.tokenizer.pad_token_id, run.layout["grad_accum"]
+    pad, ga = run.tokenizer.pad_token_id, run.layout.grad_accum
     chunks = np.array_split(np.arange(len(items)), ga)
     with torch.no_grad():
         old = [token_logprobs(engine, [items[i] for i in c], run.device, pad)[0] for c in chunks]

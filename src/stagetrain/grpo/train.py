@@ -40,6 +40,7 @@ from stagetrain.training.batches import window_count
 from stagetrain.training.checkpoints import Checkpoints, tag_of
 from stagetrain.training.evaluation import greedy_scores, validation_loss
 from stagetrain.training.integrity import weights_only_loads
+from stagetrain.training.layout import StageLayout
 from stagetrain.training.metrics import MetricsLog, check_finite, tensorboard_dir
 from stagetrain.training.rank import rank_main
 
@@ -64,7 +65,7 @@ class Run:
     reference: Any
     tokenizer: Any
     device: torch.device
-    layout: dict[str, Any]
+    layout: StageLayout
     dp_rank: int
     curriculum: CurriculumConfig
     tree: TreeConfig | None
@@ -92,19 +93,19 @@ def _reference(
 def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    cfg, layout = spec["grpo"], plan["stages"]["grpo"]["layout"]
+    cfg, layout = spec["grpo"], StageLayout.from_plan(plan, "grpo")
     components = {
         "model": read_json(Path(spec["model"]) / "MANIFEST.json")["files"], "tokenizer": meta["tokenizer_sha256"],
         "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
-        "precision": layout["precision"], "seed": spec["seed"],
+        "precision": layout.precision, "seed": spec["seed"],
     }  # fmt: skip
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components,
-                              {k: layout[k] for k in ("dp", "tp", "zero_stage")}, cfg["keep_checkpoints"])  # fmt: skip
+                              layout.checkpoint_layout, cfg["keep_checkpoints"])  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, _, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
-        activation_checkpointing=layout["activation_checkpointing"], seed=spec["seed"],
+        activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
     )  # fmt: skip
     dtype = next(engine.module.parameters()).dtype
     reference = _reference(spec["model"], ds_config, device, dtype) if cfg["kl_coef"] > 0 else None
@@ -114,7 +115,7 @@ def setup(spec: dict[str, Any]) -> Run:
     if cfg["rollout"] == "tree":
         tree = TreeConfig(**cfg["tree"], max_leaves=cfg["group_size"], max_tokens=cfg["group_size"] * cfg["max_new_tokens"],
                           max_new_tokens=cfg["max_new_tokens"], eos_id=tokenizer.eos_token_id)  # fmt: skip
-    seq = cfg["max_prompt_len"] + cfg["max_new_tokens"]
+    seq = layout.seq_len  # the plan's: max_prompt_len + max_new_tokens
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
     eval_set = [p for family in cfg["curriculum"]["families"]
                 for p in problems([family], [min(curriculum.start_level, top_level(curriculum, family))], "test",
@@ -123,7 +124,7 @@ def setup(spec: dict[str, Any]) -> Run:
         spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
         checkpoints=checkpoints,
-        val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout["micro_batch_size"])),
+        val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout.micro_batch_size)),
         generation_batch=_generation_batch(plan),
     )  # fmt: skip
 
@@ -149,7 +150,7 @@ def gathered(run: Run) -> Iterator[None]:
     the hooks, generate, put the hooks back. Cost: one full 16-bit copy of the
     model on every rank while it lasts.
     """
-    if run.layout["zero_stage"] != 3:
+    if run.layout.zero_stage != 3:
         yield
         return
     offload = run.engine.optimizer.parameter_offload
@@ -185,9 +186,8 @@ def accuracy(run: Run) -> dict[str, float]:
 def val_loss(run: Run) -> float:
     """Language-model loss on the fixed validation windows (what consolidation re-checks)."""
     run.engine.eval()
-    seq = run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
-    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=seq,
-                           micro_batch_size=run.layout["micro_batch_size"], device=run.device)  # fmt: skip
+    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.layout.seq_len,
+                           micro_batch_size=run.layout.micro_batch_size, device=run.device)  # fmt: skip
     run.engine.train()
     return loss
 
@@ -230,7 +230,7 @@ def loop(run: Run) -> dict[str, Any]:
         t0 = time.monotonic()
         record = grpo_steps.step(run, curriculum, step, rng, gathered)
         check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
-                     precision=run.layout["precision"])  # fmt: skip
+                     precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
@@ -274,9 +274,8 @@ def summarise(
         for line in (run.checkpoints.folder / "metrics.jsonl").read_text().splitlines()
     ]
     trained = [r for r in records if "train/loss" in r]
-    seq = run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
     return {
-        "stage": "grpo", **core, "layout": run.layout, "fingerprint": run.checkpoints.folder.name,
+        "stage": "grpo", **core, "layout": run.layout.to_json(), "fingerprint": run.checkpoints.folder.name,
         "checkpoint": {"folder": str(run.checkpoints.folder), "tag": tag_of(core["final_step"])},
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
@@ -285,8 +284,8 @@ def summarise(
                      "end": float(np.mean(list(final_accuracy.values()))),
                      "end_by_family": final_accuracy},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
-        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(), "seq_len": seq,
-                       "micro_batch_size": run.layout["micro_batch_size"]},
+        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(), "seq_len": run.layout.seq_len,
+                       "micro_batch_size": run.layout.micro_batch_size},
     }  # fmt: skip
 
 

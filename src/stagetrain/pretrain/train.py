@@ -32,6 +32,7 @@ from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
 from stagetrain.training.integrity import weights_only_loads
+from stagetrain.training.layout import StageLayout
 from stagetrain.training.metrics import (
     MetricsLog,
     Progress,
@@ -52,7 +53,7 @@ class Run:
     spec: dict[str, Any]
     engine: Any
     device: torch.device
-    layout: dict[str, Any]
+    layout: StageLayout
     sampler: Sampler
     dp_rank: int
     train: np.ndarray
@@ -84,24 +85,24 @@ def components(
 def setup(spec: dict[str, Any]) -> Run:
     """Start the process group, check the world against the plan, build the engine and the data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    layout = plan["stages"]["pretrain"]["layout"]
+    layout = StageLayout.from_plan(plan, "pretrain")
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config),
-                              {k: layout[k] for k in ("dp", "tp", "zero_stage")}, spec["pretrain"]["keep_checkpoints"])  # fmt: skip
+                              layout.checkpoint_layout, spec["pretrain"]["keep_checkpoints"])  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, params, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"]["init_from"],
-        activation_checkpointing=layout["activation_checkpointing"], seed=spec["seed"],
+        activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
     )  # fmt: skip
-    if engine.dp_world_size != layout["dp"]:
+    if engine.dp_world_size != layout.dp:
         raise StageError(
-            f"plan.json: dp={layout['dp']}, but DeepSpeed formed dp={engine.dp_world_size}"
+            f"plan.json: dp={layout.dp}, but DeepSpeed formed dp={engine.dp_world_size}"
         )
     seq = spec["pretrain"]["seq_len"]
     train = np.memmap(spec["train"], dtype=meta["dtype"], mode="r")
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
     n_eval = min(
-        window_count(len(val), seq), spec["pretrain"]["eval_batches"] * layout["micro_batch_size"]
+        window_count(len(val), seq), spec["pretrain"]["eval_batches"] * layout.micro_batch_size
     )
     if n_eval == 0:
         raise StageError(f"{spec['val']}: fewer than {seq + 1} tokens, not one validation window")
@@ -109,8 +110,8 @@ def setup(spec: dict[str, Any]) -> Run:
     return Run(
         spec=spec, engine=engine, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group),
-        sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout["global_batch"],
-                        dp=layout["dp"], micro_batch_size=layout["micro_batch_size"], seed=spec["seed"]),
+        sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout.global_batch,
+                        dp=layout.dp, micro_batch_size=layout.micro_batch_size, seed=spec["seed"]),
         train=train, val=val, eval_windows=np.arange(n_eval),
         checkpoints=checkpoints,
         flops_per_token=flops_per_token(shape, seq),
@@ -128,7 +129,7 @@ def evaluate(run: Run) -> float:
     """Loss on the fixed validation windows, the same on every rank."""
     run.engine.eval()
     loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.spec["pretrain"]["seq_len"],
-                           micro_batch_size=run.layout["micro_batch_size"], device=run.device)  # fmt: skip
+                           micro_batch_size=run.layout.micro_batch_size, device=run.device)  # fmt: skip
     run.engine.train()
     return loss
 
@@ -155,7 +156,7 @@ def record(
     out = {
         "step": step, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
         "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "train/tokens": step * run.layout["global_batch"] * run.spec["pretrain"]["seq_len"],
+        "train/tokens": step * run.layout.global_batch * run.spec["pretrain"]["seq_len"],
         "throughput/tokens_per_s": rate,
         "throughput/mfu(%)": 100 * run.flops_per_token * rate / run.peak_flops if run.peak_flops else None,
         "time/elapsed_s": elapsed,
@@ -189,12 +190,12 @@ def loop(run: Run) -> dict[str, Any]:
         else None
     )
     progress, began = Progress(cfg["steps"], start), time.monotonic()
-    tokens_per_step = run.layout["global_batch"] * cfg["seq_len"]
+    tokens_per_step = run.layout.global_batch * cfg["seq_len"]
     last_eval, window_s, window_steps = None, 0.0, 0
     for step in range(start + 1, cfg["steps"] + 1):
         t0 = time.monotonic()
         loss = train_step(run, step - 1)
-        finite = {"stage": "pretrain", "step": step, "precision": run.layout["precision"]}
+        finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
         evaluating = step % cfg["eval_every"] == 0 or step == cfg["steps"]
@@ -241,14 +242,14 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
     ]
     mfus = [r["throughput/mfu(%)"] for r in records[1:] if r.get("throughput/mfu(%)") is not None]
     return {
-        "stage": "pretrain", **result, "layout": run.layout, "fingerprint": run.checkpoints.folder.name,
+        "stage": "pretrain", **result, "layout": run.layout.to_json(), "fingerprint": run.checkpoints.folder.name,
         "checkpoint": {"folder": str(run.checkpoints.folder), "tag": f"step{result['final_step']:08d}"},
         "final_loss": records[-1]["train/loss"],
         "final_eval_loss": [r["eval/loss"] for r in records if "eval/loss" in r][-1],
         "losses": {r["step"]: r["train/loss"] for r in records},
         "eval_losses": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
         "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(),
-                       "seq_len": run.spec["pretrain"]["seq_len"], "micro_batch_size": run.layout["micro_batch_size"]},
+                       "seq_len": run.spec["pretrain"]["seq_len"], "micro_batch_size": run.layout.micro_batch_size},
         "tokens_per_s": float(np.median(rates)),
         "tokens_per_s_over_predicted": (
             float(np.median(rates)) / run.params["predicted_tokens_per_s"]
