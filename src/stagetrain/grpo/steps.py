@@ -129,6 +129,32 @@ def _gather(values: list[Any]) -> list[Any]:
     return [v for part in out for v in part]
 
 
+def _rollouts(
+    run: Any,
+    prompts: list[list[int]],
+    reward: Callable[[int, list[int]], float],
+    gathered: Callable[[Any], Any],
+) -> list[Group]:
+    """This rank's groups of the step, flat or tree, generated in eval mode with the policy
+    gathered (ZeRO-3); the engine is back in train mode after."""
+    cfg, tok = run.cfg, run.tokenizer
+    run.engine.eval()
+    with gathered(run), torch.no_grad():
+        common = {
+            "temperature": cfg["temperature"],
+            "top_p": cfg["top_p"],
+            "pad_id": tok.pad_token_id,
+        }
+        if run.tree:
+            groups = tree_groups(run.engine.module, prompts, reward, run.tree, **common)
+        else:
+            groups = flat_groups(run.engine.module, prompts, reward, group_size=cfg["group_size"],
+                                 max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id,
+                                 max_batch=run.generation_batch, **common)  # fmt: skip
+    run.engine.train()
+    return groups
+
+
 def step(
     run: Any,
     curriculum: Curriculum,
@@ -144,20 +170,7 @@ def step(
     def reward(i: int, completion: list[int]) -> float:
         return score(tok.decode(completion, skip_special_tokens=False), batch[i])
 
-    run.engine.eval()
-    with gathered(run), torch.no_grad():
-        common = {
-            "temperature": cfg["temperature"],
-            "top_p": cfg["top_p"],
-            "pad_id": tok.pad_token_id,
-        }
-        if run.tree:
-            groups = tree_groups(run.engine.module, prompts, reward, run.tree, **common)
-        else:
-            groups = flat_groups(run.engine.module, prompts, reward, group_size=cfg["group_size"],
-                                 max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id,
-                                 max_batch=run.generation_batch, **common)  # fmt: skip
-    run.engine.train()
+    groups = _rollouts(run, prompts, reward, gathered)
     loss, clip = train_on(run, groups)
     rows: list[Row] = _gather([
         Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,
