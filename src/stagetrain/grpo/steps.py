@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -15,10 +15,14 @@ from stagetrain.grpo.curriculum import Curriculum, draw, update_all, window_rate
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
 from stagetrain.tasks import Problem, sample, score
+from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import prompt_ids
 
+if TYPE_CHECKING:  # grpo.train imports this module; the type only, at check time
+    from stagetrain.grpo.train import Run
 
-def draw_problems(run: Any, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
+
+def draw_problems(run: Run, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
     """This rank's prompts of the step: families uniform, each level from its family's curriculum."""
     n = run.cfg["prompts_per_step"] // run.layout.dp
     return [
@@ -52,7 +56,7 @@ def _advantage_rows(
     return rows
 
 
-def train_on(run: Any, groups: list[Group]) -> tuple[float, dict[str, float | None]]:
+def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | None]]:
     """`passes` optimizer steps on the rollouts: exactly grad_accum micro batches each, through the engine."""
     cfg, engine = run.cfg, run.engine
     items = [(g.prompt, c) for g in groups for c in g.completions]
@@ -130,16 +134,15 @@ def _gather(values: list[Any]) -> list[Any]:
 
 
 def _rollouts(
-    run: Any,
+    run: Run,
     prompts: list[list[int]],
     reward: Callable[[int, list[int]], float],
-    gathered: Callable[[Any], Any],
 ) -> list[Group]:
     """This rank's groups of the step, flat or tree, generated in eval mode with the policy
     gathered (ZeRO-3); the engine is back in train mode after."""
     cfg, tok = run.cfg, run.tokenizer
     run.engine.eval()
-    with gathered(run), torch.no_grad():
+    with gathered(run.engine), torch.no_grad():
         common = {
             "temperature": cfg["temperature"],
             "top_p": cfg["top_p"],
@@ -156,11 +159,10 @@ def _rollouts(
 
 
 def step(
-    run: Any,
+    run: Run,
     curriculum: Curriculum,
     step_no: int,
     rng: random.Random,
-    gathered: Callable[[Any], Any],
 ) -> dict[str, Any]:
     """Rollouts, training and the curriculum update of one step; its metrics record."""
     cfg, tok = run.cfg, run.tokenizer
@@ -170,7 +172,7 @@ def step(
     def reward(i: int, completion: list[int]) -> float:
         return score(tok.decode(completion, skip_special_tokens=False), batch[i])
 
-    groups = _rollouts(run, prompts, reward, gathered)
+    groups = _rollouts(run, prompts, reward)
     loss, clip = train_on(run, groups)
     rows: list[Row] = _gather([
         Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,

@@ -12,12 +12,10 @@ ranks so every rank updates the same per-family curriculum states.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from stagetrain.tasks import Problem, problems
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import window_count
 from stagetrain.training.checkpoints import Checkpoints, tag_of
+from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, validation_loss
 from stagetrain.training.integrity import weights_only_loads
 from stagetrain.training.layout import StageLayout
@@ -138,40 +137,10 @@ def _generation_batch(plan: dict[str, Any]) -> int:
     return plan["stages"]["grpo"]["generation"]["batch"]
 
 
-@contextlib.contextmanager
-def gathered(run: Run) -> Iterator[None]:
-    """Under ZeRO-3, the whole policy gathered on every rank, and ZeRO-3's module hooks off, for a
-    generation phase; nothing otherwise.
-
-    Ranks generate different numbers of tokens (their own prompts, early stops,
-    tree searches of different shapes); with ZeRO-3's hooks on, each forward
-    would all-gather parameters and ranks that stop early would leave the others
-    waiting. TRL's `unwrap_model_for_generation` does the same: gather, remove
-    the hooks, generate, put the hooks back. Cost: one full 16-bit copy of the
-    model on every rank while it lasts.
-    """
-    if run.layout.zero_stage != 3:
-        yield
-        return
-    offload = run.engine.optimizer.parameter_offload
-    with deepspeed.zero.GatheredParameters(
-        list(run.engine.module.parameters()), modifier_rank=None
-    ):
-        for param in run.engine.module.parameters():
-            param.ds_active_sub_modules.clear()
-        for hook in offload.forward_hooks + offload.backward_hooks:
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            offload._register_deepspeed_module(offload.module)
-
-
 def accuracy(run: Run) -> dict[str, float]:
     """Greedy accuracy per family on the fixed held-out problems (every rank evaluates all of them)."""
     run.engine.eval()
-    with gathered(run), torch.no_grad():
+    with gathered(run.engine), torch.no_grad():
         correct = greedy_scores(
             run.engine.module, run.tokenizer, run.eval_set, run.cfg, run.generation_batch
         )
@@ -228,7 +197,7 @@ def loop(run: Run) -> dict[str, Any]:
         rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
         torch.manual_seed(rng.getrandbits(63))
         t0 = time.monotonic()
-        record = grpo_steps.step(run, curriculum, step, rng, gathered)
+        record = grpo_steps.step(run, curriculum, step, rng)
         check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
                      precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})

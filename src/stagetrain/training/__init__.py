@@ -2,7 +2,8 @@
 
 Modules: `launch` (the launcher side: the job spec, the torchrun / srun
 command, running the ranks), `rank` (every rank's entry and the death signals),
-`engine` (joining the world, building the model and the DeepSpeed engine),
+`engine` (joining the world, building the model and the DeepSpeed engine, the
+ZeRO-3 policy gathered for generation),
 `batches` (which windows each data-parallel rank reads at each step),
 `checkpoints`, `integrity` and `lock` (fingerprinted, verified, one-writer
 checkpoints), `metrics` (the JSON-lines log, TensorBoard, progress, the finite
