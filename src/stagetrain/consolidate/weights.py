@@ -1,6 +1,6 @@
 """Reading a stage's final checkpoint into one state dict, after checking that every file is there and loads.
 
-Every file is read by torch's weights-only unpickler (`pretrain.integrity`), so
+Every file is read by torch's weights-only unpickler (`training.integrity`), so
 a crafted checkpoint file is refused with one line and none of its code runs.
 
 ZeRO 1-3 checkpoints go through DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint`
