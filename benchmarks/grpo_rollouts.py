@@ -47,10 +47,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain import config as stconfig
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
-from stagetrain.grpo.steps import prompt_ids
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import read_json
 from stagetrain.tasks import sample, score
+from stagetrain.training.evaluation import prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))

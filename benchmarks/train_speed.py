@@ -38,7 +38,7 @@ def _free_port() -> int:
 def _bare(run, precision: str):  # noqa: ANN001, ANN202
     from transformers import AutoModelForCausalLM
 
-    from stagetrain.pretrain.engine import init_weights, load_model_config
+    from stagetrain.training.engine import init_weights, load_model_config
 
     config = load_model_config(run.spec["model_config"])
     model = AutoModelForCausalLM.from_config(config)
@@ -48,7 +48,7 @@ def _bare(run, precision: str):  # noqa: ANN001, ANN202
     seq = run.spec["pretrain"]["seq_len"]
 
     def step(index: int) -> None:
-        from stagetrain.pretrain.batches import read_windows
+        from stagetrain.training.batches import read_windows
 
         for micro in run.sampler.rank_micro_batches(index, 0):
             tokens = torch.from_numpy(read_windows(run.train, micro, seq))
@@ -101,7 +101,7 @@ def one(precision: str) -> None:
         for r in range(ROUNDS):
             ours = min(ours, _timed(stage_step, r * 100))
             bare = min(bare, _timed(bare_step, r * 100))
-        tokens = STEPS * run.layout["global_batch"] * run.spec["pretrain"]["seq_len"]
+        tokens = STEPS * run.layout.global_batch * run.spec["pretrain"]["seq_len"]
         print(f"{precision}: bare loop {tokens / bare:,.0f} tokens/s, pretrain step {tokens / ours:,.0f} tokens/s, "
               f"ratio {bare / ours:.2f}")  # fmt: skip
 
@@ -117,10 +117,11 @@ def main() -> None:
 
 
 def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
-    from test_planning import _cpu_hardware, _plan
+    from harness.planning import cpu_hardware, plan_for
 
     from stagetrain.deepspeed_config import render
     from stagetrain.io import atomic_write_json
+    from stagetrain.training.launch import job_spec
 
     cfg["parallelism"].update(
         dp=1,
@@ -130,16 +131,16 @@ def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
         activation_checkpointing=False,
         offload="none",
     )
-    plan = _plan(cfg, _cpu_hardware(ranks=1))
+    plan = plan_for(cfg, cpu_hardware(ranks=1))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     atomic_write_json(
         out / "ds.json",
         render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
     )
-    spec = {**data, "plan": str(out / "plan.json"), "deepspeed_config": str(out / "ds.json"),
-            "checkpoints": str(out / "ckpt"), "summary": "", "metrics": "", "loss_plot": "",
-            "pretrain": cfg["pretrain"], "model": cfg["model"], "seed": 1}  # fmt: skip
+    # No outputs: the benchmark times steps and writes no summary, metrics or plot.
+    spec = job_spec(inputs={**data, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"}, outputs={},
+                    checkpoints=out / "ckpt", extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": 1})  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return out / "job.json"
 

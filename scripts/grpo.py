@@ -10,8 +10,8 @@ with checkpoints in results/<run>/checkpoints/grpo/<fingerprint>/. On its own:
         --reward-plot results/tiny/grpo/reward.png
 """
 
-from stagetrain.pretrain.launch import launch_stage
 from stagetrain.stage import StageIO, run_stage
+from stagetrain.training.launch import launch_stage
 
 
 def main(io: StageIO) -> None:

@@ -12,8 +12,8 @@ so a rerun after a crash resumes from the newest complete one. On its own:
         --metrics results/tiny/pretrain/metrics.jsonl --loss-plot results/tiny/pretrain/loss.png
 """
 
-from stagetrain.pretrain.launch import launch_stage
 from stagetrain.stage import StageIO, run_stage
+from stagetrain.training.launch import launch_stage
 
 
 def main(io: StageIO) -> None:

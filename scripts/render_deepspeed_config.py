@@ -7,7 +7,7 @@ Snakemake runs it through the `render_deepspeed_config` rule (wildcard: stage); 
 
 import logging
 
-from stagetrain.deepspeed_config import render
+from stagetrain.deepspeed_config import optimizer_steps, render
 from stagetrain.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
@@ -22,7 +22,7 @@ def main(io: StageIO) -> None:
         plan=io.read_input("plan"),
         deepspeed=io.sections["deepspeed"],
         training={
-            "steps": training["steps"] * training.get("passes", 1),
+            "steps": optimizer_steps(training),
             "optimizer": training["optimizer"],
         },
     )

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 from conftest import default_config
-from test_planning import _cpu_hardware, _plan
+from harness.planning import cpu_hardware, plan_for
 
 from stagetrain.corpus.prepare import prepare
-from stagetrain.deepspeed_config import render
+from stagetrain.deepspeed_config import optimizer_steps, render
 from stagetrain.io import atomic_write_json
 from stagetrain.model_config import training_config
-from stagetrain.pretrain.integrity import load_file, weights_only_loads
+from stagetrain.training.integrity import load_file, weights_only_loads
+from stagetrain.training.launch import job_spec
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
@@ -53,7 +54,7 @@ def prepare_data(out: Path) -> dict[str, str]:
         "meta": out / "data/meta.json", "model_config": out / "model_config.json",
     }  # fmt: skip
     prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
-            plan=_plan(cfg, _cpu_hardware()), outputs={k: str(v) for k, v in paths.items()})  # fmt: skip
+            plan=plan_for(cfg, cpu_hardware()), outputs={k: str(v) for k, v in paths.items()})  # fmt: skip
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -61,7 +62,7 @@ def prepare_data(out: Path) -> dict[str, str]:
 def build_comm_op() -> None:
     """Compile DeepSpeed's shared-memory comm op once, before any ranks start, as the
     stage's launcher does: ranks compiling it at once have crashed at teardown."""
-    code = "from stagetrain.pretrain.launch import prebuild_cpu_ops; prebuild_cpu_ops()"
+    code = "from stagetrain.training.launch import prebuild_cpu_ops; prebuild_cpu_ops()"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=900)
 
 
@@ -92,20 +93,20 @@ def launch(
     for section, changes in (config_changes or {}).items():
         cfg[section] = {**cfg[section], **changes}
     cfg["parallelism"].update({"activation_checkpointing": False, "offload": "none", **layout})
-    plan = _plan(cfg, _cpu_hardware(ranks=world))
+    plan = plan_for(cfg, cpu_hardware(ranks=world))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     atomic_write_json(
         out / "ds.json",
         render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
     )
-    spec = {
-        **data, "plan": str(out / "plan.json"), "deepspeed_config": str(out / "ds.json"),
-        "model_config": model_config or data["model_config"],
-        "checkpoints": str(checkpoints or out / "checkpoints"), "summary": str(out / "summary.json"),
-        "metrics": str(out / "metrics.jsonl"), "loss_plot": str(out / "loss.png"),
-        "pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"],
-    }  # fmt: skip
+    spec = job_spec(
+        inputs={**data, "plan": out / "plan.json", "deepspeed_config": out / "ds.json",
+                "model_config": model_config or data["model_config"]},
+        outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "loss_plot": out / "loss.png"},
+        checkpoints=checkpoints or out / "checkpoints",
+        extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"]},
+    )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return _torchrun("stagetrain.pretrain.train", out / "job.json", world)
 
@@ -163,23 +164,23 @@ def launch_grpo(
 ) -> Any:  # fmt: skip
     """Run the GRPO entry point on `world` CPU ranks; a CompletedProcess, or a Popen if `popen`."""
     cfg["parallelism"].update({"activation_checkpointing": False, "offload": "none", **layout})
-    plan = _plan(cfg, _cpu_hardware(ranks=world))
+    plan = plan_for(cfg, cpu_hardware(ranks=world))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     training = {
-        "steps": cfg["grpo"]["steps"] * cfg["grpo"]["passes"],
+        "steps": optimizer_steps(cfg["grpo"]),
         "optimizer": cfg["grpo"]["optimizer"],
     }
     atomic_write_json(
         out / "ds.json",
         render(stage="grpo", plan=plan, deepspeed=cfg["deepspeed"], training=training),
     )
-    spec = {
-        **data, "model": model_dir, "plan": str(out / "plan.json"), "deepspeed_config": str(out / "ds.json"),
-        "checkpoints": str(checkpoints or out / "checkpoints"), "summary": str(out / "summary.json"),
-        "metrics": str(out / "metrics.jsonl"), "reward_plot": str(out / "reward.png"),
-        "grpo": cfg["grpo"], "seed": cfg["run"]["seed"],
-    }  # fmt: skip
+    spec = job_spec(
+        inputs={**data, "model": model_dir, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"},
+        outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "reward_plot": out / "reward.png"},
+        checkpoints=checkpoints or out / "checkpoints",
+        extra={"grpo": cfg["grpo"], "seed": cfg["run"]["seed"]},
+    )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return _torchrun("stagetrain.grpo.train", out / "job.json", world, popen=popen)
 

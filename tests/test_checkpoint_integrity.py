@@ -17,8 +17,8 @@ import torch
 
 from stagetrain.consolidate.weights import checkpoint_files
 from stagetrain.errors import StageError
-from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
-from stagetrain.pretrain.integrity import expected_files
+from stagetrain.training.checkpoints import Checkpoints, tag_of
+from stagetrain.training.integrity import expected_files
 
 ZERO2 = {"dp": 2, "tp": 1, "zero_stage": 2}
 

@@ -19,15 +19,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from stagetrain.consolidate.folder import DTYPES, MANIFEST, _tied_names, consolidate, eval_loss
 from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
 from stagetrain.errors import StageError
-from stagetrain.pretrain.engine import load_model_config
-from stagetrain.pretrain.integrity import expected_files, safe_globals, weights_only_loads
+from stagetrain.training.engine import load_model_config
+from stagetrain.training.integrity import expected_files, safe_globals, weights_only_loads
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from stagetrain.pretrain.launch import prebuild_cpu_ops
+    from stagetrain.training.launch import prebuild_cpu_ops
 
     prebuild_cpu_ops()
     return prepare_data(tmp_path_factory.mktemp("data"))

@@ -29,7 +29,7 @@ FAMILIES = set(default_config()["grpo"]["curriculum"]["families"])
 @pytest.fixture(scope="module")
 def start(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str]:
     """Prepared data and a consolidated (fp32) pretrain model to start GRPO from."""
-    from stagetrain.pretrain.launch import prebuild_cpu_ops
+    from stagetrain.training.launch import prebuild_cpu_ops
 
     prebuild_cpu_ops()
     root = tmp_path_factory.mktemp("grpo")

@@ -28,9 +28,9 @@ from conftest import SNAKEMAKE, small_run, snakemake
 from pretrain_harness import final_params, launch, prepare_data, run
 
 from stagetrain.errors import StageError
-from stagetrain.pretrain import lock as stage_lock
-from stagetrain.pretrain.checkpoints import KILL_DURING_SAVE
-from stagetrain.pretrain.lock import LOCK_NAME, StageLock
+from stagetrain.training import lock as stage_lock
+from stagetrain.training.checkpoints import KILL_DURING_SAVE
+from stagetrain.training.lock import LOCK_NAME, StageLock
 
 # ZeRO-1, so that each rank writes a shard of its own
 LAYOUT = {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 1}
@@ -63,7 +63,7 @@ def _python(code: str, *args: str) -> subprocess.Popen[str]:
 HOLDER = """
 import sys, time
 from pathlib import Path
-from stagetrain.pretrain.lock import StageLock
+from stagetrain.training.lock import StageLock
 StageLock(Path(sys.argv[1])).acquire()
 print("held", flush=True)
 time.sleep(600)
@@ -103,14 +103,14 @@ def test_a_filesystem_without_locks_is_a_one_line_error(
 
 STAGE = """
 import subprocess, sys, time
-from stagetrain.pretrain.launch import tied_to_this_process
+from stagetrain.training.launch import tied_to_this_process
 child = subprocess.Popen(tied_to_this_process([sys.executable, "-c", "import time; time.sleep(600)"]))
 print(child.pid, flush=True)
 time.sleep(600)
 """
 AGENT = """
 import subprocess, sys, time
-code = "from stagetrain.pretrain.launch import die_with_parent; import signal, time; die_with_parent(signal.SIGKILL); print('ready', flush=True); time.sleep(600)"
+code = "from stagetrain.training.rank import die_with_parent; import signal, time; die_with_parent(signal.SIGKILL); print('ready', flush=True); time.sleep(600)"
 child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
 child.stdout.readline()
 print(child.pid, flush=True)
@@ -187,7 +187,7 @@ def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_sn
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from stagetrain.pretrain.launch import prebuild_cpu_ops
+    from stagetrain.training.launch import prebuild_cpu_ops
 
     prebuild_cpu_ops()
     return prepare_data(tmp_path_factory.mktemp("data"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,8 @@ import torch
 from conftest import REPO, default_config
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+from harness.planning import cpu_hardware as _cpu_hardware
+from harness.planning import plan_for as _plan
 from transformers import AutoModelForCausalLM
 
 from stagetrain import config as stconfig
@@ -22,7 +23,6 @@ from stagetrain.hardware.detect import describe
 from stagetrain.model_config import build_config, padded_vocab
 from stagetrain.planning import memory as mem
 from stagetrain.planning.plan import Layout
-from stagetrain.planning.resolve import resolve
 from stagetrain.planning.shape import model_shape
 
 GIB = 2**30
@@ -50,26 +50,11 @@ def _layout(**changes: Any) -> Layout:
     return Layout(**{**base, **changes})
 
 
-def _plan(cfg: Mapping[str, Any], hardware: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    hardware = hardware or describe(cfg["hardware"])
-    return resolve(
-        hardware=hardware, hw_config=cfg["hardware"], model=cfg["model"], tokenizer=cfg["tokenizer"],
-        parallelism=cfg["parallelism"], deepspeed=cfg["deepspeed"], pretrain=cfg["pretrain"], grpo=cfg["grpo"],
-    )  # fmt: skip
-
-
 def _preset(name: str, **sections: dict[str, Any]) -> dict[str, Any]:
     cfg = stconfig.load(REPO / "config" / "presets" / f"{name}.yaml")
     for section, changes in sections.items():
         cfg[section] = {**cfg[section], **changes}
     return cfg
-
-
-def _cpu_hardware(ranks: int = 2, memory_gib: float = 24) -> dict[str, Any]:
-    return {
-        "gpu": None, "nodes": 1, "cpu_ranks": ranks, "gpus_per_node": 0,
-        "cpu": {"cores": 2, "memory_bytes": int(memory_gib * GIB)},
-    }  # fmt: skip
 
 
 # --- parameter counts ---------------------------------------------------------

@@ -26,7 +26,7 @@ PARAM_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from stagetrain.pretrain.launch import prebuild_cpu_ops
+    from stagetrain.training.launch import prebuild_cpu_ops
 
     prebuild_cpu_ops()
     return prepare_data(tmp_path_factory.mktemp("data"))
@@ -165,7 +165,7 @@ def test_init_from_loads_partitioned_and_grows_the_embeddings(
     from transformers import AutoModelForCausalLM
 
     from stagetrain.model_config import SHAPE_KEYS
-    from stagetrain.pretrain.engine import load_model_config
+    from stagetrain.training.engine import load_model_config
 
     config = load_model_config(data["model_config"])
     config.vocab_size = 300
@@ -191,7 +191,7 @@ def test_a_bf16_start_model_trains_in_the_plans_precision_with_fp32_master_weigh
     from transformers import AutoModelForCausalLM
 
     from stagetrain.model_config import SHAPE_KEYS
-    from stagetrain.pretrain.engine import load_model_config
+    from stagetrain.training.engine import load_model_config
 
     start = AutoModelForCausalLM.from_config(load_model_config(data["model_config"]))
     start.to(torch.bfloat16).save_pretrained(tmp_path / "init")

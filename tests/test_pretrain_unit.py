@@ -11,9 +11,10 @@ import pytest
 from test_checkpoint_integrity import fake_checkpoint
 
 from stagetrain.errors import StageError
-from stagetrain.pretrain.batches import Sampler, read_windows, window_count
-from stagetrain.pretrain.checkpoints import Checkpoints, fingerprint
-from stagetrain.pretrain.metrics import METRICS, MetricsLog
+from stagetrain.pretrain.metrics import METRICS
+from stagetrain.training.batches import Sampler, read_windows, window_count
+from stagetrain.training.checkpoints import Checkpoints, fingerprint
+from stagetrain.training.metrics import MetricsLog
 
 
 def _sampler(**changes: int) -> Sampler:
@@ -106,18 +107,18 @@ def test_a_checkpoint_from_another_layout_is_refused(tmp_path: Path) -> None:
 
 def test_metrics_log_keeps_only_registered_keys_and_truncates_on_resume(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    log = MetricsLog(path, resume_step=0)
+    log = MetricsLog(path, resume_step=0, registry=METRICS)
     for step in range(1, 6):
         log.write({"step": step, "train/loss": 1.0 / step})
     with pytest.raises(KeyError, match="not in the registry"):
         log.write({"step": 6, "loss": 0.1})
-    MetricsLog(path, resume_step=3)  # a restart from the step-3 checkpoint
+    MetricsLog(path, resume_step=3, registry=METRICS)  # a restart from the step-3 checkpoint
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     assert all("/" in key or key == "step" for key in METRICS)
 
 
 def test_ranks_get_their_share_of_the_cores_whatever_snakemake_set() -> None:
-    from stagetrain.pretrain.launch import THREAD_VARIABLES, rank_environment
+    from stagetrain.training.launch import THREAD_VARIABLES, rank_environment
 
     env = rank_environment(
         {"OMP_NUM_THREADS": "16", "MKL_NUM_THREADS": "16", "PATH": "/bin"},
@@ -161,7 +162,7 @@ def test_metrics_without_tensorboard_installed_log_the_reason_and_keep_the_json_
 ) -> None:
     # The GPU check's machine has no tensorboard: training must go on without event files.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
-    metrics = MetricsLog(tmp_path / "m.jsonl", 0, events=tmp_path / "tensorboard")
+    metrics = MetricsLog(tmp_path / "m.jsonl", 0, METRICS, events=tmp_path / "tensorboard")
     metrics.write({"step": 1, "train/loss": 2.0})
     assert json.loads((tmp_path / "m.jsonl").read_text())["train/loss"] == 2.0
     assert not (tmp_path / "tensorboard").exists()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from stagetrain.errors import StageError
-from stagetrain.pretrain.launch import torchrun_command
 from stagetrain.slurm import (
     TRAINING_RESOURCES,
     Allocation,
@@ -14,6 +13,7 @@ from stagetrain.slurm import (
     expand_nodelist,
     job_resources,
 )
+from stagetrain.training.launch import torchrun_command
 
 
 def _plan(nodes: int, per_node: int, device: str = "H100") -> dict:

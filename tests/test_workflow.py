@@ -18,8 +18,8 @@ import pytest
 import torch
 from conftest import SNAKEMAKE, edit_config, small_run, snakemake
 
-from stagetrain.pretrain.integrity import load_file
 from stagetrain.pretrain.metrics import METRICS
+from stagetrain.training.integrity import load_file
 
 pytestmark = pytest.mark.slow
 PLAN_JOBS = {

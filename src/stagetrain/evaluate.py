@@ -14,8 +14,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stagetrain.grpo.steps import greedy_scores
 from stagetrain.tasks import FAMILIES, problems
+from stagetrain.training.evaluation import greedy_scores
 
 
 def accuracy(

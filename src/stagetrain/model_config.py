@@ -33,19 +33,12 @@ def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
-    """The transformers config for `model` (a validated config section).
-
-    Args:
-        model: the `model` section.
-        vocab_size: embedding rows (already padded) for a from-scratch model;
-            a continued model keeps its own unless this is larger.
+def _check_shape(model: Mapping[str, Any]) -> str:
+    """The architecture of a from-scratch `model`, after checking its shape keys.
 
     Raises:
         StageError: a shape key that is missing, not allowed, or inconsistent.
     """
-    if model["init_from"]:
-        return _load_pretrained(model, vocab_size)
     arch = model["architecture"]
     if arch is None:
         raise StageError(
@@ -71,6 +64,24 @@ def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
             f"model.experts_per_token: {model['experts_per_token']} exceeds "
             f"model.num_experts {model['num_experts']}"
         )
+    return arch
+
+
+def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
+    """The transformers config for `model` (a validated config section).
+
+    Args:
+        model: the `model` section.
+        vocab_size: embedding rows (already padded) for a from-scratch model;
+            a continued model keeps its own unless this is larger.
+
+    Raises:
+        StageError: a shape key that is missing, not allowed, or inconsistent.
+    """
+    if model["init_from"]:
+        return _load_pretrained(model, vocab_size)
+    arch = _check_shape(model)
+    heads, kv_heads, hidden = model["num_heads"], model["num_kv_heads"], model["hidden_size"]
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,

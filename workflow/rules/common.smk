@@ -12,6 +12,7 @@ import stagetrain
 from stagetrain import config as stconfig
 from stagetrain import configfiles, slurm
 from stagetrain.codedeps import code_digest
+from stagetrain.deepspeed_config import optimizer_steps
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
 
@@ -115,15 +116,10 @@ def get_init_model(wildcards):
     return LOCAL_INPUTS["init_from"]
 
 
-def optimizer_steps(stage):
-    """Optimizer steps of a training stage: its steps times its passes over each batch."""
-    return config[stage]["steps"] * config[stage].get("passes", 1)
-
-
 def get_training(wildcards):
     """The optimizer and optimizer-step count of one training stage, for its DeepSpeed config."""
     stage = wildcards.stage
-    return {"steps": optimizer_steps(stage), "optimizer": config[stage]["optimizer"]}
+    return {"steps": optimizer_steps(config[stage]), "optimizer": config[stage]["optimizer"]}
 
 
 def plan_resources(stage):
@@ -154,4 +150,4 @@ def _stage_resources(stage, plan_path, plan_mtime_ns):
     if stage == "consolidate":
         return {"mem_mb": slurm.consolidate_mem_mb(plan, config["consolidate"])}
     cores = json.loads(Path(f"{RUN}/hardware.json").read_text())["cpu"]["cores"]
-    return slurm.job_resources(plan, stage, cores, optimizer_steps(stage))
+    return slurm.job_resources(plan, stage, cores, optimizer_steps(config[stage]))

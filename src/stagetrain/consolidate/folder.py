@@ -40,7 +40,6 @@ from typing import Any
 import deepspeed
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -51,8 +50,8 @@ from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size,
 from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
-from stagetrain.pretrain.batches import read_windows
-from stagetrain.pretrain.engine import load_model_config
+from stagetrain.training.engine import load_model_config
+from stagetrain.training.evaluation import validation_loss
 
 log = logging.getLogger("stagetrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -77,18 +76,8 @@ def _tied_names(model: torch.nn.Module) -> set[str]:
 def eval_loss(model: torch.nn.Module, batch: Mapping[str, Any], dtype: str) -> float:
     """The training stage's validation loss on its recorded windows, recomputed with `model`."""
     shard = np.memmap(batch["shard"], dtype=dtype, mode="r")
-    windows, mbs = np.asarray(batch["windows"]), batch["micro_batch_size"]
-    losses = []
-    with torch.no_grad():
-        for i in range(0, len(windows), mbs):
-            tokens = torch.from_numpy(read_windows(shard, windows[i : i + mbs], batch["seq_len"]))
-            logits = model(input_ids=tokens[:, :-1]).logits
-            losses.append(
-                F.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-                ).item()
-            )
-    return float(np.mean(losses))
+    return validation_loss(model, shard, np.asarray(batch["windows"]), seq_len=batch["seq_len"],
+                           micro_batch_size=batch["micro_batch_size"])  # fmt: skip
 
 
 def consolidate(

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from stagetrain.errors import StageError
-from stagetrain.pretrain.integrity import safe_globals
+from stagetrain.training.integrity import safe_globals
 
 CHUNK_BYTES = 4 * 2**20
 """Bytes read at once: large enough for copy-like throughput, small next to a shard."""
@@ -115,7 +115,7 @@ def region_of(path: Path, tensor: torch.Tensor, what: str) -> Region:
 
 def describe(path: Path) -> Any:
     """A checkpoint file's contents with meta tensors (no tensor data read), by the weights-only
-    unpickler with the allowlist of `pretrain.integrity`; a one-line error if it cannot be read."""
+    unpickler with the allowlist of `training.integrity`; a one-line error if it cannot be read."""
     try:
         with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location="meta", weights_only=True)

@@ -1,7 +1,7 @@
 """Where each weight of a stage's final checkpoint lies, after checking that every file is there and loads.
 
 Every file is first checked and loaded by torch's weights-only unpickler
-(`pretrain.integrity`), so a crafted checkpoint file is refused with one line
+(`training.integrity`), so a crafted checkpoint file is refused with one line
 and none of its code runs. Then each file is described without reading its
 tensors (`stored.describe`), and each weight becomes a `Stored`: the regions of
 the files that hold it, in order. Only those regions are ever read, so the Adam
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from stagetrain.consolidate.stored import Region, Stored, describe, region_of, span
 from stagetrain.errors import StageError
-from stagetrain.pretrain.integrity import POINTER, check_tag, read_pointer
+from stagetrain.training.integrity import POINTER, check_tag, read_pointer
 
 MODULE = "module"
 OPTIMIZER = "optimizer_state_dict"

@@ -10,11 +10,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from stagetrain.corpus import sources as corpus_sources
@@ -86,6 +87,45 @@ def _staged(paths: Mapping[str, Path]) -> Iterator[dict[str, Path]]:
         os.replace(tmps[key], path)
 
 
+def _meta(
+    tokenizer: Any,
+    config: Any,
+    tokenizer_hash: str,
+    special: Mapping[str, int],
+    dtype: np.dtype,
+    sources: Sequence[Any],
+    shards: Mapping[str, Path],
+    written: Mapping[str, Sequence[Any]],
+) -> dict[str, Any]:
+    """data/meta.json: the token dtype, tokenizer and vocabulary, each split's totals and
+    hash, and each source's share of each split."""
+    return {
+        "dtype": dtype.name,
+        "tokenizer_size": len(tokenizer),
+        "model_vocab_size": config.vocab_size,
+        "tokenizer_sha256": tokenizer_hash,
+        **special,
+        **{
+            split: {
+                "tokens": sum(w.tokens for w in written[split]),
+                "documents": sum(w.documents for w in written[split]),
+                "sha256": sha256_file(path),
+            }
+            for split, path in shards.items()
+        },
+        "sources": [
+            {
+                "name": source.name,
+                "weight": source.weight,
+                "record": source.record,
+                **{f"{split}_tokens": written[split][i].tokens for split in shards},
+                **{f"{split}_documents": written[split][i].documents for split in shards},
+            }
+            for i, source in enumerate(sources)
+        ],
+    }
+
+
 def prepare(
     *,
     run: Mapping[str, Any],
@@ -126,31 +166,7 @@ def prepare(
             tokenizer_hash = save(tokenizer, Path(outputs["tokenizer"]))
         with _writing(Path(outputs["model_config"])):
             atomic_write_text(outputs["model_config"], config.to_json_string(use_diff=False))
-    meta = {
-        "dtype": dtype.name,
-        "tokenizer_size": len(tokenizer),
-        "model_vocab_size": config.vocab_size,
-        "tokenizer_sha256": tokenizer_hash,
-        **special,
-        **{
-            split: {
-                "tokens": sum(w.tokens for w in written[split]),
-                "documents": sum(w.documents for w in written[split]),
-                "sha256": sha256_file(path),
-            }
-            for split, path in shards.items()
-        },
-        "sources": [
-            {
-                "name": source.name,
-                "weight": source.weight,
-                "record": source.record,
-                **{f"{split}_tokens": written[split][i].tokens for split in shards},
-                **{f"{split}_documents": written[split][i].documents for split in shards},
-            }
-            for i, source in enumerate(sources)
-        ],
-    }
+    meta = _meta(tokenizer, config, tokenizer_hash, special, dtype, sources, shards, written)
     with _writing(Path(outputs["meta"])):
         atomic_write_json(outputs["meta"], meta)
     return meta

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -14,37 +14,17 @@ import torch.distributed as dist
 from stagetrain.grpo.curriculum import Curriculum, draw, update_all, window_rate
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
-from stagetrain.tasks import Problem, prompt, sample, score
+from stagetrain.tasks import Problem, sample, score
+from stagetrain.training.engine import gathered
+from stagetrain.training.evaluation import prompt_ids
+
+if TYPE_CHECKING:  # grpo.train imports this module; the type only, at check time
+    from stagetrain.grpo.train import Run
 
 
-def prompt_ids(tokenizer: Any, problem: Problem, limit: int) -> list[int]:
-    """The prompt's token ids, keeping its last `limit` tokens (the question's end and the answer marker)."""
-    return tokenizer(prompt(problem), add_special_tokens=False)["input_ids"][-limit:]
-
-
-def greedy_scores(
-    model: Any, tokenizer: Any, batch: Sequence[Problem], cfg: Mapping[str, Any], chunk_size: int
-) -> list[float]:
-    """Verifier scores of greedy completions (KV cache), `chunk_size` problems per `generate` call."""
-    out = []
-    for start in range(0, len(batch), chunk_size):
-        chunk = batch[start : start + chunk_size]
-        ids = [prompt_ids(tokenizer, p, cfg["max_prompt_len"]) for p in chunk]
-        width = max(map(len, ids))
-        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-        device = next(model.parameters()).device
-        tokens = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=device)
-        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
-        gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=cfg["max_new_tokens"],
-                             eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=False)  # fmt: skip
-        texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=False)
-        out.extend(score(t, p) for t, p in zip(texts, chunk, strict=True))
-    return out
-
-
-def draw_problems(run: Any, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
+def draw_problems(run: Run, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
     """This rank's prompts of the step: families uniform, each level from its family's curriculum."""
-    n = run.cfg["prompts_per_step"] // run.layout["dp"]
+    n = run.cfg["prompts_per_step"] // run.layout.dp
     return [
         sample(family, level, "train", rng)
         for family, level in draw(curriculum, run.curriculum, n, rng)
@@ -76,12 +56,12 @@ def _advantage_rows(
     return rows
 
 
-def train_on(run: Any, groups: list[Group]) -> tuple[float, dict[str, float | None]]:
+def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | None]]:
     """`passes` optimizer steps on the rollouts: exactly grad_accum micro batches each, through the engine."""
     cfg, engine = run.cfg, run.engine
     items = [(g.prompt, c) for g in groups for c in g.completions]
     keep = [g.varies for g in groups for _ in g.completions]  # groups without signal are dropped
-    pad, ga = run.tokenizer.pad_token_id, run.layout["grad_accum"]
+    pad, ga = run.tokenizer.pad_token_id, run.layout.grad_accum
     chunks = np.array_split(np.arange(len(items)), ga)
     with torch.no_grad():
         old = [token_logprobs(engine, [items[i] for i in c], run.device, pad)[0] for c in chunks]
@@ -153,23 +133,16 @@ def _gather(values: list[Any]) -> list[Any]:
     return [v for part in out for v in part]
 
 
-def step(
-    run: Any,
-    curriculum: Curriculum,
-    step_no: int,
-    rng: random.Random,
-    gathered: Callable[[Any], Any],
-) -> dict[str, Any]:
-    """Rollouts, training and the curriculum update of one step; its metrics record."""
+def _rollouts(
+    run: Run,
+    prompts: list[list[int]],
+    reward: Callable[[int, list[int]], float],
+) -> list[Group]:
+    """This rank's groups of the step, flat or tree, generated in eval mode with the policy
+    gathered (ZeRO-3); the engine is back in train mode after."""
     cfg, tok = run.cfg, run.tokenizer
-    batch = draw_problems(run, curriculum, rng)
-    prompts = [prompt_ids(tok, p, cfg["max_prompt_len"]) for p in batch]
-
-    def reward(i: int, completion: list[int]) -> float:
-        return score(tok.decode(completion, skip_special_tokens=False), batch[i])
-
     run.engine.eval()
-    with gathered(run), torch.no_grad():
+    with gathered(run.engine), torch.no_grad():
         common = {
             "temperature": cfg["temperature"],
             "top_p": cfg["top_p"],
@@ -183,6 +156,24 @@ def step(
                                  max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id,
                                  max_batch=run.generation_batch, **common)  # fmt: skip
     run.engine.train()
+    return groups
+
+
+def step(
+    run: Run,
+    curriculum: Curriculum,
+    step_no: int,
+    rng: random.Random,
+) -> dict[str, Any]:
+    """Rollouts, training and the curriculum update of one step; its metrics record."""
+    cfg, tok = run.cfg, run.tokenizer
+    batch = draw_problems(run, curriculum, rng)
+    prompts = [prompt_ids(tok, p, cfg["max_prompt_len"]) for p in batch]
+
+    def reward(i: int, completion: list[int]) -> float:
+        return score(tok.decode(completion, skip_special_tokens=False), batch[i])
+
+    groups = _rollouts(run, prompts, reward)
     loss, clip = train_on(run, groups)
     rows: list[Row] = _gather([
         Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,

@@ -12,12 +12,10 @@ ranks so every rank updates the same per-family curriculum states.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,14 +32,16 @@ from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import atomic_write_json, read_json
-from stagetrain.pretrain import engine as engines
-from stagetrain.pretrain.batches import window_count
-from stagetrain.pretrain.checkpoints import Checkpoints, tag_of
-from stagetrain.pretrain.integrity import weights_only_loads
-from stagetrain.pretrain.launch import rank_main
-from stagetrain.pretrain.metrics import MetricsLog, tensorboard_dir
-from stagetrain.pretrain.train import check_finite, window_loss
 from stagetrain.tasks import Problem, problems
+from stagetrain.training import engine as engines
+from stagetrain.training.batches import window_count
+from stagetrain.training.checkpoints import Checkpoints, tag_of
+from stagetrain.training.engine import gathered
+from stagetrain.training.evaluation import greedy_scores, validation_loss
+from stagetrain.training.integrity import weights_only_loads
+from stagetrain.training.layout import StageLayout
+from stagetrain.training.metrics import MetricsLog, check_finite, tensorboard_dir
+from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
 NOT_MATHS = (
@@ -64,7 +64,7 @@ class Run:
     reference: Any
     tokenizer: Any
     device: torch.device
-    layout: dict[str, Any]
+    layout: StageLayout
     dp_rank: int
     curriculum: CurriculumConfig
     tree: TreeConfig | None
@@ -92,21 +92,21 @@ def _reference(
 def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    cfg, layout = spec["grpo"], plan["stages"]["grpo"]["layout"]
+    cfg, layout = spec["grpo"], StageLayout.from_plan(plan, "grpo")
     manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
     components = {  # the start model by content: a resharded folder of the same weights resumes
         "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
         "tokenizer": meta["tokenizer_sha256"],
         "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
-        "precision": layout["precision"], "seed": spec["seed"],
+        "precision": layout.precision, "seed": spec["seed"],
     }  # fmt: skip
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components,
-                              {k: layout[k] for k in ("dp", "tp", "zero_stage")}, cfg["keep_checkpoints"])  # fmt: skip
+                              layout.checkpoint_layout, cfg["keep_checkpoints"])  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, _, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
-        activation_checkpointing=layout["activation_checkpointing"], seed=spec["seed"],
+        activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
     )  # fmt: skip
     dtype = next(engine.module.parameters()).dtype
     reference = _reference(spec["model"], ds_config, device, dtype) if cfg["kl_coef"] > 0 else None
@@ -116,7 +116,7 @@ def setup(spec: dict[str, Any]) -> Run:
     if cfg["rollout"] == "tree":
         tree = TreeConfig(**cfg["tree"], max_leaves=cfg["group_size"], max_tokens=cfg["group_size"] * cfg["max_new_tokens"],
                           max_new_tokens=cfg["max_new_tokens"], eos_id=tokenizer.eos_token_id)  # fmt: skip
-    seq = cfg["max_prompt_len"] + cfg["max_new_tokens"]
+    seq = layout.seq_len  # the plan's: max_prompt_len + max_new_tokens
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
     eval_set = [p for family in cfg["curriculum"]["families"]
                 for p in problems([family], [min(curriculum.start_level, top_level(curriculum, family))], "test",
@@ -125,7 +125,7 @@ def setup(spec: dict[str, Any]) -> Run:
         spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
         checkpoints=checkpoints,
-        val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout["micro_batch_size"])),
+        val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout.micro_batch_size)),
         generation_batch=_generation_batch(plan),
     )  # fmt: skip
 
@@ -139,41 +139,11 @@ def _generation_batch(plan: dict[str, Any]) -> int:
     return plan["stages"]["grpo"]["generation"]["batch"]
 
 
-@contextlib.contextmanager
-def gathered(run: Run) -> Iterator[None]:
-    """Under ZeRO-3, the whole policy gathered on every rank, and ZeRO-3's module hooks off, for a
-    generation phase; nothing otherwise.
-
-    Ranks generate different numbers of tokens (their own prompts, early stops,
-    tree searches of different shapes); with ZeRO-3's hooks on, each forward
-    would all-gather parameters and ranks that stop early would leave the others
-    waiting. TRL's `unwrap_model_for_generation` does the same: gather, remove
-    the hooks, generate, put the hooks back. Cost: one full 16-bit copy of the
-    model on every rank while it lasts.
-    """
-    if run.layout["zero_stage"] != 3:
-        yield
-        return
-    offload = run.engine.optimizer.parameter_offload
-    with deepspeed.zero.GatheredParameters(
-        list(run.engine.module.parameters()), modifier_rank=None
-    ):
-        for param in run.engine.module.parameters():
-            param.ds_active_sub_modules.clear()
-        for hook in offload.forward_hooks + offload.backward_hooks:
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            offload._register_deepspeed_module(offload.module)
-
-
 def accuracy(run: Run) -> dict[str, float]:
     """Greedy accuracy per family on the fixed held-out problems (every rank evaluates all of them)."""
     run.engine.eval()
-    with gathered(run), torch.no_grad():
-        correct = grpo_steps.greedy_scores(
+    with gathered(run.engine), torch.no_grad():
+        correct = greedy_scores(
             run.engine.module, run.tokenizer, run.eval_set, run.cfg, run.generation_batch
         )
     run.engine.train()
@@ -187,12 +157,10 @@ def accuracy(run: Run) -> dict[str, float]:
 def val_loss(run: Run) -> float:
     """Language-model loss on the fixed validation windows (what consolidation re-checks)."""
     run.engine.eval()
-    mbs, seq = run.layout["micro_batch_size"], run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
-    with torch.no_grad():
-        losses = [window_loss(run.engine, run.device, run.val, run.eval_windows[i : i + mbs], seq).item()
-                  for i in range(0, len(run.eval_windows), mbs)]  # fmt: skip
+    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.layout.seq_len,
+                           micro_batch_size=run.layout.micro_batch_size, device=run.device)  # fmt: skip
     run.engine.train()
-    return float(np.mean(losses))
+    return loss
 
 
 def loop(run: Run) -> dict[str, Any]:
@@ -231,9 +199,9 @@ def loop(run: Run) -> dict[str, Any]:
         rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
         torch.manual_seed(rng.getrandbits(63))
         t0 = time.monotonic()
-        record = grpo_steps.step(run, curriculum, step, rng, gathered)
+        record = grpo_steps.step(run, curriculum, step, rng)
         check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
-                     precision=run.layout["precision"])  # fmt: skip
+                     precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
@@ -277,9 +245,8 @@ def summarise(
         for line in (run.checkpoints.folder / "metrics.jsonl").read_text().splitlines()
     ]
     trained = [r for r in records if "train/loss" in r]
-    seq = run.cfg["max_prompt_len"] + run.cfg["max_new_tokens"]
     return {
-        "stage": "grpo", **core, "layout": run.layout, "fingerprint": run.checkpoints.folder.name,
+        "stage": "grpo", **core, "layout": run.layout.to_json(), "fingerprint": run.checkpoints.folder.name,
         "checkpoint": {"folder": str(run.checkpoints.folder), "tag": tag_of(core["final_step"])},
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
@@ -288,8 +255,8 @@ def summarise(
                      "end": float(np.mean(list(final_accuracy.values()))),
                      "end_by_family": final_accuracy},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
-        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(), "seq_len": seq,
-                       "micro_batch_size": run.layout["micro_batch_size"]},
+        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(), "seq_len": run.layout.seq_len,
+                       "micro_batch_size": run.layout.micro_batch_size},
     }  # fmt: skip
 
 

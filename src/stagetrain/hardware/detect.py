@@ -180,6 +180,37 @@ def _gpu_summary(devices: list[Device], nvlink: bool | None) -> dict[str, Any]:
     }
 
 
+def _from_nvml(
+    nvml: ModuleType | None, visible_env: str | None, warnings: list[str]
+) -> tuple[list[Device], dict[str, Any], bool | None]:
+    """The visible devices NVML reports, the driver facts and NVLink; GPUs in MIG mode are
+    dropped with a warning (only their MIG instances can run work). NVML errors propagate."""
+    nvml = load_nvml() if nvml is None else nvml
+    nvml.nvmlInit()
+    try:
+        gpus, migs, facts = _nvml_devices(nvml)
+    finally:
+        nvml.nvmlShutdown()
+    nvlink = facts.pop("nvlink")
+    devices = select_visible(visible_env, gpus, migs)
+    in_mig = set(facts.pop("mig_enabled"))
+    dropped = [d for d in devices if not d.mig and d.uuid in in_mig]
+    if dropped:
+        warnings.append(
+            f"GPUs in MIG mode are usable only through their MIG instances; skipped "
+            f"{', '.join(d.uuid for d in dropped)} (name MIG-<uuid> in CUDA_VISIBLE_DEVICES)"
+        )
+        devices = [d for d in devices if d not in dropped]
+    return devices, facts, nvlink
+
+
+def _why_no_gpu(visible_env: str | None) -> str:
+    """Why a source that found GPUs left none to use."""
+    if visible_env is None:
+        return "no usable GPU"
+    return f"CUDA_VISIBLE_DEVICES={visible_env!r} hides every GPU"
+
+
 def detect(
     hardware: Mapping[str, Any],
     *,
@@ -206,22 +237,8 @@ def detect(
     source = "cpu"
     nvlink: bool | None = None
     try:
-        nvml = load_nvml() if nvml is None else nvml
-        nvml.nvmlInit()
-        try:
-            gpus, migs, facts = _nvml_devices(nvml)
-        finally:
-            nvml.nvmlShutdown()
-        source, nvlink = "nvml", facts.pop("nvlink")
-        devices = select_visible(visible_env, gpus, migs)
-        in_mig = set(facts.pop("mig_enabled"))
-        dropped = [d for d in devices if not d.mig and d.uuid in in_mig]
-        if dropped:
-            warnings.append(
-                f"GPUs in MIG mode are usable only through their MIG instances; skipped "
-                f"{', '.join(d.uuid for d in dropped)} (name MIG-<uuid> in CUDA_VISIBLE_DEVICES)"
-            )
-            devices = [d for d in devices if d not in dropped]
+        devices, facts, nvlink = _from_nvml(nvml, visible_env, warnings)
+        source = "nvml"
     except StageError:
         raise
     except Exception as err:  # ImportError or any NVMLError: record it and fall back
@@ -233,12 +250,7 @@ def detect(
         else:
             fallbacks.append(f"proc: no {proc_root}/driver/nvidia/gpus/*/information")
     if source != "cpu" and not devices:
-        why = (
-            "no usable GPU"
-            if visible_env is None
-            else f"CUDA_VISIBLE_DEVICES={visible_env!r} hides every GPU"
-        )
-        fallbacks.append(f"{source}: {why}")
+        fallbacks.append(f"{source}: {_why_no_gpu(visible_env)}")
         source = "cpu"
     nodes, nodes_source, slurm = _nodes(hardware, env, warnings)
     return {

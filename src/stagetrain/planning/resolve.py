@@ -224,6 +224,37 @@ def demands(pretrain: Mapping[str, Any], grpo: Mapping[str, Any], devices: Devic
     ]
 
 
+def _fill_from_table(
+    fixed: dict[str, Any],
+    sources: dict[str, str],
+    parallelism: Mapping[str, Any],
+    model: Mapping[str, Any],
+    devices: Devices,
+    fits: Callable[[Mapping[str, Any]], str | None],
+) -> dict[str, Any]:
+    """Fill the table's values into what the config left open (`fixed` and `sources`, in place);
+    the table's record for plan.json. `fits` names why an entry does not fit, or None."""
+    if all(fixed[k] is not None for k in tables.ENTRY_KEYS):
+        return {"status": "not needed", "reason": "dp, tp and micro_batch_size set in the config"}
+    from_table, record = table_values(parallelism, model, devices, fits)
+    for key, value in from_table.items():
+        if fixed[key] is None:
+            fixed[key] = value
+            sources[key] = record["source"]
+    return record
+
+
+def _plan_source(sources: Mapping[str, str], table_record: Mapping[str, Any]) -> str:
+    """plan.json's `source`: config when the config set every searched value, the table's
+    source when it was used, else estimated."""
+    labels = set(sources.values())
+    return (
+        "config" if len(sources) == len(SEARCHED) and labels == {"config"}
+        else table_record["source"] if table_record.get("status") == "used"
+        else "estimated"
+    )  # fmt: skip
+
+
 def resolve(
     *,
     hardware: Mapping[str, Any],
@@ -255,18 +286,9 @@ def resolve(
     heads, kv_heads = shape(1).num_heads, shape(1).num_kv_heads
     check_fixed(fixed, devices, heads, kv_heads)
     stage_demands = demands(pretrain, grpo, devices)
-    table_record: dict[str, Any] = {
-        "status": "not needed",
-        "reason": "dp, tp and micro_batch_size set in the config",
-    }
-    if any(fixed[k] is None for k in tables.ENTRY_KEYS):
-        fits = partial(entry_misfit, fixed=dict(fixed), devices=devices, heads=heads,
-                       kv_heads=kv_heads, stages=stage_demands)  # fmt: skip
-        from_table, table_record = table_values(parallelism, model, devices, fits)
-        for key, value in from_table.items():
-            if fixed[key] is None:
-                fixed[key] = value
-                sources[key] = table_record["source"]
+    fits = partial(entry_misfit, fixed=dict(fixed), devices=devices, heads=heads,
+                   kv_heads=kv_heads, stages=stage_demands)  # fmt: skip
+    table_record = _fill_from_table(fixed, sources, parallelism, model, devices, fits)
     options = {**parallelism, **deepspeed}
     stages = {}
     for demand in stage_demands:
@@ -275,12 +297,7 @@ def resolve(
         if demand.stage == "grpo":
             entry["generation"] = {"batch": generation_batch(grpo, entry["layout"]["dp"])}
         stages[demand.stage] = entry
-    labels = set(sources.values())
-    overall = (
-        "config" if len(sources) == len(SEARCHED) and labels == {"config"}
-        else table_record["source"] if table_record.get("status") == "used"
-        else "estimated"
-    )  # fmt: skip
+    overall = _plan_source(sources, table_record)
     base = shape(1)
     return {
         "source": overall,

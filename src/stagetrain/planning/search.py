@@ -227,6 +227,70 @@ def _report(ev: Evaluated) -> dict[str, Any]:
     }
 
 
+def _evaluate_all(
+    demand: Demand,
+    devices: Devices,
+    fixed: Mapping[str, Any],
+    shape: Callable[[int], ModelShape],
+    precision: Precision,
+    options: Mapping[str, Any],
+    rates: Rates | None,
+) -> list[Evaluated]:
+    """Every candidate layout, evaluated; offloading is tried only when nothing fits without it.
+
+    Raises:
+        StageError: no layout divides the batch over the ranks.
+    """
+    fixed_offload = fixed.get("offload")
+    offload_sets: list[tuple[Offload, ...]] = (
+        [(fixed_offload,)] if fixed_offload else [("none",), ("optimizer", "optimizer_and_params")]
+    )
+    evaluated: list[Evaluated] = []
+    for offloads in offload_sets:
+        for layout in _candidates(
+            demand, devices, fixed, shape, precision, offloads, options["max_micro_batch_size"]
+        ):
+            evaluated.append(_evaluate(layout, shape(layout.tp), devices, demand, options, rates))
+        if any(e.fits for e in evaluated):
+            break
+    if not evaluated:
+        raise StageError(
+            f"{demand.stage}: no layout divides the global batch of {demand.global_batch} sequences "
+            f"(groups of {demand.group}) over {devices.world} ranks with tp dividing the "
+            f"{shape(1).num_heads} heads, {shape(1).num_kv_heads} KV heads and {devices.per_node} "
+            f"devices per node; fixed: {dict((k, v) for k, v in fixed.items() if v is not None)}"
+        )
+    return evaluated
+
+
+def _choose(
+    demand: Demand, evaluated: list[Evaluated], fixed: Mapping[str, Any]
+) -> tuple[Evaluated, list[Evaluated], list[str]]:
+    """The best layout, the fitting ones best first, and warnings. When none fits, the smallest
+    is kept with a warning if the config fixed something, else it is an error.
+
+    Raises:
+        StageError: nothing fits and nothing was fixed.
+    """
+    fitting = sorted((e for e in evaluated if e.fits), key=_rank)
+    warnings: list[str] = []
+    if fitting:
+        best = fitting[0]
+    else:
+        best = min(evaluated, key=lambda e: e.memory.total)
+        need = f"{best.memory.total / mem.GIB:.2f} GiB per device of {best.usable / mem.GIB:.2f} usable"
+        if not any(v is not None for v in fixed.values()):
+            raise StageError(
+                f"{demand.stage}: nothing fits; the smallest layout ({best.summary()}) needs {need}: "
+                "use more or larger devices, a shorter sequence or a smaller model"
+            )
+        warnings.append(
+            f"{demand.stage}: the requested layout is predicted not to fit ({best.summary()} needs "
+            f"{need}); kept because it was asked for"
+        )
+    return best, fitting, warnings
+
+
 def search(
     demand: Demand,
     devices: Devices,
@@ -253,41 +317,8 @@ def search(
     Raises:
         StageError: no layout is possible, or none fits and nothing was fixed.
     """
-    fixed_offload = fixed.get("offload")
-    offload_sets: list[tuple[Offload, ...]] = (
-        [(fixed_offload,)] if fixed_offload else [("none",), ("optimizer", "optimizer_and_params")]
-    )
-    evaluated: list[Evaluated] = []
-    for offloads in offload_sets:
-        for layout in _candidates(
-            demand, devices, fixed, shape, precision, offloads, options["max_micro_batch_size"]
-        ):
-            evaluated.append(_evaluate(layout, shape(layout.tp), devices, demand, options, rates))
-        if any(e.fits for e in evaluated):
-            break
-    if not evaluated:
-        raise StageError(
-            f"{demand.stage}: no layout divides the global batch of {demand.global_batch} sequences "
-            f"(groups of {demand.group}) over {devices.world} ranks with tp dividing the "
-            f"{shape(1).num_heads} heads, {shape(1).num_kv_heads} KV heads and {devices.per_node} "
-            f"devices per node; fixed: {dict((k, v) for k, v in fixed.items() if v is not None)}"
-        )
-    fitting = sorted((e for e in evaluated if e.fits), key=_rank)
-    warnings: list[str] = []
-    if fitting:
-        best = fitting[0]
-    else:
-        best = min(evaluated, key=lambda e: e.memory.total)
-        need = f"{best.memory.total / mem.GIB:.2f} GiB per device of {best.usable / mem.GIB:.2f} usable"
-        if not any(v is not None for v in fixed.values()):
-            raise StageError(
-                f"{demand.stage}: nothing fits; the smallest layout ({best.summary()}) needs {need}: "
-                "use more or larger devices, a shorter sequence or a smaller model"
-            )
-        warnings.append(
-            f"{demand.stage}: the requested layout is predicted not to fit ({best.summary()} needs "
-            f"{need}); kept because it was asked for"
-        )
+    evaluated = _evaluate_all(demand, devices, fixed, shape, precision, options, rates)
+    best, fitting, warnings = _choose(demand, evaluated, fixed)
     others = [e for e in fitting[1:] if e.summary() != best.summary()]
     rejected = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
     return {

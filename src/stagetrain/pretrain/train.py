@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,20 +19,28 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.io import atomic_write_json
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
-from stagetrain.pretrain import engine as engines
-from stagetrain.pretrain.batches import Sampler, read_windows, window_count
-from stagetrain.pretrain.checkpoints import Checkpoints
-from stagetrain.pretrain.integrity import weights_only_loads
-from stagetrain.pretrain.launch import rank_main
-from stagetrain.pretrain.metrics import MetricsLog, Progress, max_rss_gib, tensorboard_dir
+from stagetrain.pretrain.metrics import METRICS
 from stagetrain.pretrain.plot import loss_plot
+from stagetrain.training import engine as engines
+from stagetrain.training.batches import Sampler, window_count
+from stagetrain.training.checkpoints import Checkpoints
+from stagetrain.training.evaluation import validation_loss, window_loss
+from stagetrain.training.integrity import weights_only_loads
+from stagetrain.training.layout import StageLayout
+from stagetrain.training.metrics import (
+    MetricsLog,
+    Progress,
+    check_finite,
+    max_rss_gib,
+    tensorboard_dir,
+)
+from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
 NOT_MATHS = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
@@ -46,7 +53,7 @@ class Run:
     spec: dict[str, Any]
     engine: Any
     device: torch.device
-    layout: dict[str, Any]
+    layout: StageLayout
     sampler: Sampler
     dp_rank: int
     train: np.ndarray
@@ -78,24 +85,24 @@ def components(
 def setup(spec: dict[str, Any]) -> Run:
     """Start the process group, check the world against the plan, build the engine and the data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    layout = plan["stages"]["pretrain"]["layout"]
+    layout = StageLayout.from_plan(plan, "pretrain")
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config),
-                              {k: layout[k] for k in ("dp", "tp", "zero_stage")}, spec["pretrain"]["keep_checkpoints"])  # fmt: skip
+                              layout.checkpoint_layout, spec["pretrain"]["keep_checkpoints"])  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, params, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"]["init_from"],
-        activation_checkpointing=layout["activation_checkpointing"], seed=spec["seed"],
+        activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
     )  # fmt: skip
-    if engine.dp_world_size != layout["dp"]:
+    if engine.dp_world_size != layout.dp:
         raise StageError(
-            f"plan.json: dp={layout['dp']}, but DeepSpeed formed dp={engine.dp_world_size}"
+            f"plan.json: dp={layout.dp}, but DeepSpeed formed dp={engine.dp_world_size}"
         )
     seq = spec["pretrain"]["seq_len"]
     train = np.memmap(spec["train"], dtype=meta["dtype"], mode="r")
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
     n_eval = min(
-        window_count(len(val), seq), spec["pretrain"]["eval_batches"] * layout["micro_batch_size"]
+        window_count(len(val), seq), spec["pretrain"]["eval_batches"] * layout.micro_batch_size
     )
     if n_eval == 0:
         raise StageError(f"{spec['val']}: fewer than {seq + 1} tokens, not one validation window")
@@ -103,23 +110,14 @@ def setup(spec: dict[str, Any]) -> Run:
     return Run(
         spec=spec, engine=engine, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group),
-        sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout["global_batch"],
-                        dp=layout["dp"], micro_batch_size=layout["micro_batch_size"], seed=spec["seed"]),
+        sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout.global_batch,
+                        dp=layout.dp, micro_batch_size=layout.micro_batch_size, seed=spec["seed"]),
         train=train, val=val, eval_windows=np.arange(n_eval),
         checkpoints=checkpoints,
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
         params={**params, "predicted_tokens_per_s": plan["stages"]["pretrain"]["throughput"].get("tokens_per_s")},
     )  # fmt: skip
-
-
-def window_loss(
-    engine: Any, device: torch.device, shard: np.ndarray, windows: np.ndarray, seq_len: int
-) -> torch.Tensor:
-    """Mean next-token cross-entropy of the model on `windows` of `shard` (fp32 logits)."""
-    tokens = torch.from_numpy(read_windows(shard, windows, seq_len)).to(device)
-    logits = engine(input_ids=tokens[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
@@ -130,14 +128,10 @@ def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
 def evaluate(run: Run) -> float:
     """Loss on the fixed validation windows, the same on every rank."""
     run.engine.eval()
-    mbs = run.layout["micro_batch_size"]
-    with torch.no_grad():
-        losses = [
-            loss_on(run, run.eval_windows[i : i + mbs], run.val).item()
-            for i in range(0, len(run.eval_windows), mbs)
-        ]
+    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.spec["pretrain"]["seq_len"],
+                           micro_batch_size=run.layout.micro_batch_size, device=run.device)  # fmt: skip
     run.engine.train()
-    return float(np.mean(losses))
+    return loss
 
 
 def train_step(run: Run, step: int) -> float:
@@ -153,21 +147,6 @@ def train_step(run: Run, step: int) -> float:
     return mean.item() / dist.get_world_size()
 
 
-def check_finite(value: float, *, what: str, stage: str, step: int, precision: str) -> None:
-    """Stop with one line when a loss every rank shares (all-reduced, or computed alike) is NaN or inf.
-
-    Going on would save checkpoints of diverged weights. Under fp16 a
-    non-finite value is left to DeepSpeed's loss scaler: it skips a step whose
-    gradients overflow, lowers the scale, and stops the run itself when the
-    scale cannot go lower.
-    """
-    if precision != "fp16" and not math.isfinite(value):
-        raise StageError(
-            f"{stage}: the {what} is {value} at step {step} ({precision}): the run diverged; "
-            f"lower {stage}.optimizer.lr or check the data (no checkpoint of this step was saved)"
-        )
-
-
 def record(
     run: Run, step: int, loss: float, seconds: float, tokens: int, elapsed: float
 ) -> dict[str, Any]:
@@ -177,7 +156,7 @@ def record(
     out = {
         "step": step, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
         "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "train/tokens": step * run.layout["global_batch"] * run.spec["pretrain"]["seq_len"],
+        "train/tokens": step * run.layout.global_batch * run.spec["pretrain"]["seq_len"],
         "throughput/tokens_per_s": rate,
         "throughput/mfu(%)": 100 * run.flops_per_token * rate / run.peak_flops if run.peak_flops else None,
         "time/elapsed_s": elapsed,
@@ -206,18 +185,18 @@ def loop(run: Run) -> dict[str, Any]:
         log.info(why)
     metrics = (
         MetricsLog(
-            run.checkpoints.folder / "metrics.jsonl", start, events=tensorboard_dir(run.spec)
+            run.checkpoints.folder / "metrics.jsonl", start, METRICS, tensorboard_dir(run.spec)
         )
         if rank0
         else None
     )
     progress, began = Progress(cfg["steps"], start), time.monotonic()
-    tokens_per_step = run.layout["global_batch"] * cfg["seq_len"]
+    tokens_per_step = run.layout.global_batch * cfg["seq_len"]
     last_eval, window_s, window_steps = None, 0.0, 0
     for step in range(start + 1, cfg["steps"] + 1):
         t0 = time.monotonic()
         loss = train_step(run, step - 1)
-        finite = {"stage": "pretrain", "step": step, "precision": run.layout["precision"]}
+        finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
         evaluating = step % cfg["eval_every"] == 0 or step == cfg["steps"]
@@ -264,14 +243,14 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
     ]
     mfus = [r["throughput/mfu(%)"] for r in records[1:] if r.get("throughput/mfu(%)") is not None]
     return {
-        "stage": "pretrain", **result, "layout": run.layout, "fingerprint": run.checkpoints.folder.name,
+        "stage": "pretrain", **result, "layout": run.layout.to_json(), "fingerprint": run.checkpoints.folder.name,
         "checkpoint": {"folder": str(run.checkpoints.folder), "tag": f"step{result['final_step']:08d}"},
         "final_loss": records[-1]["train/loss"],
         "final_eval_loss": [r["eval/loss"] for r in records if "eval/loss" in r][-1],
         "losses": {r["step"]: r["train/loss"] for r in records},
         "eval_losses": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
         "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(),
-                       "seq_len": run.spec["pretrain"]["seq_len"], "micro_batch_size": run.layout["micro_batch_size"]},
+                       "seq_len": run.spec["pretrain"]["seq_len"], "micro_batch_size": run.layout.micro_batch_size},
         "tokens_per_s": float(np.median(rates)),
         "tokens_per_s_over_predicted": (
             float(np.median(rates)) / run.params["predicted_tokens_per_s"]

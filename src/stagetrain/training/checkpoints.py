@@ -16,7 +16,7 @@ checkpoint resumed under another layout is refused with a message, because
 DeepSpeed's sharded files are tied to the layout that wrote them.
 
 Only one run writes here at a time: `hold` has rank 0 lock the stage's
-checkpoint root (stagetrain.pretrain.lock) before anything is written.
+checkpoint root (stagetrain.training.lock) before anything is written.
 
 Debug hook, for the test that kills a rank in the middle of a save: with
 STAGETRAIN_KILL_DURING_SAVE=<rank>:<step> set, that rank writes the first file
@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
-from stagetrain.pretrain.integrity import POINTER, read_pointer, resume_point, step_of
-from stagetrain.pretrain.lock import StageLock
+from stagetrain.training.integrity import POINTER, read_pointer, resume_point, step_of
+from stagetrain.training.lock import StageLock
 
 log = logging.getLogger("stagetrain")
 KILL_DURING_SAVE = "STAGETRAIN_KILL_DURING_SAVE"

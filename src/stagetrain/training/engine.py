@@ -21,10 +21,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,31 @@ def dtypes(engine: Any) -> dict[str, str]:
         "master": ",".join(sorted(master)),
         "optimizer_states": ",".join(sorted(states)) or "none yet",
     }
+
+
+@contextlib.contextmanager
+def gathered(engine: Any) -> Iterator[None]:
+    """Under ZeRO-3, the whole policy gathered on every rank, and ZeRO-3's module hooks off, for a
+    generation phase; nothing otherwise.
+
+    Ranks generate different numbers of tokens (their own prompts, early stops,
+    tree searches of different shapes); with ZeRO-3's hooks on, each forward
+    would all-gather parameters and ranks that stop early would leave the others
+    waiting. TRL's `unwrap_model_for_generation` does the same: gather, remove
+    the hooks, generate, put the hooks back. Cost: one full 16-bit copy of the
+    model on every rank while it lasts.
+    """
+    if engine.zero_optimization_stage() != 3:
+        yield
+        return
+    offload = engine.optimizer.parameter_offload
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        for param in engine.module.parameters():
+            param.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)

@@ -15,11 +15,11 @@ reaches the ranks, and orphaned ranks used to train on beside a rerun. Chosen:
 - The stage script asks for SIGTERM when Snakemake (or the shell that ran it)
   dies, at the start of `launch_stage`; Python dies of it at once, and the
   launcher follows.
-- The launcher is started through `python -m stagetrain.pretrain.launch`, which
+- The launcher is started through `python -m stagetrain.training.launch`, which
   asks for SIGTERM when the stage script dies and then execs the real command.
   SIGTERM, not SIGKILL: torchrun and srun answer it by stopping their ranks
   (srun forwards it to its tasks on every node), which SIGKILL would not allow.
-- Each rank, first thing in `rank_main`, asks for SIGKILL when its torchrun
+- Each rank, first thing in `rank_main` (stagetrain.training.rank), asks for SIGKILL when its torchrun
   agent dies, so a killed agent takes its ranks with it at once.
 The kernel delivers the signal at the parent's death, whatever killed it, with
 no thread or polling (a watchdog on the parent pid would notice only at its next
@@ -39,34 +39,25 @@ Snakemake died in its first second, before `launch_stage`, is not.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from stagetrain import slurm
 from stagetrain.errors import StageError
+from stagetrain.training.rank import die_with_parent
 
 RDZV_PORT = 29400
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 log = logging.getLogger("stagetrain")
-
-
-def die_with_parent(sig: signal.Signals) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux only)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
 
 
 def tied_to_this_process(cmd: Sequence[str]) -> list[str]:
     """`cmd` run so that it gets SIGTERM when this process dies, by any signal (see `exec_tied`)."""
-    return [sys.executable, "-m", "stagetrain.pretrain.launch", str(os.getpid()), *cmd]
+    return [sys.executable, "-m", "stagetrain.training.launch", str(os.getpid()), *cmd]
 
 
 def exec_tied(argv: Sequence[str]) -> None:
@@ -82,18 +73,6 @@ def exec_tied(argv: Sequence[str]) -> None:
             f"error: the process that started {cmd[0]} (pid {parent}) is gone; not starting it"
         )
     os.execvp(cmd[0], cmd)
-
-
-def _orphaned_rank() -> bool:
-    """Whether torchrun started this rank but its agent died before `die_with_parent` ran.
-
-    torchrun sets TORCHELASTIC_RUN_ID in every rank; a rank whose parent is no
-    longer a torchrun agent (now init or a subreaper) was orphaned while it imported.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return False
-    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-    return b"torch.distributed.run" not in parent and b"torchrun" not in parent
 
 
 def torchrun_command(
@@ -199,6 +178,30 @@ def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
         )
 
 
+def job_spec(
+    *,
+    inputs: Mapping[str, str | Path],
+    outputs: Mapping[str, str | Path],
+    checkpoints: Path,
+    extra: Mapping[str, object],
+    tensorboard: Path | None = None,
+) -> dict[str, object]:
+    """The job spec a training stage's ranks read (`--spec job.json`): the one writer of its shape.
+
+    Absolute paths of the stage's inputs and outputs by name, the checkpoint
+    root, the TensorBoard folder when events are wanted, then `extra` (config
+    sections, seed). The stage launcher, the test harness and the benchmarks all
+    build it here, so a key added for the ranks reaches every caller.
+    """
+    spec: dict[str, object] = {
+        **{k: str(Path(v).resolve()) for k, v in {**inputs, **outputs}.items()},
+        "checkpoints": str(checkpoints),
+    }
+    if tensorboard is not None:
+        spec["tensorboard"] = str(tensorboard)
+    return {**spec, **extra}
+
+
 def launch_stage(
     *,
     stage: str,
@@ -216,19 +219,15 @@ def launch_stage(
     import json
 
     from stagetrain.io import atomic_write_json
-    from stagetrain.pretrain.lock import StageLock
+    from stagetrain.training.lock import StageLock
 
     die_with_parent(signal.SIGTERM)  # Snakemake (or the shell) gone: stop, and the launcher with us
     plan = json.loads(Path(inputs["plan"]).read_text())
     root = Path(outputs["summary"]).resolve().parents[1] / "checkpoints" / stage
     StageLock(root).check_free()  # a second run fails here, before it writes its job.json
-    spec = {
-        **{k: str(Path(v).resolve()) for k, v in {**inputs, **outputs}.items()},
-        "checkpoints": str(root),
-        # Beside the checkpoints, outside the declared outputs: curves survive a rerun.
-        "tensorboard": str(root.parents[1] / "tensorboard" / stage),
-        **extra,
-    }
+    # TensorBoard beside the checkpoints, outside the declared outputs: curves survive a rerun.
+    spec = job_spec(inputs=inputs, outputs=outputs, checkpoints=root, extra=extra,
+                    tensorboard=root.parents[1] / "tensorboard" / stage)  # fmt: skip
     atomic_write_json(root / "job.json", spec)
     alloc = slurm.allocation(os.environ)
     # Inside Slurm the job's CPUs on a node, not the node's (nothing may pin this process).
@@ -240,45 +239,6 @@ def launch_stage(
                            args=["--spec", str(root / "job.json")], allocation=alloc,
                            gpus=plan["device"] != "cpu")  # fmt: skip
     run_ranks(cmd, env, stage)
-
-
-def rank_main(body: Callable[[dict], None], argv: list[str] | None = None) -> None:
-    """The entry of every training rank: read --spec, run `body(spec)`, turn bad input into one line.
-
-    First the rank arranges to be SIGKILLed when its torchrun agent dies (module
-    docstring), and leaves at once if the agent is already gone. A `StageError`
-    is printed as `error: ...` (which `run_ranks` surfaces) with
-    exit status 1; the process group is torn down whatever happens. A rank that
-    got this far leaves with os._exit, skipping C++ static destructors: ranks that
-    had written every artifact have died there with "terminate called without an
-    active exception" (a communication thread still joinable; seen twice in CI,
-    MoE under ZeRO-3 and a consolidation fixture), failing a finished stage.
-    Everything is written and closed by then; only stdout and stderr need a flush.
-    """
-    import argparse
-    import json
-
-    import torch.distributed as dist
-
-    die_with_parent(signal.SIGKILL)
-    if _orphaned_rank():
-        os._exit(1)
-    parser = argparse.ArgumentParser(description="a training stage's rank (started by torchrun)")
-    parser.add_argument("--spec", required=True)
-    spec = json.loads(Path(parser.parse_args(argv).spec).read_text())
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    status = 0
-    try:
-        body(spec)
-    except StageError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        status = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,12 @@
+"""The training runtime both training stages (and consolidation) share.
+
+Modules: `launch` (the launcher side: the job spec, the torchrun / srun
+command, running the ranks), `rank` (every rank's entry and the death signals),
+`engine` (joining the world, building the model and the DeepSpeed engine, the
+ZeRO-3 policy gathered for generation),
+`batches` (which windows each data-parallel rank reads at each step),
+`checkpoints`, `integrity` and `lock` (fingerprinted, verified, one-writer
+checkpoints), `metrics` (the JSON-lines log, TensorBoard, progress, the finite
+check) and `evaluation` (the validation loss and greedy task scores).
+Nothing here imports a stage (pretrain, grpo, consolidate).
+"""

@@ -1,0 +1,83 @@
+"""Evaluation shared by the stages: the validation loss on token windows, and greedy task scores.
+
+One validation loss for everyone: pretrain and GRPO log it on their fixed
+validation windows, and consolidation recomputes it with the reloaded model on
+the same windows (recorded in the summary's `eval_batch`) to prove the written
+folder holds the trained weights. The three must compute the same thing the
+same way (fp32 logits, the mean over micro batches of each micro batch's mean
+token loss), or consolidation's tolerance would be measuring the difference
+between two formulas instead of two copies of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stagetrain.tasks import Problem, prompt, score
+from stagetrain.training.batches import read_windows
+
+
+def window_loss(
+    model: Any, device: torch.device, shard: np.ndarray, windows: np.ndarray, seq_len: int
+) -> torch.Tensor:
+    """Mean next-token cross-entropy of `model` on `windows` of `shard` (fp32 logits).
+
+    `model` is a DeepSpeed engine or a plain module: anything called with
+    `input_ids` that returns `.logits`. The result keeps its graph (training uses it).
+    """
+    tokens = torch.from_numpy(read_windows(shard, windows, seq_len)).to(device)
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def validation_loss(
+    model: Any,
+    shard: np.ndarray,
+    windows: np.ndarray,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    device: torch.device | None = None,
+) -> float:
+    """The validation loss: the mean over micro batches of `window_loss`, without gradients.
+
+    The caller puts the model in eval mode (an engine goes back to train mode
+    after). Every rank of a stage computes it alike, so it is the same on all.
+    """
+    device = device if device is not None else torch.device("cpu")
+    with torch.no_grad():
+        losses = [
+            window_loss(model, device, shard, windows[i : i + micro_batch_size], seq_len).item()
+            for i in range(0, len(windows), micro_batch_size)
+        ]
+    return float(np.mean(losses))
+
+
+def prompt_ids(tokenizer: Any, problem: Problem, limit: int) -> list[int]:
+    """The prompt's token ids, keeping its last `limit` tokens (the question's end and the answer marker)."""
+    return tokenizer(prompt(problem), add_special_tokens=False)["input_ids"][-limit:]
+
+
+def greedy_scores(
+    model: Any, tokenizer: Any, batch: Sequence[Problem], cfg: Mapping[str, Any], chunk_size: int
+) -> list[float]:
+    """Verifier scores of greedy completions (KV cache), `chunk_size` problems per `generate` call."""
+    out = []
+    for start in range(0, len(batch), chunk_size):
+        chunk = batch[start : start + chunk_size]
+        ids = [prompt_ids(tokenizer, p, cfg["max_prompt_len"]) for p in chunk]
+        width = max(map(len, ids))
+        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+        device = next(model.parameters()).device
+        tokens = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+        gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=cfg["max_new_tokens"],
+                             eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=False)  # fmt: skip
+        texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=False)
+        out.extend(score(t, p) for t, p in zip(texts, chunk, strict=True))
+    return out

@@ -1,0 +1,131 @@
+"""Training metrics shared by the stages: the JSON-lines log, TensorBoard events, the console progress line.
+
+Each stage keeps its own registry of metric names (a `metrics` module in its
+package): every key a stage writes to metrics.jsonl is listed
+there with what it means and when it is logged, and `MetricsLog` refuses any
+other; a test checks that nothing else is emitted. The same
+records also go to TensorBoard event files (numbers as scalars, {name: number}
+maps as one scalar per name), so `tensorboard --logdir results/<run>/tensorboard`
+shows the curves of every stage while it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from stagetrain.errors import StageError
+
+log = logging.getLogger("stagetrain")
+
+
+def max_rss_gib() -> float:
+    """Peak resident memory of this process, GiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The plottable numbers of a record: numbers as they are, {name: number} maps flattened
+    to `key/name`; lists, strings and nulls left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, bool) or key == "step":
+            continue
+        if isinstance(value, int | float):
+            out[key] = float(value)
+        elif isinstance(value, dict):
+            out.update(
+                {f"{key}/{k}": float(v) for k, v in value.items() if isinstance(v, int | float)}
+            )
+    return out
+
+
+def tensorboard_dir(spec: dict[str, Any]) -> Path | None:
+    """Where a stage's job spec asks for TensorBoard events (the stage launcher always does;
+    the test harness's specs may leave them out)."""
+    return Path(spec["tensorboard"]) if "tensorboard" in spec else None
+
+
+class MetricsLog:
+    """Appends records to a JSON-lines file whose keys must all be in `registry`, and
+    to TensorBoard event files in `events` when given."""
+
+    def __init__(
+        self,
+        path: Path,
+        resume_step: int,
+        registry: dict[str, str],
+        events: Path | None = None,
+    ) -> None:
+        self.path, self.registry, self.events = path, registry, None
+        if events is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                # tensorboard is a declared dependency, but a machine that lacks it (the offline
+                # GPU check's, tools/gpu) still trains: the curves stay in metrics.jsonl.
+                log.warning("no TensorBoard event files in %s: %s", events, err)
+            else:
+                # purge_step: after a resume, TensorBoard drops the events past the checkpoint
+                # that the first run wrote, as the JSON log drops its lines.
+                self.events = SummaryWriter(str(events), purge_step=resume_step + 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if path.exists():  # after a restart, keep what the resumed checkpoint had reached
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if json.loads(line)["step"] <= resume_step
+            ]
+        path.write_text("".join(f"{line}\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (unknown keys are a bug: raise)."""
+        unknown = set(record) - set(self.registry)
+        if unknown:
+            raise KeyError(f"metrics not in the registry: {sorted(unknown)}")
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        if self.events is not None:
+            for key, value in scalars(record).items():
+                self.events.add_scalar(key, value, global_step=record["step"])
+            self.events.flush()
+
+
+class Progress:
+    """Console line: step, loss, tokens/s, ETA."""
+
+    def __init__(self, total_steps: int, first_step: int) -> None:
+        self.total, self.first, self.start = total_steps, first_step, time.monotonic()
+
+    def line(self, step: int, loss: float, tokens_per_s: float) -> str:
+        elapsed = time.monotonic() - self.start
+        done = step - self.first
+        eta = elapsed / done * (self.total - step) if done else float("nan")
+        return (
+            f"step {step}/{self.total} loss {loss:.4f} tokens/s {tokens_per_s:,.0f} "
+            f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta)) if eta == eta else '?'}"
+        )
+
+
+def check_finite(value: float, *, what: str, stage: str, step: int, precision: str) -> None:
+    """Stop with one line when a loss every rank shares (all-reduced, or computed alike) is NaN or inf.
+
+    Going on would save checkpoints of diverged weights. Under fp16 a
+    non-finite value is left to DeepSpeed's loss scaler: it skips a step whose
+    gradients overflow, lowers the scale, and stops the run itself when the
+    scale cannot go lower.
+    """
+    if precision != "fp16" and not math.isfinite(value):
+        raise StageError(
+            f"{stage}: the {what} is {value} at step {step} ({precision}): the run diverged; "
+            f"lower {stage}.optimizer.lr or check the data (no checkpoint of this step was saved)"
+        )

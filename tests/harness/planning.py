@@ -1,0 +1,28 @@
+"""Plans without a detect_hardware run: a described CPU machine and the planner called as the stage calls it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from stagetrain.hardware.detect import describe
+from stagetrain.planning.resolve import resolve
+
+GIB = 2**30
+
+
+def plan_for(cfg: Mapping[str, Any], hardware: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """plan.json for `cfg` on `hardware` (default: the machine `cfg`'s hardware section describes)."""
+    hardware = hardware or describe(cfg["hardware"])
+    return resolve(
+        hardware=hardware, hw_config=cfg["hardware"], model=cfg["model"], tokenizer=cfg["tokenizer"],
+        parallelism=cfg["parallelism"], deepspeed=cfg["deepspeed"], pretrain=cfg["pretrain"], grpo=cfg["grpo"],
+    )  # fmt: skip
+
+
+def cpu_hardware(ranks: int = 2, memory_gib: float = 24) -> dict[str, Any]:
+    """hardware.json of one 2-core CPU node running `ranks` ranks, as detect_hardware writes it."""
+    return {
+        "gpu": None, "nodes": 1, "cpu_ranks": ranks, "gpus_per_node": 0,
+        "cpu": {"cores": 2, "memory_bytes": int(memory_gib * GIB)},
+    }  # fmt: skip
