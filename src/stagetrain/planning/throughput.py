@@ -41,9 +41,11 @@ from stagetrain.planning.shape import ModelShape
 HOST_ADAM_PARAMS_PER_S = 1e9
 GPU_HALF_SATURATION_TOKENS = 256
 CPU_HALF_SATURATION_TOKENS = 64
-CPU_OTHER_WORK = 1.0
+CPU_OTHER_WORK = 1.1
 """Seconds of non-matrix work per model FLOP on a CPU rank, in units of 1 / (fp32 GFLOP/s
-measured): fitted to the default config's fp32 and bf16 runs (docs/benchmarks.md)."""
+measured). Fitted with `cpu_efficiency` 1.0 to the default config's fp32 and bf16 runs on a
+CPU with avx512_bf16 (benchmarks/cpu_throughput.py, docs/benchmarks.md): there 512x512
+bf16 products ran 2.2x fp32's, and training 1.13x, so most of a step is not matrix products."""
 CPU_SHARED_MEMORY_GBPS = 10.0
 """Gradient reduction between CPU ranks of one machine (DeepSpeed's shared-memory op):
 a memory-bandwidth order of magnitude, which is all a model of a ~1M-parameter
