@@ -104,11 +104,15 @@ def test_the_pipeline_runs_through_sbatch_srun_and_torchrun(workdir: Path, slurm
 
 def test_a_failing_job_names_its_slurm_log(workdir: Path, slurm: None) -> None:
     small_run(workdir)
-    edit_config(workdir, "data", files=[{"path": "missing/*.txt"}])
+    # A corpus file that exists (a missing one is refused before any job, at DAG time)
+    # but is not UTF-8: the tokenizer stage's job fails with its one line.
+    (workdir / "corpus").mkdir()
+    (workdir / "corpus" / "bad.txt").write_bytes(b"plain text, then \xff\xfe not UTF-8\n")
+    edit_config(workdir, "data", files=[{"path": "corpus/bad.txt"}])
     proc = snakemake(workdir, "--workflow-profile", "profiles/slurm-local", "pretrain", check=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     slurm_log = re.search(r"results/slurm_logs/rule_prepare_tokenizer/\d+\.log", out)
     assert slurm_log, out[-3000:]
     assert (workdir / slurm_log.group(0)).exists()
-    assert "missing/*.txt" in out
+    assert "corpus/bad.txt" in out and "not UTF-8" in out
