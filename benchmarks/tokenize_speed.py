@@ -84,10 +84,9 @@ from stagetrain.corpus.prepare import prepare
 cfg = stconfig.load(sys.argv[1])
 cfg["data"]["train_tokens"] = int(sys.argv[2])
 cfg["tokenizer"]["training_sample_mb"] = 1
-plan = {"stages": {"pretrain": {"layout": {"tp": 1}}, "grpo": {"layout": {"tp": 1}}}}
 with tempfile.TemporaryDirectory() as out:
     names = {"tokenizer": "tok", "train": "train.bin", "val": "val.bin", "meta": "meta.json", "model_config": "mc.json"}
-    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], plan=plan,
+    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tp=1,
             outputs={k: str(Path(out) / v) for k, v in names.items()})
 print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 """

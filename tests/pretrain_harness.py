@@ -25,6 +25,7 @@ from stagetrain.corpus.prepare import prepare
 from stagetrain.deepspeed_config import optimizer_steps, render
 from stagetrain.io import atomic_write_json
 from stagetrain.model_config import training_config
+from stagetrain.planning.derived import vocab_padding
 from stagetrain.training.integrity import load_file, weights_only_loads
 from stagetrain.training.launch import job_spec
 
@@ -54,7 +55,8 @@ def prepare_data(out: Path) -> dict[str, str]:
         "meta": out / "data/meta.json", "model_config": out / "model_config.json",
     }  # fmt: skip
     prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
-            plan=plan_for(cfg, cpu_hardware()), outputs={k: str(v) for k, v in paths.items()})  # fmt: skip
+            tp=vocab_padding(plan_for(cfg, cpu_hardware()))["tp"],
+            outputs={k: str(v) for k, v in paths.items()})  # fmt: skip
     return {k: str(v) for k, v in paths.items()}
 
 
