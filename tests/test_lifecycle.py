@@ -216,18 +216,56 @@ def _timed(name: str) -> Iterator[None]:
     print(f"{name}: {time.monotonic() - began:.1f} s")
 
 
+def _holder_ranks(lock: Path, run: Any, timeout: float = 300) -> list[int]:
+    """The pids of the ranks of the run whose rank 0 holds `lock` (its pid is written there),
+    once it holds it; rank 0's siblings are the other ranks of its torchrun agent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not run.done():
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
+            holder = json.loads(lock.read_text())["pid"]
+            if _alive(holder):
+                agent = Path(f"/proc/{holder}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                return [
+                    int(p.name) for p in Path("/proc").iterdir()
+                    if p.name.isdigit() and _parent(int(p.name)) == int(agent)
+                ]  # fmt: skip
+        time.sleep(0.05)
+    raise AssertionError(
+        f"the first run never held {lock}: {run.result().stderr[-3000:] if run.done() else 'timeout'}"
+    )
+
+
+def _parent(pid: int) -> int | None:
+    with contextlib.suppress(FileNotFoundError, IndexError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
+
+
 @pytest.mark.slow
 def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
     data: dict[str, str], lone: dict[str, Any], tmp_path: Path
 ) -> None:
-    def start(_: int) -> subprocess.CompletedProcess[str]:
+    """The first run's ranks are stopped (SIGSTOP) while its rank 0 holds the lock, so the
+    second run certainly starts while the first is mid-run, whatever the machine's load;
+    then the first goes on and must end as a lone run would."""
+
+    def start() -> subprocess.CompletedProcess[str]:
         return launch(data, tmp_path, world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
 
-    with _timed("two runs at once"), ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(start, range(2)))
-    failed = [p.returncode != 0 for p in procs]
-    assert sorted(failed) == [False, True], [p.stderr[-3000:] for p in procs]
-    loser = procs[failed.index(True)]
+    with _timed("two runs at once"), ThreadPoolExecutor(1) as pool:
+        first = pool.submit(start)
+        ranks = _holder_ranks(tmp_path / "checkpoints" / LOCK_NAME, first)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            loser = start()
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        winner = first.result()
+    assert len(ranks) == 2, ranks
+    assert winner.returncode == 0, winner.stderr[-3000:]
+    assert loser.returncode != 0, loser.stderr[-3000:]
     errors = {line for line in loser.stderr.splitlines() if line.startswith("error: ")}
     holder = json.loads((tmp_path / "checkpoints" / LOCK_NAME).read_text())
     assert errors == {
