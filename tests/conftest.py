@@ -99,3 +99,13 @@ def finished_small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     small_grpo(root)
     snakemake(root, "all")
     return root
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The small corpus, tokenizer and model config the multi-rank tests share, prepared once
+    per session (read only), after DeepSpeed's CPU comm op is built, before any ranks start."""
+    from pretrain_harness import build_comm_op, prepare_data
+
+    build_comm_op()
+    return prepare_data(tmp_path_factory.mktemp("data"))

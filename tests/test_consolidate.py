@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, model_config, prepare_data, run
+from pretrain_harness import final_params, model_config, run
 from safetensors.torch import load_file, save_file
 from test_checkpoint_integrity import Crafted, truncate
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -23,14 +23,6 @@ from stagetrain.training.engine import load_model_config
 from stagetrain.training.integrity import expected_files, safe_globals, weights_only_loads
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from stagetrain.training.launch import prebuild_cpu_ops
-
-    prebuild_cpu_ops()
-    return prepare_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

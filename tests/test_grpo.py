@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 from conftest import default_config
-from pretrain_harness import final_params, grpo_config, launch_grpo, prepare_data, run, run_grpo
+from pretrain_harness import final_params, grpo_config, launch_grpo, run, run_grpo
 from safetensors.torch import load_file
 
 from stagetrain.consolidate.folder import consolidate
@@ -27,13 +27,11 @@ FAMILIES = set(default_config()["grpo"]["curriculum"]["families"])
 
 
 @pytest.fixture(scope="module")
-def start(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str]:
-    """Prepared data and a consolidated (fp32) pretrain model to start GRPO from."""
-    from stagetrain.training.launch import prebuild_cpu_ops
-
-    prebuild_cpu_ops()
+def start(
+    data: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, str], str]:
+    """The shared data and a consolidated (fp32) pretrain model to start GRPO from."""
     root = tmp_path_factory.mktemp("grpo")
-    data = prepare_data(root / "data")
     summary = run(
         data,
         root / "pretrain",

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import SNAKEMAKE, small_run, snakemake
-from pretrain_harness import final_params, launch, prepare_data, run
+from pretrain_harness import final_params, launch, run
 
 from stagetrain.errors import StageError
 from stagetrain.training import lock as stage_lock
@@ -183,14 +183,6 @@ def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_sn
         for pid in [proc.pid, *ranks]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from stagetrain.training.launch import prebuild_cpu_ops
-
-    prebuild_cpu_ops()
-    return prepare_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

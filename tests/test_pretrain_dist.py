@@ -16,20 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, launch, model_config, prepare_data, run, small_config
+from pretrain_harness import final_params, launch, model_config, run, small_config
 from test_checkpoint_integrity import truncate
 
 pytestmark = pytest.mark.slow
 LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from stagetrain.training.launch import prebuild_cpu_ops
-
-    prebuild_cpu_ops()
-    return prepare_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

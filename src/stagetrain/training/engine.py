@@ -143,7 +143,7 @@ def build(
         config=dict(ds_config),
         model_parameters=[p for p in model.parameters() if p.requires_grad],
     )
-    counts = {"local_param_elements": local, "param_elements": total, "dtypes": dtypes(engine)}
+    counts = {"local_param_elements": local, "param_elements": total}
     return engine, counts, hook
 
 
@@ -162,7 +162,7 @@ def dtypes(engine: Any) -> dict[str, str]:
     return {
         "parameters": ",".join(sorted(module)),
         "master": ",".join(sorted(master)),
-        "optimizer_states": ",".join(sorted(states)) or "none yet",
+        "optimizer_states": ",".join(sorted(states)) or "none (no optimizer step yet)",
     }
 
 
