@@ -22,10 +22,11 @@ from conftest import default_config
 from harness.planning import cpu_hardware, plan_for
 
 from stagetrain.corpus.prepare import prepare
-from stagetrain.deepspeed_config import optimizer_steps, render
+from stagetrain.deepspeed_config import render
 from stagetrain.io import atomic_write_json
 from stagetrain.model_config import training_config
 from stagetrain.planning.derived import vocab_padding
+from stagetrain.settings import training_settings
 from stagetrain.training.integrity import load_file, weights_only_loads
 from stagetrain.training.launch import job_spec
 
@@ -170,7 +171,7 @@ def launch_grpo(
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     training = {
-        "steps": optimizer_steps(cfg["grpo"]),
+        "steps": training_settings("grpo", cfg["grpo"]).optimizer_steps,
         "optimizer": cfg["grpo"]["optimizer"],
     }
     atomic_write_json(

@@ -20,16 +20,6 @@ from stagetrain.errors import StageError
 SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
 
 
-def optimizer_steps(training: Mapping[str, Any]) -> int:
-    """The optimizer steps of a training stage: `steps` times `passes`, the one place this is counted.
-
-    GRPO takes `passes` optimizer steps on each step's rollouts; a section with
-    no `passes` (pretrain's, which takes one per step, or the rule's params,
-    whose `steps` already count the passes) means one.
-    """
-    return training["steps"] * training.get("passes", 1)
-
-
 def _scheduler(optimizer: Mapping[str, Any], steps: int) -> dict[str, Any]:
     warmup, lr = optimizer["warmup_steps"], optimizer["lr"]
     kind = optimizer["schedule"]

@@ -24,13 +24,14 @@ def accuracy(
     """Accuracy by (family, level) on `n` held-out problems each."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    cfg = {"max_prompt_len": 64, "max_new_tokens": 32}
     out = {}
     with torch.no_grad():
         for family in families:
             for level in levels:
                 batch = problems([family], [level], "test", n, seed=seed)
-                scores = greedy_scores(model, tokenizer, batch, cfg, chunk_size=64)
+                scores = greedy_scores(
+                    model, tokenizer, batch, max_prompt_len=64, max_new_tokens=32, chunk_size=64
+                )
                 out[(family, level)] = sum(scores) / len(scores)
     return out
 

@@ -12,9 +12,9 @@ import stagetrain
 from stagetrain import config as stconfig
 from stagetrain import configfiles, slurm
 from stagetrain.codedeps import code_digest
-from stagetrain.deepspeed_config import optimizer_steps
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
+from stagetrain.settings import training_settings
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
@@ -119,7 +119,8 @@ def get_init_model(wildcards):
 def get_training(wildcards):
     """The optimizer and optimizer-step count of one training stage, for its DeepSpeed config."""
     stage = wildcards.stage
-    return {"steps": optimizer_steps(config[stage]), "optimizer": config[stage]["optimizer"]}
+    steps = training_settings(stage, config[stage]).optimizer_steps
+    return {"steps": steps, "optimizer": config[stage]["optimizer"]}
 
 
 def plan_resources(stage):
@@ -150,4 +151,4 @@ def _stage_resources(stage, plan_path, plan_mtime_ns):
     if stage == "consolidate":
         return {"mem_mb": slurm.consolidate_mem_mb(plan, config["consolidate"])}
     cores = json.loads(Path(f"{RUN}/hardware.json").read_text())["cpu"]["cores"]
-    return slurm.job_resources(plan, stage, cores, optimizer_steps(config[stage]))
+    return slurm.job_resources(plan, stage, cores, training_settings(stage, config[stage]).optimizer_steps)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # grpo.train imports this module; the type only, at check tim
 
 def draw_problems(run: Run, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
     """This rank's prompts of the step: families uniform, each level from its family's curriculum."""
-    n = run.cfg["prompts_per_step"] // run.layout.dp
+    n = run.cfg.prompts_per_step // run.layout.dp
     return [
         sample(family, level, "train", rng)
         for family, level in draw(curriculum, run.curriculum, n, rng)
@@ -75,7 +75,7 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
         )
     advs = [a for g in groups for a in g.advantages]
     loss_value, stats = 0.0, None
-    for _ in range(cfg["passes"]):
+    for _ in range(cfg.passes):
         for k, chunk in enumerate(chunks):
             logprobs, mask = token_logprobs(engine, [items[i] for i in chunk], run.device, pad)
             mask = mask * torch.tensor(
@@ -85,9 +85,9 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
                 [advs[i] for i in chunk], [items[i] for i in chunk], mask.shape[1]
             ).to(mask.device)
             loss, stats = grpo_loss(logprobs, old[k], ref[k] if ref else None, adv, mask,
-                                    eps_low=cfg["clip_eps_low"], eps_high=cfg["clip_eps_high"], beta=cfg["kl_coef"],
-                                    loss_type=cfg["loss_type"], max_length=cfg["max_new_tokens"])  # fmt: skip
-            weight = _weights_for(chunk, chunks, keep, items, cfg["loss_type"])
+                                    eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, beta=cfg.kl_coef,
+                                    loss_type=cfg.loss_type, max_length=cfg.max_new_tokens)  # fmt: skip
+            weight = _weights_for(chunk, chunks, keep, items, cfg.loss_type)
             engine.backward(loss * weight * ga)
             engine.step()
             loss_value = float(loss.detach())
@@ -144,16 +144,16 @@ def _rollouts(
     run.engine.eval()
     with gathered(run.engine), torch.no_grad():
         common = {
-            "temperature": cfg["temperature"],
-            "top_p": cfg["top_p"],
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
             "pad_id": tok.pad_token_id,
         }
         if run.tree:
             groups = tree_groups(run.engine.module, prompts, reward, run.tree,
                                  max_batch=run.generation_batch, **common)  # fmt: skip
         else:
-            groups = flat_groups(run.engine.module, prompts, reward, group_size=cfg["group_size"],
-                                 max_new_tokens=cfg["max_new_tokens"], eos_id=tok.eos_token_id,
+            groups = flat_groups(run.engine.module, prompts, reward, group_size=cfg.group_size,
+                                 max_new_tokens=cfg.max_new_tokens, eos_id=tok.eos_token_id,
                                  max_batch=run.generation_batch, **common)  # fmt: skip
     run.engine.train()
     return groups
@@ -168,7 +168,7 @@ def step(
     """Rollouts, training and the curriculum update of one step; its metrics record."""
     cfg, tok = run.cfg, run.tokenizer
     batch = draw_problems(run, curriculum, rng)
-    prompts = [prompt_ids(tok, p, cfg["max_prompt_len"]) for p in batch]
+    prompts = [prompt_ids(tok, p, cfg.max_prompt_len) for p in batch]
 
     def reward(i: int, completion: list[int]) -> float:
         return score(tok.decode(completion, skip_special_tokens=False), batch[i])
@@ -208,11 +208,11 @@ def step(
         record["tree/leaves"] = leaves
         record["tree/nodes"] = sum(row.nodes for row in rows)
         record["tree/tokens_per_leaf"] = record["rollout/generated_tokens"] / leaves
-    if cfg["kl_coef"] > 0:
+    if cfg.kl_coef > 0:
         record["kl"] = clip["kl"]
     if events:
         record["curriculum/events"] = events
-    trained = sum(row.trained for row in rows) * cfg["passes"]
+    trained = sum(row.trained for row in rows) * cfg.passes
     record["_tokens"] = record["rollout/generated_tokens"] + trained
     return record
 

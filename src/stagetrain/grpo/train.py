@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import atomic_write_json, read_json
+from stagetrain.settings import GrpoSettings
 from stagetrain.tasks import Problem, problems
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import window_count
@@ -59,7 +60,7 @@ class Run:
     """Everything the loop needs, built once by `setup`."""
 
     spec: dict[str, Any]
-    cfg: dict[str, Any]
+    cfg: GrpoSettings
     engine: Any
     reference: Any
     tokenizer: Any
@@ -92,16 +93,19 @@ def _reference(
 def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    cfg, layout = spec["grpo"], StageLayout.from_plan(plan, "grpo")
+    cfg, layout = (
+        GrpoSettings.from_config(spec["grpo"], "grpo"),
+        StageLayout.from_plan(plan, "grpo"),
+    )
     manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
     components = {  # the start model by content: a resharded folder of the same weights resumes
         "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
         "tokenizer": meta["tokenizer_sha256"],
-        "training": {k: v for k, v in cfg.items() if k not in NOT_MATHS},
+        "training": {k: v for k, v in spec["grpo"].items() if k not in NOT_MATHS},
         "precision": layout.precision, "seed": spec["seed"],
     }  # fmt: skip
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components,
-                              layout.checkpoint_layout, cfg["keep_checkpoints"])  # fmt: skip
+                              layout.checkpoint_layout, cfg.keep_checkpoints)  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, _, spec["_hook"] = engines.build(
@@ -109,23 +113,25 @@ def setup(spec: dict[str, Any]) -> Run:
         activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
     )  # fmt: skip
     dtype = next(engine.module.parameters()).dtype
-    reference = _reference(spec["model"], ds_config, device, dtype) if cfg["kl_coef"] > 0 else None
+    reference = _reference(spec["model"], ds_config, device, dtype) if cfg.kl_coef > 0 else None
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
-    curriculum = CurriculumConfig(**{k: v for k, v in cfg["curriculum"].items() if k != "families"})
+    curriculum = CurriculumConfig(
+        **{k: v for k, v in asdict(cfg.curriculum).items() if k != "families"}
+    )
     tree = None
-    if cfg["rollout"] == "tree":
-        tree = TreeConfig(**cfg["tree"], max_leaves=cfg["group_size"], max_tokens=cfg["group_size"] * cfg["max_new_tokens"],
-                          max_new_tokens=cfg["max_new_tokens"], eos_id=tokenizer.eos_token_id)  # fmt: skip
+    if cfg.rollout == "tree":
+        tree = TreeConfig(**asdict(cfg.tree), max_leaves=cfg.group_size, max_tokens=cfg.group_size * cfg.max_new_tokens,
+                          max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer.eos_token_id)  # fmt: skip
     seq = layout.seq_len  # the plan's: max_prompt_len + max_new_tokens
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
-    eval_set = [p for family in cfg["curriculum"]["families"]
+    eval_set = [p for family in cfg.curriculum.families
                 for p in problems([family], [min(curriculum.start_level, top_level(curriculum, family))], "test",
-                                  cfg["eval_problems"], seed=spec["seed"])]  # fmt: skip
+                                  cfg.eval_problems, seed=spec["seed"])]  # fmt: skip
     return Run(
         spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
         checkpoints=checkpoints,
-        val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg["eval_batches"] * layout.micro_batch_size)),
+        val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
         generation_batch=_generation_batch(plan),
     )  # fmt: skip
 
@@ -144,8 +150,9 @@ def accuracy(run: Run) -> dict[str, float]:
     run.engine.eval()
     with gathered(run.engine), torch.no_grad():
         correct = greedy_scores(
-            run.engine.module, run.tokenizer, run.eval_set, run.cfg, run.generation_batch
-        )
+            run.engine.module, run.tokenizer, run.eval_set, max_prompt_len=run.cfg.max_prompt_len,
+            max_new_tokens=run.cfg.max_new_tokens, chunk_size=run.generation_batch,
+        )  # fmt: skip
     run.engine.train()
     families = sorted({p.family for p in run.eval_set})
     return {
@@ -166,7 +173,7 @@ def val_loss(run: Run) -> float:
 def loop(run: Run) -> dict[str, Any]:
     """Train from the latest checkpoint (or the pretrained model) to grpo.steps; return the summary's core."""
     cfg, rank0 = run.cfg, dist.get_rank() == 0
-    curriculum, start = Curriculum.start(run.curriculum, cfg["curriculum"]["families"]), 0
+    curriculum, start = Curriculum.start(run.curriculum, cfg.curriculum.families), 0
     pointer = run.checkpoints.latest()
     if pointer:
         with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
@@ -195,7 +202,7 @@ def loop(run: Run) -> dict[str, Any]:
         metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
     elif start == 0:
         accuracy(run)
-    for step in range(start + 1, cfg["steps"] + 1):
+    for step in range(start + 1, cfg.steps + 1):
         rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
         torch.manual_seed(rng.getrandbits(63))
         t0 = time.monotonic()
@@ -204,22 +211,20 @@ def loop(run: Run) -> dict[str, Any]:
                      precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
-        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+        if step % cfg.eval_every == 0 or step == cfg.steps:
             record.update(_accuracy_record(accuracy(run)))
         if metrics and (
-            step % cfg["log_every"] == 0
-            or "eval/accuracy" in record
-            or "curriculum/events" in record
+            step % cfg.log_every == 0 or "eval/accuracy" in record or "curriculum/events" in record
         ):
             metrics.write(record)
-            log.info("step %d/%d reward %.3f levels %s loss %.4f tokens/s %.0f", step, cfg["steps"],
+            log.info("step %d/%d reward %.3f levels %s loss %.4f tokens/s %.0f", step, cfg.steps,
                      record["reward/mean"], _levels(record["curriculum/level"]), record["train/loss"],
                      record["throughput/tokens_per_s"])  # fmt: skip
-        if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             run.checkpoints.save(
                 run.engine, step, {"step": step, "curriculum": curriculum.to_json()}
             )
-    return {"final_step": cfg["steps"], "resumed_from_step": start, "curriculum": curriculum.to_json(),
+    return {"final_step": cfg.steps, "resumed_from_step": start, "curriculum": curriculum.to_json(),
             "optimizer_steps": run.engine.global_steps}  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
 from stagetrain.pretrain.metrics import METRICS
 from stagetrain.pretrain.plot import loss_plot
+from stagetrain.settings import PretrainSettings
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
@@ -51,6 +52,7 @@ class Run:
     """Everything the loop needs, built once by `setup`."""
 
     spec: dict[str, Any]
+    cfg: PretrainSettings
     engine: Any
     device: torch.device
     layout: StageLayout
@@ -85,9 +87,12 @@ def components(
 def setup(spec: dict[str, Any]) -> Run:
     """Start the process group, check the world against the plan, build the engine and the data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    layout = StageLayout.from_plan(plan, "pretrain")
+    cfg, layout = (
+        PretrainSettings.from_config(spec["pretrain"], "pretrain"),
+        StageLayout.from_plan(plan, "pretrain"),
+    )
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config),
-                              layout.checkpoint_layout, spec["pretrain"]["keep_checkpoints"])  # fmt: skip
+                              layout.checkpoint_layout, cfg.keep_checkpoints)  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, params, spec["_hook"] = engines.build(
@@ -98,17 +103,15 @@ def setup(spec: dict[str, Any]) -> Run:
         raise StageError(
             f"plan.json: dp={layout.dp}, but DeepSpeed formed dp={engine.dp_world_size}"
         )
-    seq = spec["pretrain"]["seq_len"]
+    seq = cfg.seq_len
     train = np.memmap(spec["train"], dtype=meta["dtype"], mode="r")
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
-    n_eval = min(
-        window_count(len(val), seq), spec["pretrain"]["eval_batches"] * layout.micro_batch_size
-    )
+    n_eval = min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)
     if n_eval == 0:
         raise StageError(f"{spec['val']}: fewer than {seq + 1} tokens, not one validation window")
     shape = ModelShape(**{k: v for k, v in plan["model"].items() if k in ModelShape.__slots__})
     return Run(
-        spec=spec, engine=engine, device=device, layout=layout,
+        spec=spec, cfg=cfg, engine=engine, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group),
         sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout.global_batch,
                         dp=layout.dp, micro_batch_size=layout.micro_batch_size, seed=spec["seed"]),
@@ -122,13 +125,13 @@ def setup(spec: dict[str, Any]) -> Run:
 
 def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
     """The training loss of `run`'s model on `windows` of `shard`."""
-    return window_loss(run.engine, run.device, shard, windows, run.spec["pretrain"]["seq_len"])
+    return window_loss(run.engine, run.device, shard, windows, run.cfg.seq_len)
 
 
 def evaluate(run: Run) -> float:
     """Loss on the fixed validation windows, the same on every rank."""
     run.engine.eval()
-    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.spec["pretrain"]["seq_len"],
+    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.cfg.seq_len,
                            micro_batch_size=run.layout.micro_batch_size, device=run.device)  # fmt: skip
     run.engine.train()
     return loss
@@ -156,7 +159,7 @@ def record(
     out = {
         "step": step, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
         "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "train/tokens": step * run.layout.global_batch * run.spec["pretrain"]["seq_len"],
+        "train/tokens": step * run.layout.global_batch * run.cfg.seq_len,
         "throughput/tokens_per_s": rate,
         "throughput/mfu(%)": 100 * run.flops_per_token * rate / run.peak_flops if run.peak_flops else None,
         "time/elapsed_s": elapsed,
@@ -172,7 +175,7 @@ def record(
 
 def loop(run: Run) -> dict[str, Any]:
     """Train from the latest checkpoint (or step 0) to the configured steps; return the summary."""
-    cfg = run.spec["pretrain"]
+    cfg = run.cfg
     rank0 = dist.get_rank() == 0
     start = 0
     pointer = run.checkpoints.latest()
@@ -190,17 +193,17 @@ def loop(run: Run) -> dict[str, Any]:
         if rank0
         else None
     )
-    progress, began = Progress(cfg["steps"], start), time.monotonic()
-    tokens_per_step = run.layout.global_batch * cfg["seq_len"]
+    progress, began = Progress(cfg.steps, start), time.monotonic()
+    tokens_per_step = run.layout.global_batch * cfg.seq_len
     last_eval, window_s, window_steps = None, 0.0, 0
-    for step in range(start + 1, cfg["steps"] + 1):
+    for step in range(start + 1, cfg.steps + 1):
         t0 = time.monotonic()
         loss = train_step(run, step - 1)
         finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
-        evaluating = step % cfg["eval_every"] == 0 or step == cfg["steps"]
-        if evaluating or step % cfg["log_every"] == 0:
+        evaluating = step % cfg.eval_every == 0 or step == cfg.steps
+        if evaluating or step % cfg.log_every == 0:
             # tokens/s over the training time since the last record (evaluation and saving excluded)
             entry = record(
                 run, step, loss, window_s, window_steps * tokens_per_step, time.monotonic() - began
@@ -212,9 +215,9 @@ def loop(run: Run) -> dict[str, Any]:
             if metrics:
                 metrics.write(entry)
                 log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))
-        if step % cfg["checkpoint_every"] == 0 or step == cfg["steps"]:
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             run.checkpoints.save(run.engine, step, {"step": step, "eval_loss": last_eval})
-    return {"final_step": cfg["steps"], "resumed_from_step": start}
+    return {"final_step": cfg.steps, "resumed_from_step": start}
 
 
 def checksum(module: torch.nn.Module) -> list[float]:
@@ -250,7 +253,7 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
         "losses": {r["step"]: r["train/loss"] for r in records},
         "eval_losses": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
         "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(),
-                       "seq_len": run.spec["pretrain"]["seq_len"], "micro_batch_size": run.layout.micro_batch_size},
+                       "seq_len": run.cfg.seq_len, "micro_batch_size": run.layout.micro_batch_size},
         "tokens_per_s": float(np.median(rates)),
         "tokens_per_s_over_predicted": (
             float(np.median(rates)) / run.params["predicted_tokens_per_s"]

@@ -11,7 +11,7 @@ between two formulas instead of two copies of the weights.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -64,19 +64,25 @@ def prompt_ids(tokenizer: Any, problem: Problem, limit: int) -> list[int]:
 
 
 def greedy_scores(
-    model: Any, tokenizer: Any, batch: Sequence[Problem], cfg: Mapping[str, Any], chunk_size: int
+    model: Any,
+    tokenizer: Any,
+    batch: Sequence[Problem],
+    *,
+    max_prompt_len: int,
+    max_new_tokens: int,
+    chunk_size: int,
 ) -> list[float]:
     """Verifier scores of greedy completions (KV cache), `chunk_size` problems per `generate` call."""
     out = []
     for start in range(0, len(batch), chunk_size):
         chunk = batch[start : start + chunk_size]
-        ids = [prompt_ids(tokenizer, p, cfg["max_prompt_len"]) for p in chunk]
+        ids = [prompt_ids(tokenizer, p, max_prompt_len) for p in chunk]
         width = max(map(len, ids))
         pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
         device = next(model.parameters()).device
         tokens = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=device)
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
-        gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=cfg["max_new_tokens"],
+        gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=False)  # fmt: skip
         texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=False)
         out.extend(score(t, p) for t, p in zip(texts, chunk, strict=True))
