@@ -7,7 +7,7 @@ from conftest import default_config
 from harness.planning import cpu_hardware, plan_for
 
 from stagetrain.errors import StageError
-from stagetrain.training.layout import StageLayout
+from stagetrain.planning.plan import Layout
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "grpo"])
@@ -15,7 +15,7 @@ def test_the_plans_layout_round_trips_through_the_dataclass(stage: str) -> None:
     """Every key the planner writes is a field and back: summary.json repeats the plan's layout unchanged."""
     plan = plan_for(default_config(), cpu_hardware())
     raw = plan["stages"][stage]["layout"]
-    layout = StageLayout.from_plan(plan, stage)
+    layout = Layout.from_plan(plan, stage)
     assert layout.to_json() == raw
     assert layout.checkpoint_layout == {k: raw[k] for k in ("dp", "tp", "zero_stage")}
 
@@ -23,7 +23,7 @@ def test_the_plans_layout_round_trips_through_the_dataclass(stage: str) -> None:
 def test_grpo_sequence_length_is_planned_as_prompt_plus_completion() -> None:
     """GRPO reads its sequence length from the plan instead of adding the config's two lengths again."""
     cfg = default_config()
-    layout = StageLayout.from_plan(plan_for(cfg, cpu_hardware()), "grpo")
+    layout = Layout.from_plan(plan_for(cfg, cpu_hardware()), "grpo")
     assert layout.seq_len == cfg["grpo"]["max_prompt_len"] + cfg["grpo"]["max_new_tokens"]
 
 
@@ -38,5 +38,16 @@ def test_a_layout_of_another_version_is_one_line(change: str) -> None:
         StageError,
         match=r"^plan.json stages.pretrain.layout: the layout .*(grad_accum|pipeline).*replan",
     ) as err:
-        StageLayout.from_plan({"stages": {"pretrain": {"layout": raw}}}, "pretrain")
+        Layout.from_plan({"stages": {"pretrain": {"layout": raw}}}, "pretrain")
+    assert "\n" not in str(err.value)
+
+
+def test_a_layout_read_back_is_checked_like_a_planned_one() -> None:
+    """One class: factors that could not have been planned are refused when read, naming plan.json."""
+    raw = dict(plan_for(default_config(), cpu_hardware())["stages"]["pretrain"]["layout"])
+    raw["grad_accum"] += 1  # the global batch no longer adds up
+    with pytest.raises(
+        StageError, match=r"^plan.json stages.pretrain.layout: parallelism: global batch must equal"
+    ) as err:
+        Layout.from_plan({"stages": {"pretrain": {"layout": raw}}}, "pretrain")
     assert "\n" not in str(err.value)

@@ -32,6 +32,7 @@ from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import atomic_write_json, read_json
+from stagetrain.planning.plan import Layout
 from stagetrain.settings import GrpoSettings
 from stagetrain.tasks import Problem, problems
 from stagetrain.training import engine as engines
@@ -40,7 +41,6 @@ from stagetrain.training.checkpoints import Checkpoints, tag_of
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, validation_loss
 from stagetrain.training.integrity import weights_only_loads
-from stagetrain.training.layout import StageLayout
 from stagetrain.training.metrics import MetricsLog, check_finite, tensorboard_dir
 from stagetrain.training.rank import rank_main
 
@@ -65,7 +65,7 @@ class Run:
     reference: Any
     tokenizer: Any
     device: torch.device
-    layout: StageLayout
+    layout: Layout
     dp_rank: int
     curriculum: CurriculumConfig
     tree: TreeConfig | None
@@ -95,7 +95,7 @@ def setup(spec: dict[str, Any]) -> Run:
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg, layout = (
         GrpoSettings.from_config(spec["grpo"], "grpo"),
-        StageLayout.from_plan(plan, "grpo"),
+        Layout.from_plan(plan, "grpo"),
     )
     manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
     components = {  # the start model by content: a resharded folder of the same weights resumes

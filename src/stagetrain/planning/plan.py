@@ -1,14 +1,25 @@
-"""The parallel layout of one training stage, validated on construction."""
+"""The parallel layout of one training stage, validated on construction.
+
+plan_parallelism builds it (with the head counts it checks tp against) and
+writes `stages.<stage>.layout` with `to_json`; the training stages read it back
+with `from_plan`, where a missing or unknown key is one line naming plan.json
+instead of a KeyError deep in a rank, and a typo in a field name is an
+AttributeError at the line that made it. One class, so the field list is
+written once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from stagetrain.errors import StageError
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Offload = Literal["none", "optimizer", "optimizer_and_params"]
+MODEL_FACTS = ("num_heads", "num_kv_heads")
+"""Fields the planner checks tp against but plan.json does not store."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,8 +46,9 @@ class Layout:
     activation_checkpointing: bool
     offload: Offload
     precision: Precision
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int | None = None
+    """Attention heads tp must divide; None in a layout read back from plan.json (not stored)."""
+    num_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         factors = (
@@ -48,7 +60,7 @@ class Layout:
             raise StageError(f"parallelism: every factor must be >= 1 ({factors})")
         if self.dp * self.tp != self.world:
             raise StageError(f"parallelism: dp * tp must equal the world size ({factors})")
-        if self.num_heads % self.tp or self.num_kv_heads % self.tp:
+        if self.num_heads is not None and (self.num_heads % self.tp or self.num_kv_heads % self.tp):
             raise StageError(f"parallelism.tp: must divide the attention and KV heads ({factors})")
         if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
             raise StageError(
@@ -77,7 +89,40 @@ class Layout:
         return self.global_batch * self.seq_len
 
     def to_json(self) -> dict[str, Any]:
-        """The layout as plan.json stores it, without the model facts it was checked against."""
+        """The layout as plan.json stores it, without the model facts it was checked against
+        (summary.json and the consolidation's manifest repeat it)."""
         out = asdict(self)
         del out["num_heads"], out["num_kv_heads"]
         return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, where: str = "plan.json") -> Layout:
+        """The layout `data` describes (as `to_json` wrote it); `where` names it in the one-line error.
+
+        Raises:
+            StageError: a key missing or unknown (a plan of another stagetrain
+                version), or factors that do not form a layout.
+        """
+        names = {f.name for f in fields(cls)} - set(MODEL_FACTS)
+        missing, unknown = sorted(names - set(data)), sorted(set(data) - names)
+        if missing or unknown:
+            raise StageError(
+                f"{where}: the layout {'lacks ' + ', '.join(missing) if missing else 'has unknown ' + ', '.join(unknown)} "
+                "(planned by another stagetrain): replan with `snakemake --cores all --forcerun plan_parallelism`"
+            )
+        try:
+            return cls(**{k: data[k] for k in names})
+        except StageError as err:
+            raise StageError(f"{where}: {err}") from None
+
+    @classmethod
+    def from_plan(cls, plan: Mapping[str, Any], stage: str) -> Layout:
+        """`plan["stages"][stage]["layout"]`, typed."""
+        return cls.from_json(
+            plan["stages"][stage]["layout"], where=f"plan.json stages.{stage}.layout"
+        )
+
+    @property
+    def checkpoint_layout(self) -> dict[str, int]:
+        """What a checkpoint's files depend on: resuming under another one fails."""
+        return {"dp": self.dp, "tp": self.tp, "zero_stage": self.zero_stage}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.io import atomic_write_json
+from stagetrain.planning.plan import Layout
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
 from stagetrain.pretrain.metrics import METRICS
@@ -33,7 +34,6 @@ from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
 from stagetrain.training.integrity import weights_only_loads
-from stagetrain.training.layout import StageLayout
 from stagetrain.training.metrics import (
     MetricsLog,
     Progress,
@@ -55,7 +55,7 @@ class Run:
     cfg: PretrainSettings
     engine: Any
     device: torch.device
-    layout: StageLayout
+    layout: Layout
     sampler: Sampler
     dp_rank: int
     train: np.ndarray
@@ -89,7 +89,7 @@ def setup(spec: dict[str, Any]) -> Run:
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg, layout = (
         PretrainSettings.from_config(spec["pretrain"], "pretrain"),
-        StageLayout.from_plan(plan, "pretrain"),
+        Layout.from_plan(plan, "pretrain"),
     )
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config),
                               layout.checkpoint_layout, cfg.keep_checkpoints)  # fmt: skip
