@@ -51,3 +51,29 @@ def test_a_layout_read_back_is_checked_like_a_planned_one() -> None:
     ) as err:
         Layout.from_plan({"stages": {"pretrain": {"layout": raw}}}, "pretrain")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("fixed", "layout"),
+    [
+        ({"dp": 3}, {"dp": 3, "tp": 1}),
+        ({"tp": 2, "zero_stage": 3}, {"dp": 1, "tp": 2, "zero_stage": 3}),
+    ],
+)
+def test_the_planner_and_a_layout_refuse_factors_with_one_check(
+    fixed: dict[str, int], layout: dict[str, int]
+) -> None:
+    """The config's fixed values and a built layout go through the same check: the same reason."""
+    cfg = default_config()
+    cfg["parallelism"].update(fixed)
+    with pytest.raises(StageError) as planned:
+        plan_for(cfg, cpu_hardware(ranks=2))
+    raw = plan_for(default_config(), cpu_hardware())["stages"]["pretrain"]["layout"]
+    raw = {
+        **raw,
+        **layout,
+        "global_batch": layout["dp"] * raw["micro_batch_size"] * raw["grad_accum"],
+    }
+    with pytest.raises(StageError) as built:
+        Layout(**raw, num_heads=4, num_kv_heads=4)
+    assert str(planned.value).split(" (")[0] == str(built.value).split(" (")[0]

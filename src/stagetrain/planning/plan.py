@@ -22,6 +22,39 @@ MODEL_FACTS = ("num_heads", "num_kv_heads")
 """Fields the planner checks tp against but plan.json does not store."""
 
 
+def factor_misfit(
+    *,
+    world: int,
+    per_node: int,
+    dp: int | None,
+    tp: int | None,
+    zero_stage: int | None,
+    heads: int | None,
+    kv_heads: int | None,
+) -> tuple[str, str] | None:
+    """The first of dp and tp that cannot form a layout of `world` ranks, and why; None if both can.
+
+    The one check of these factors: the planner runs it on the values a config or
+    a table fixes before it searches (None: not fixed), and every `Layout` on itself
+    (heads None: a layout read back from plan.json, which does not store them).
+    The reason starts with its subject ('tp must divide ...'); callers add the factors.
+    """
+    if tp and heads is not None and kv_heads is not None and (heads % tp or kv_heads % tp):
+        return "tp", "tp must divide the attention and KV heads"
+    if tp and per_node % tp:
+        return "tp", f"tp must divide the {per_node} devices of one node"
+    if dp and tp and dp * tp != world or dp and world % dp or tp and world % tp:
+        return ("dp" if dp else "tp"), "dp * tp must equal the world size"
+    if (tp or 1) > 1 and zero_stage == 3:
+        return "tp", "tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, not zero_stage 3"
+    return None
+
+
+def parallelism_error(key: str, why: str) -> StageError:
+    """'parallelism.tp: must divide ...', not 'parallelism.tp: tp must divide ...'."""
+    return StageError(f"parallelism.{key}: {why.replace(f'{key} must ', 'must ', 1)}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
     """One way to run a stage: how ranks split the model and the batch.
@@ -58,14 +91,12 @@ class Layout:
         )
         if min(self.dp, self.tp, self.micro_batch_size, self.grad_accum) < 1:
             raise StageError(f"parallelism: every factor must be >= 1 ({factors})")
-        if self.dp * self.tp != self.world:
-            raise StageError(f"parallelism: dp * tp must equal the world size ({factors})")
-        if self.num_heads is not None and (self.num_heads % self.tp or self.num_kv_heads % self.tp):
-            raise StageError(f"parallelism.tp: must divide the attention and KV heads ({factors})")
-        if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
-            raise StageError(
-                f"parallelism.tp: must divide the {self.gpus_per_node} devices of one node ({factors})"
-            )
+        problem = factor_misfit(
+            world=self.world, per_node=self.gpus_per_node, dp=self.dp, tp=self.tp,
+            zero_stage=self.zero_stage, heads=self.num_heads, kv_heads=self.num_kv_heads,
+        )  # fmt: skip
+        if problem:
+            raise parallelism_error(problem[0], f"{problem[1]} ({factors})")
         if self.micro_batch_size * self.grad_accum * self.dp != self.global_batch:
             raise StageError(
                 f"parallelism: global batch must equal micro_batch_size * grad_accum * dp ({factors})"
@@ -73,10 +104,6 @@ class Layout:
         if self.offload == "optimizer_and_params" and self.zero_stage != 3:
             raise StageError(
                 f"parallelism.offload: parameter offload needs zero_stage 3 ({factors})"
-            )
-        if self.tp > 1 and self.zero_stage == 3:
-            raise StageError(
-                f"parallelism: tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, got zero_stage 3 ({factors})"
             )
         if self.offload != "none" and self.zero_stage < 2:
             raise StageError(

@@ -14,7 +14,7 @@ from stagetrain.model_config import build_config, padded_vocab
 from stagetrain.planning import precision as precisions
 from stagetrain.planning import table as tables
 from stagetrain.planning.memory import params_per_rank
-from stagetrain.planning.plan import Layout, Precision
+from stagetrain.planning.plan import Layout, Precision, factor_misfit, parallelism_error
 from stagetrain.planning.search import SEARCHED, Demand, Devices, search
 from stagetrain.planning.shape import ModelShape, model_shape
 from stagetrain.planning.throughput import Rates
@@ -99,18 +99,11 @@ def misfit(
     """
     dp, tp, mbs = fixed.get("dp"), fixed.get("tp"), fixed.get("micro_batch_size")
     world = devices.world
-    factors = f"dp={dp}, tp={tp}, world={world}, heads={heads}, kv_heads={kv_heads}"
-    if tp and (heads % tp or kv_heads % tp):
-        return "tp", f"tp must divide the attention and KV heads ({factors})"
-    if tp and devices.per_node % tp:
-        return "tp", f"tp must divide the {devices.per_node} devices of one node ({factors})"
-    if dp and tp and dp * tp != world or dp and world % dp or tp and world % tp:
-        return ("dp" if dp else "tp"), f"dp * tp must equal the world size ({factors})"
-    if (tp or 1) > 1 and fixed.get("zero_stage") == 3:
-        return (
-            "tp",
-            f"tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, not zero_stage 3 ({factors})",
-        )
+    problem = factor_misfit(world=world, per_node=devices.per_node, dp=dp, tp=tp,
+                            zero_stage=fixed.get("zero_stage"), heads=heads, kv_heads=kv_heads)  # fmt: skip
+    if problem:
+        key, why = problem
+        return key, f"{why} (dp={dp}, tp={tp}, world={world}, heads={heads}, kv_heads={kv_heads})"
     dp = dp or (world // tp if tp else None)
     for stage in stages if dp else ():
         per_rank, rest = divmod(stage.global_batch, dp)
@@ -131,9 +124,7 @@ def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads
     """Fail early, with every factor, on dp and tp values of the config that cannot form a layout."""
     problem = misfit(fixed, devices, heads, kv_heads)
     if problem:
-        key, why = problem
-        # 'parallelism.tp: must divide ...', not 'parallelism.tp: tp must divide ...'
-        raise StageError(f"parallelism.{key}: {why.replace(f'{key} must ', 'must ', 1)}")
+        raise parallelism_error(*problem)
 
 
 def entry_misfit(
