@@ -12,7 +12,6 @@ ranks so every rank updates the same per-family curriculum states.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -31,17 +30,17 @@ from stagetrain.grpo import steps as grpo_steps
 from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
 from stagetrain.grpo.tree import TreeConfig
-from stagetrain.io import atomic_write_json, read_json
+from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import GrpoSettings
 from stagetrain.tasks import Problem, problems
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import window_count
-from stagetrain.training.checkpoints import Checkpoints, tag_of
+from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, validation_loss
-from stagetrain.training.integrity import weights_only_loads
-from stagetrain.training.metrics import MetricsLog, check_finite, tensorboard_dir
+from stagetrain.training.loop import StageLoop, quiet_other_ranks
+from stagetrain.training.metrics import check_finite
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
@@ -70,7 +69,7 @@ class Run:
     curriculum: CurriculumConfig
     tree: TreeConfig | None
     eval_set: list[Problem]
-    checkpoints: Checkpoints
+    loop: StageLoop
     val: np.ndarray
     eval_windows: np.ndarray
     generation_batch: int
@@ -130,7 +129,7 @@ def setup(spec: dict[str, Any]) -> Run:
     return Run(
         spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
-        checkpoints=checkpoints,
+        loop=StageLoop(stage="grpo", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
         generation_batch=_generation_batch(plan),
     )  # fmt: skip
@@ -172,37 +171,21 @@ def val_loss(run: Run) -> float:
 
 def loop(run: Run) -> dict[str, Any]:
     """Train from the latest checkpoint (or the pretrained model) to grpo.steps; return the summary's core."""
-    cfg, rank0 = run.cfg, dist.get_rank() == 0
-    curriculum, start = Curriculum.start(run.curriculum, cfg.curriculum.families), 0
-    pointer = run.checkpoints.latest()
-    if pointer:
-        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
-            _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
+    cfg, stage = run.cfg, run.loop
+    curriculum = Curriculum.start(run.curriculum, cfg.curriculum.families)
+    client = stage.resume(METRICS)
+    if client is not None:
         try:
-            start, curriculum = client["step"], Curriculum.from_json(client["curriculum"])
+            curriculum = Curriculum.from_json(client["curriculum"])
         except StageError as err:
-            raise StageError(f"{run.checkpoints.folder / pointer['tag']}: {err}") from None
-        log.info(
-            "resuming from %s at step %d (levels %s)",
-            pointer["tag"],
-            start,
-            _levels(curriculum.levels()),
-        )
-    elif rank0 and (why := run.checkpoints.why_fresh()):
-        log.info(why)
-    metrics = (
-        MetricsLog(
-            run.checkpoints.folder / "metrics.jsonl", start, METRICS, tensorboard_dir(run.spec)
-        )
-        if rank0
-        else None
-    )
+            raise StageError(f"{run.loop.checkpoints.folder / stage.resumed_tag}: {err}") from None
+        log.info("curriculum levels at step %d: %s", stage.start, _levels(curriculum.levels()))
     began = time.monotonic()
-    if start == 0 and metrics:
-        metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
-    elif start == 0:
+    if stage.start == 0 and stage.metrics:
+        stage.metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
+    elif stage.start == 0:
         accuracy(run)
-    for step in range(start + 1, cfg.steps + 1):
+    for step in stage.steps():
         rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
         torch.manual_seed(rng.getrandbits(63))
         t0 = time.monotonic()
@@ -211,20 +194,17 @@ def loop(run: Run) -> dict[str, Any]:
                      precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if stage.evaluates(step):
             record.update(_accuracy_record(accuracy(run)))
-        if metrics and (
-            step % cfg.log_every == 0 or "eval/accuracy" in record or "curriculum/events" in record
+        if stage.metrics and (
+            stage.logs(step) or "eval/accuracy" in record or "curriculum/events" in record
         ):
-            metrics.write(record)
+            stage.metrics.write(record)
             log.info("step %d/%d reward %.3f levels %s loss %.4f tokens/s %.0f", step, cfg.steps,
                      record["reward/mean"], _levels(record["curriculum/level"]), record["train/loss"],
                      record["throughput/tokens_per_s"])  # fmt: skip
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            run.checkpoints.save(
-                run.engine, step, {"step": step, "curriculum": curriculum.to_json()}
-            )
-    return {"final_step": cfg.steps, "resumed_from_step": start, "curriculum": curriculum.to_json(),
+        stage.checkpoint(step, {"step": step, "curriculum": curriculum.to_json()})
+    return {"final_step": cfg.steps, "resumed_from_step": stage.start, "curriculum": curriculum.to_json(),
             "optimizer_steps": run.engine.global_steps}  # fmt: skip
 
 
@@ -245,14 +225,10 @@ def summarise(
     run: Run, core: dict[str, Any], final_accuracy: dict[str, float], loss: float
 ) -> dict[str, Any]:
     """summary.json of the GRPO stage (the same checkpoint and evaluation keys as pretrain's)."""
-    records = [
-        json.loads(line)
-        for line in (run.checkpoints.folder / "metrics.jsonl").read_text().splitlines()
-    ]
+    records = run.loop.records()
     trained = [r for r in records if "train/loss" in r]
     return {
-        "stage": "grpo", **core, "layout": run.layout.to_json(), "fingerprint": run.checkpoints.folder.name,
-        "checkpoint": {"folder": str(run.checkpoints.folder), "tag": tag_of(core["final_step"])},
+        **run.loop.summary(core, layout=run.layout, windows=run.eval_windows, seq_len=run.layout.seq_len),
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
         "levels": {r["step"]: r["curriculum/level"] for r in trained},
@@ -260,26 +236,20 @@ def summarise(
                      "end": float(np.mean(list(final_accuracy.values()))),
                      "end_by_family": final_accuracy},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
-        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(), "seq_len": run.layout.seq_len,
-                       "micro_batch_size": run.layout.micro_batch_size},
+        "dtypes": engines.dtypes(run.engine),
     }  # fmt: skip
 
 
 def rank(spec: dict[str, Any]) -> None:
     """One rank of the GRPO stage: train, evaluate, then (rank 0) write the outputs."""
     run = setup(spec)
-    if dist.get_rank() != 0:
-        logging.getLogger("stagetrain").setLevel(logging.WARNING)
+    quiet_other_ranks()
     core = loop(run)
     final_accuracy, loss = accuracy(run), val_loss(run)
     if dist.get_rank() == 0:
-        summary = {
-            **summarise(run, core, final_accuracy, loss),
-            "dtypes": engines.dtypes(run.engine),
-        }
-        Path(spec["metrics"]).write_bytes((run.checkpoints.folder / "metrics.jsonl").read_bytes())
-        grpo_steps.reward_plot(summary, spec["reward_plot"])
-        atomic_write_json(spec["summary"], summary)
+        run.loop.write_outputs(
+            summarise(run, core, final_accuracy, loss), grpo_steps.reward_plot, "reward_plot"
+        )
 
 
 if __name__ == "__main__":

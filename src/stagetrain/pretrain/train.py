@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
-from stagetrain.io import atomic_write_json
 from stagetrain.planning.plan import Layout
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
@@ -33,14 +32,8 @@ from stagetrain.training import engine as engines
 from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
-from stagetrain.training.integrity import weights_only_loads
-from stagetrain.training.metrics import (
-    MetricsLog,
-    Progress,
-    check_finite,
-    max_rss_gib,
-    tensorboard_dir,
-)
+from stagetrain.training.loop import StageLoop, quiet_other_ranks
+from stagetrain.training.metrics import Progress, check_finite, max_rss_gib
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
@@ -61,7 +54,7 @@ class Run:
     train: np.ndarray
     eval_windows: np.ndarray
     val: np.ndarray
-    checkpoints: Checkpoints
+    loop: StageLoop
     flops_per_token: float
     peak_flops: float | None
     params: dict[str, Any]
@@ -116,7 +109,7 @@ def setup(spec: dict[str, Any]) -> Run:
         sampler=Sampler(windows=window_count(len(train), seq), global_batch=layout.global_batch,
                         dp=layout.dp, micro_batch_size=layout.micro_batch_size, seed=spec["seed"]),
         train=train, val=val, eval_windows=np.arange(n_eval),
-        checkpoints=checkpoints,
+        loop=StageLoop(stage="pretrain", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
         params={**params, "predicted_tokens_per_s": plan["stages"]["pretrain"]["throughput"].get("tokens_per_s")},
@@ -175,35 +168,19 @@ def record(
 
 def loop(run: Run) -> dict[str, Any]:
     """Train from the latest checkpoint (or step 0) to the configured steps; return the summary."""
-    cfg = run.cfg
-    rank0 = dist.get_rank() == 0
-    start = 0
-    pointer = run.checkpoints.latest()
-    if pointer:
-        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
-            _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
-        start = client["step"]
-        log.info("resuming from %s at step %d", pointer["tag"], start)
-    elif rank0 and (why := run.checkpoints.why_fresh()):
-        log.info(why)
-    metrics = (
-        MetricsLog(
-            run.checkpoints.folder / "metrics.jsonl", start, METRICS, tensorboard_dir(run.spec)
-        )
-        if rank0
-        else None
-    )
-    progress, began = Progress(cfg.steps, start), time.monotonic()
+    cfg, stage = run.cfg, run.loop
+    stage.resume(METRICS)
+    progress, began = Progress(cfg.steps, stage.start), time.monotonic()
     tokens_per_step = run.layout.global_batch * cfg.seq_len
     last_eval, window_s, window_steps = None, 0.0, 0
-    for step in range(start + 1, cfg.steps + 1):
+    for step in stage.steps():
         t0 = time.monotonic()
         loss = train_step(run, step - 1)
         finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
-        evaluating = step % cfg.eval_every == 0 or step == cfg.steps
-        if evaluating or step % cfg.log_every == 0:
+        evaluating = stage.evaluates(step)
+        if evaluating or stage.logs(step):
             # tokens/s over the training time since the last record (evaluation and saving excluded)
             entry = record(
                 run, step, loss, window_s, window_steps * tokens_per_step, time.monotonic() - began
@@ -212,12 +189,11 @@ def loop(run: Run) -> dict[str, Any]:
             if evaluating:
                 entry["eval/loss"] = last_eval = evaluate(run)
                 check_finite(last_eval, what="validation loss", **finite)
-            if metrics:
-                metrics.write(entry)
+            if stage.metrics:
+                stage.metrics.write(entry)
                 log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            run.checkpoints.save(run.engine, step, {"step": step, "eval_loss": last_eval})
-    return {"final_step": cfg.steps, "resumed_from_step": start}
+        stage.checkpoint(step, {"step": step, "eval_loss": last_eval})
+    return {"final_step": cfg.steps, "resumed_from_step": stage.start}
 
 
 def checksum(module: torch.nn.Module) -> list[float]:
@@ -237,28 +213,20 @@ def checksum(module: torch.nn.Module) -> list[float]:
 
 def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
     """summary.json: the stage's declared output."""
-    records = [
-        json.loads(line)
-        for line in (run.checkpoints.folder / "metrics.jsonl").read_text().splitlines()
-    ]
+    records = run.loop.records()
     rates = [r["throughput/tokens_per_s"] for r in records[1:]] or [
         records[0]["throughput/tokens_per_s"]
     ]
     mfus = [r["throughput/mfu(%)"] for r in records[1:] if r.get("throughput/mfu(%)") is not None]
+    predicted = run.params["predicted_tokens_per_s"]
     return {
-        "stage": "pretrain", **result, "layout": run.layout.to_json(), "fingerprint": run.checkpoints.folder.name,
-        "checkpoint": {"folder": str(run.checkpoints.folder), "tag": f"step{result['final_step']:08d}"},
+        **run.loop.summary(result, layout=run.layout, windows=run.eval_windows, seq_len=run.cfg.seq_len),
         "final_loss": records[-1]["train/loss"],
         "final_eval_loss": [r["eval/loss"] for r in records if "eval/loss" in r][-1],
         "losses": {r["step"]: r["train/loss"] for r in records},
         "eval_losses": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
-        "eval_batch": {"shard": run.spec["val"], "windows": run.eval_windows.tolist(),
-                       "seq_len": run.cfg.seq_len, "micro_batch_size": run.layout.micro_batch_size},
         "tokens_per_s": float(np.median(rates)),
-        "tokens_per_s_over_predicted": (
-            float(np.median(rates)) / run.params["predicted_tokens_per_s"]
-            if run.params["predicted_tokens_per_s"] else None
-        ),
+        "tokens_per_s_over_predicted": float(np.median(rates)) / predicted if predicted else None,
         "mfu(%)": float(np.median(mfus)) if mfus else None,
         "mfu_reason": None if mfus else "no MFU on CPUs or GPUs missing from the catalog",
         **run.params,
@@ -268,8 +236,7 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
 def rank(spec: dict[str, Any]) -> None:
     """One rank of the pretrain stage: train, then (rank 0) write the outputs."""
     run = setup(spec)
-    if dist.get_rank() != 0:
-        logging.getLogger("stagetrain").setLevel(logging.WARNING)
+    quiet_other_ranks()
     result = loop(run)
     run.params["dtypes"] = engines.dtypes(run.engine)  # the optimizer states exist only now
     for key, value in (("local_param_elements", run.params["local_param_elements"]),
@@ -278,10 +245,7 @@ def rank(spec: dict[str, Any]) -> None:
         dist.all_gather_object(gathered, value)
         run.params[f"{key}_per_rank"] = gathered
     if dist.get_rank() == 0:
-        summary = summarise(run, result)
-        Path(spec["metrics"]).write_bytes((run.checkpoints.folder / "metrics.jsonl").read_bytes())
-        loss_plot(summary, spec["loss_plot"])
-        atomic_write_json(spec["summary"], summary)
+        run.loop.write_outputs(summarise(run, result), loss_plot, "loss_plot")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ ZeRO-3 policy gathered for generation),
 `batches` (which windows each data-parallel rank reads at each step),
 `checkpoints`, `integrity` and `lock` (fingerprinted, verified, one-writer
 checkpoints), `metrics` (the JSON-lines log, TensorBoard, progress, the finite
-check) and `evaluation` (the validation loss and greedy task scores).
+check), `evaluation` (the validation loss and greedy task scores) and `loop`
+(the skeleton around both training loops' steps: resume, cadences, outputs).
 Nothing here imports a stage (pretrain, grpo, consolidate).
 """

@@ -1,0 +1,134 @@
+"""The skeleton both training loops share: resume, metrics log, cadences, checkpoints, outputs.
+
+Pretraining and GRPO differ in what one step does (windows through the
+engine; rollouts, advantages and a curriculum) and in what they record; what
+is around the step is the same, and lives here once: loading the newest
+complete checkpoint (or saying why the run starts fresh), the rank-0 metrics
+log and its TensorBoard events, which steps log, evaluate and save, the
+checkpoint and evaluation keys of summary.json, and writing the stage's
+declared outputs on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from stagetrain.io import atomic_write_json
+from stagetrain.planning.plan import Layout
+from stagetrain.settings import TrainingSettings
+from stagetrain.training.checkpoints import Checkpoints, tag_of
+from stagetrain.training.integrity import weights_only_loads
+from stagetrain.training.metrics import MetricsLog, tensorboard_dir
+
+log = logging.getLogger("stagetrain")
+
+
+class StageLoop:
+    """One training stage's run around its steps; every rank builds one (rank 0 writes)."""
+
+    def __init__(
+        self,
+        *,
+        stage: str,
+        spec: Mapping[str, Any],
+        cfg: TrainingSettings,
+        engine: Any,
+        checkpoints: Checkpoints,
+    ) -> None:
+        self.stage, self.spec, self.cfg = stage, spec, cfg
+        self.engine, self.checkpoints = engine, checkpoints
+        self.start = 0
+        self.resumed_tag: str | None = None
+        self.metrics: MetricsLog | None = None
+
+    def resume(self, registry: dict[str, str]) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint into the engine, open the metrics log (rank 0).
+
+        Returns the checkpoint's client state (None when the run starts at step 0);
+        `start` is then its step. The log keeps only the records up to it.
+        """
+        client = None
+        pointer = self.checkpoints.latest()
+        if pointer:
+            with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
+                _, client = self.engine.load_checkpoint(
+                    str(self.checkpoints.folder), tag=pointer["tag"]
+                )
+            self.start, self.resumed_tag = client["step"], pointer["tag"]
+            log.info("resuming from %s at step %d", pointer["tag"], self.start)
+        elif dist.get_rank() == 0 and (why := self.checkpoints.why_fresh()):
+            log.info(why)
+        if dist.get_rank() == 0:
+            self.metrics = MetricsLog(
+                self.checkpoints.folder / "metrics.jsonl",
+                self.start,
+                registry,
+                tensorboard_dir(dict(self.spec)),
+            )
+        return client
+
+    def steps(self) -> range:
+        """The steps still to train: after the resumed one, up to the configured count."""
+        return range(self.start + 1, self.cfg.steps + 1)
+
+    def logs(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0
+
+    def evaluates(self, step: int) -> bool:
+        """Every `eval_every` steps, and at the last."""
+        return step % self.cfg.eval_every == 0 or step == self.cfg.steps
+
+    def checkpoint(self, step: int, client_state: Mapping[str, Any]) -> None:
+        """Save every `checkpoint_every` steps and at the last (all ranks take part)."""
+        if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+            self.checkpoints.save(self.engine, step, client_state)
+
+    def records(self) -> list[dict[str, Any]]:
+        """The stage's metrics across restarts (rank 0)."""
+        text = (self.checkpoints.folder / "metrics.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines()]
+
+    def summary(
+        self, result: Mapping[str, Any], *, layout: Layout, windows: np.ndarray, seq_len: int
+    ) -> dict[str, Any]:
+        """The summary keys every training stage writes: where its final checkpoint is, and
+        the validation windows its last loss was measured on (what consolidation re-checks)."""
+        return {
+            "stage": self.stage,
+            **result,
+            "layout": layout.to_json(),
+            "fingerprint": self.checkpoints.folder.name,
+            "checkpoint": {
+                "folder": str(self.checkpoints.folder),
+                "tag": tag_of(result["final_step"]),
+            },
+            "eval_batch": {
+                "shard": self.spec["val"],
+                "windows": windows.tolist(),
+                "seq_len": seq_len,
+                "micro_batch_size": layout.micro_batch_size,
+            },
+        }
+
+    def write_outputs(
+        self, summary: Mapping[str, Any], plot: Callable[[Mapping[str, Any], str], None], key: str
+    ) -> None:
+        """The stage's declared outputs (rank 0): metrics, the plot at spec[`key`], summary last."""
+        Path(self.spec["metrics"]).write_bytes(
+            (self.checkpoints.folder / "metrics.jsonl").read_bytes()
+        )
+        plot(summary, self.spec[key])
+        atomic_write_json(self.spec["summary"], summary)
+
+
+def quiet_other_ranks() -> None:
+    """Only rank 0 logs progress; the others' warnings and errors still show."""
+    if dist.get_rank() != 0:
+        logging.getLogger("stagetrain").setLevel(logging.WARNING)
