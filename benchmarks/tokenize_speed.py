@@ -25,8 +25,8 @@ import numpy as np
 
 from stagetrain import config as stconfig
 from stagetrain.corpus import sources as corpus_sources
-from stagetrain.corpus.prepare import training_sample
 from stagetrain.corpus.shards import BATCH_DOCUMENTS, write_documents
+from stagetrain.prepare_tokenizer import training_sample
 from stagetrain.tokenizer import train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ PEAK = """
 import json, resource, sys, tempfile
 from pathlib import Path
 from stagetrain import config as stconfig
-from stagetrain.corpus.prepare import prepare
+from stagetrain.prepare_tokenizer import prepare
 cfg = stconfig.load(sys.argv[1])
 cfg["data"]["train_tokens"] = int(sys.argv[2])
 cfg["tokenizer"]["training_sample_mb"] = 1

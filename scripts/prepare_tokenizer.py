@@ -9,7 +9,7 @@ Snakemake runs it through the `prepare_tokenizer` rule; on its own:
 
 import logging
 
-from stagetrain.corpus.prepare import prepare
+from stagetrain.prepare_tokenizer import prepare
 from stagetrain.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")

@@ -21,11 +21,11 @@ import torch
 from conftest import default_config
 from harness.planning import cpu_hardware, plan_for
 
-from stagetrain.corpus.prepare import prepare
 from stagetrain.deepspeed_config import render
 from stagetrain.io import atomic_write_json
 from stagetrain.model_config import training_config
 from stagetrain.planning.derived import vocab_padding
+from stagetrain.prepare_tokenizer import prepare
 from stagetrain.settings import training_settings
 from stagetrain.training.integrity import load_file, weights_only_loads
 from stagetrain.training.launch import job_spec

@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from stagetrain import config as stconfig
 from stagetrain.corpus import sources as corpus_sources
-from stagetrain.corpus.prepare import prepare
 from stagetrain.corpus.shards import token_dtype, write_split
 from stagetrain.errors import StageError
 from stagetrain.model_config import training_config
 from stagetrain.planning.derived import vocab_padding
+from stagetrain.prepare_tokenizer import prepare
 from stagetrain.tasks import ANSWER_TOKEN, PROBLEM_TOKEN, split_of
 from stagetrain.tokenizer import SPECIAL_TOKENS, load_pretrained, save, train_bpe
 
@@ -46,7 +46,7 @@ def sources() -> list[corpus_sources.Source]:
 
 @pytest.fixture(scope="module")
 def tokenizer(sources: list[corpus_sources.Source]) -> PreTrainedTokenizerFast:
-    from stagetrain.corpus.prepare import training_sample
+    from stagetrain.prepare_tokenizer import training_sample
 
     return train_bpe(training_sample(sources, 0.3), 512)
 
@@ -93,7 +93,7 @@ def test_digits_are_single_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
 
 
 def test_training_is_deterministic(sources: list[corpus_sources.Source], tmp_path: Path) -> None:
-    from stagetrain.corpus.prepare import training_sample
+    from stagetrain.prepare_tokenizer import training_sample
 
     hashes = {
         save(train_bpe(training_sample(sources, 0.1), 400), tmp_path / f"t{i}") for i in range(2)

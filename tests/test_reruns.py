@@ -323,7 +323,7 @@ def test_an_edited_table_reruns_the_planner(finished_small_run: Path, tmp_path: 
     [
         ("hardware/detect.py", {"detect_hardware"}),
         ("planning/search.py", {"plan_parallelism"}),
-        ("corpus/prepare.py", {"prepare_tokenizer"}),
+        ("prepare_tokenizer.py", {"prepare_tokenizer"}),
         ("deepspeed_config.py", RENDER),
         ("pretrain/train.py", {"pretrain", "grpo"}),  # GRPO's loop imports pretrain's pieces
         ("consolidate/writer.py", CONSOLIDATE),
