@@ -22,6 +22,7 @@ def main(io: StageIO) -> None:
         inputs=io.inputs,
         outputs=io.outputs,
         extra=extra,
+        tracking=io.sections["tracking"],
     )
 
 
@@ -31,5 +32,5 @@ run_stage(
     doc=__doc__,
     inputs=["model", "plan", "deepspeed_config", "tokenizer", "model_config", "meta", "val"],
     outputs=["summary", "metrics", "reward_plot"],
-    sections=["run", "grpo"],
+    sections=["run", "grpo", "tracking"],
 )

@@ -28,6 +28,7 @@ def main(io: StageIO) -> None:
         inputs=io.inputs,
         outputs=io.outputs,
         extra=extra,
+        tracking=io.sections["tracking"],
     )
 
 
@@ -37,5 +38,5 @@ run_stage(
     doc=__doc__,
     inputs=["plan", "deepspeed_config", "tokenizer", "train", "val", "meta", "model_config"],
     outputs=["summary", "metrics", "loss_plot"],
-    sections=["run", "model", "pretrain"],
+    sections=["run", "model", "pretrain", "tracking"],
 )

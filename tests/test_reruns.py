@@ -10,7 +10,7 @@ Keys are grouped to keep the suite fast (a dry run costs a Snakemake start):
 keys of one section whose expected set is the same change together in one dry
 run, except the keys the workflow selects one by one (the planner's subset of
 tokenizer, pretrain and grpo, the steps and passes of the DeepSpeed config, the
-file keys, run.*), which each get their own: 30 dry runs over the 117 keys.
+file keys, run.*), which each get their own: 31 dry runs over the 119 keys.
 A dry run cannot know what the planner will write, so it lists everything
 after plan_parallelism as possibly affected (the checkpoint's placeholder); the narrow dependencies are proven after a real
 planner run (test_a_replan_reruns_only_the_stage_whose_layout_it_changed).
@@ -79,6 +79,7 @@ READERS: list[tuple[str, set[str]]] = [
     *((f"grpo.{k}", {"plan_parallelism", "grpo"}) for k in ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "kl_coef")),
     *((f"grpo.{k}", {"render_deepspeed_config[grpo]", "grpo"}) for k in ("steps", "passes", "optimizer.")),
     ("grpo.", {"grpo"}),
+    ("tracking.", {"pretrain", "grpo"}),
     ("consolidate.", CONSOLIDATE),
 ]  # fmt: skip
 # Keys the workflow passes one by one (not as a whole section): each gets its own dry run.
@@ -106,6 +107,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "data.generated.families": {"data.generated.families": ["arithmetic"]},
     "grpo.curriculum.families": {"grpo.curriculum.families": ["comparison"]},
     "consolidate.max_shard_size": {"consolidate.max_shard_size": "1MB"},
+    "tracking.report_to": {"tracking.report_to": []},
+    "tracking.wandb_project": {"tracking.wandb_project": "other"},
 }  # fmt: skip
 
 

@@ -43,7 +43,7 @@ from stagetrain.tasks.registry import FAMILIES
 SCHEMA_PATH = Path(str(resources.files("stagetrain") / "schemas" / "config.schema.yaml"))
 SECTIONS = (
     "run", "model", "tokenizer", "data", "hardware",
-    "parallelism", "deepspeed", "pretrain", "grpo", "consolidate",
+    "parallelism", "deepspeed", "pretrain", "grpo", "tracking", "consolidate",
 )  # fmt: skip
 
 

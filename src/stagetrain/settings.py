@@ -279,6 +279,12 @@ class GrpoSettings(_Section):
 
 
 @dataclass(frozen=True)
+class TrackingSettings(_Section):
+    report_to: tuple[str, ...]
+    wandb_project: str
+
+
+@dataclass(frozen=True)
 class ConsolidateSettings(_Section):
     dtype: str
     max_shard_size: str
@@ -312,4 +318,5 @@ class Settings(_Section):
     deepspeed: DeepSpeedSettings
     pretrain: PretrainSettings
     grpo: GrpoSettings
+    tracking: TrackingSettings
     consolidate: ConsolidateSettings

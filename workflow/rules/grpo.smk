@@ -23,6 +23,7 @@ rule grpo:
         code=code_of("grpo"),
         run=config["run"],
         grpo=config["grpo"],
+        tracking=config["tracking"],
     # The ranks use every core; running other jobs beside them would only slow both.
     threads: all_cores()
     # On Slurm: nodes, tasks, CPUs, GPUs and memory as plan.json says (profiles/slurm).

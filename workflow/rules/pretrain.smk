@@ -25,6 +25,7 @@ rule pretrain:
         run=config["run"],
         model=config["model"],
         pretrain=config["pretrain"],
+        tracking=config["tracking"],
     # The ranks use every core; running other jobs beside them would only slow both.
     threads: all_cores()
     # On Slurm: nodes, tasks, CPUs, GPUs and memory as plan.json says (profiles/slurm).

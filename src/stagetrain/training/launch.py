@@ -39,6 +39,7 @@ Snakemake died in its first second, before `launch_stage`, is not.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -46,9 +47,11 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from stagetrain import slurm
 from stagetrain.errors import StageError
+from stagetrain.training.metrics import WANDB_MISSING
 from stagetrain.training.rank import die_with_parent
 
 RDZV_PORT = 29400
@@ -185,11 +188,13 @@ def job_spec(
     checkpoints: Path,
     extra: Mapping[str, object],
     tensorboard: Path | None = None,
+    wandb: Mapping[str, str] | None = None,
 ) -> dict[str, object]:
     """The job spec a training stage's ranks read (`--spec job.json`): the one writer of its shape.
 
     Absolute paths of the stage's inputs and outputs by name, the checkpoint
-    root, the TensorBoard folder when events are wanted, then `extra` (config
+    root, the TensorBoard folder when events are wanted, the W&B run's project,
+    name and folder when one is, then `extra` (config
     sections, seed). The stage launcher, the test harness and the benchmarks all
     build it here, so a key added for the ranks reaches every caller.
     """
@@ -199,7 +204,29 @@ def job_spec(
     }
     if tensorboard is not None:
         spec["tensorboard"] = str(tensorboard)
+    if wandb is not None:
+        spec["wandb"] = dict(wandb)
     return {**spec, **extra}
+
+
+def trackers(tracking: Mapping[str, Any], results: Path, stage: str) -> dict[str, Any]:
+    """`job_spec`'s tracker arguments for `tracking.report_to`, under results/<run>/.
+
+    TensorBoard's folder and W&B's sit beside the checkpoints, outside the
+    declared outputs, so curves survive a rerun.
+
+    Raises:
+        StageError: wandb asked for but not installed, before any rank starts.
+    """
+    out: dict[str, Any] = {"tensorboard": None, "wandb": None}
+    if "tensorboard" in tracking["report_to"]:
+        out["tensorboard"] = results / "tensorboard" / stage
+    if "wandb" in tracking["report_to"]:
+        if importlib.util.find_spec("wandb") is None:
+            raise StageError(WANDB_MISSING)
+        out["wandb"] = {"project": tracking["wandb_project"], "name": f"{results.name}-{stage}",
+                        "dir": str(results / "wandb")}  # fmt: skip
+    return out
 
 
 def launch_stage(
@@ -209,6 +236,7 @@ def launch_stage(
     inputs: Mapping[str, str],
     outputs: Mapping[str, str],
     extra: Mapping[str, object],
+    tracking: Mapping[str, Any],
 ) -> None:
     """Write the job spec of a training stage and run its ranks as the plan says.
 
@@ -225,9 +253,8 @@ def launch_stage(
     plan = json.loads(Path(inputs["plan"]).read_text())
     root = Path(outputs["summary"]).resolve().parents[1] / "checkpoints" / stage
     StageLock(root).check_free()  # a second run fails here, before it writes its job.json
-    # TensorBoard beside the checkpoints, outside the declared outputs: curves survive a rerun.
     spec = job_spec(inputs=inputs, outputs=outputs, checkpoints=root, extra=extra,
-                    tensorboard=root.parents[1] / "tensorboard" / stage)  # fmt: skip
+                    **trackers(tracking, root.parents[1], stage))  # fmt: skip
     atomic_write_json(root / "job.json", spec)
     alloc = slurm.allocation(os.environ)
     # Inside Slurm the job's CPUs on a node, not the node's (nothing may pin this process).

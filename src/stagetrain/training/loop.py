@@ -71,6 +71,7 @@ class StageLoop:
                 self.start,
                 registry,
                 tensorboard_dir(dict(self.spec)),
+                self.spec.get("wandb"),
             )
         return client
 
@@ -126,6 +127,8 @@ class StageLoop:
         )
         plot(summary, self.spec[key])
         atomic_write_json(self.spec["summary"], summary)
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def quiet_other_ranks() -> None:

@@ -6,7 +6,8 @@ there with what it means and when it is logged, and `MetricsLog` refuses any
 other; a test checks that nothing else is emitted. The same
 records also go to TensorBoard event files (numbers as scalars, {name: number}
 maps as one scalar per name), so `tensorboard --logdir results/<run>/tensorboard`
-shows the curves of every stage while it trains.
+shows the curves of every stage while it trains, and, with `tracking.report_to`
+naming wandb, to a Weights & Biases run (an optional package, `stagetrain[wandb]`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import os
 import resource
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,30 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+WANDB_MISSING = (
+    "tracking.report_to: 'wandb' needs the wandb package, which is not installed: "
+    "pip install 'stagetrain[wandb]' (or leave wandb out of report_to)"
+)
+
+
+def wandb_run(wandb: Mapping[str, str], run_id: str) -> Any:
+    """A Weights & Biases run for a stage (`wandb`: project, name, dir from the job spec).
+
+    The id is fixed per checkpoint folder, so a resumed stage continues its run.
+    W&B's own settings apply (WANDB_MODE=offline writes it under `dir` only).
+
+    Raises:
+        StageError: wandb is not installed (one line with the pip command).
+    """
+    try:
+        import wandb as wandb_sdk
+    except ImportError:
+        raise StageError(WANDB_MISSING) from None
+    Path(wandb["dir"]).mkdir(parents=True, exist_ok=True)
+    return wandb_sdk.init(project=wandb["project"], name=wandb["name"], dir=wandb["dir"],
+                          id=run_id, resume="allow")  # fmt: skip
+
+
 def tensorboard_dir(spec: dict[str, Any]) -> Path | None:
     """Where a stage's job spec asks for TensorBoard events (the stage launcher always does;
     the test harness's specs may leave them out)."""
@@ -54,7 +80,7 @@ def tensorboard_dir(spec: dict[str, Any]) -> Path | None:
 
 class MetricsLog:
     """Appends records to a JSON-lines file whose keys must all be in `registry`, and
-    to TensorBoard event files in `events` when given."""
+    to TensorBoard event files in `events` and a Weights & Biases run (`wandb`) when given."""
 
     def __init__(
         self,
@@ -62,8 +88,13 @@ class MetricsLog:
         resume_step: int,
         registry: dict[str, str],
         events: Path | None = None,
+        wandb: Mapping[str, str] | None = None,
     ) -> None:
         self.path, self.registry, self.events = path, registry, None
+        # One W&B run per checkpoint folder (<stage>-<fingerprint>): a resume continues it.
+        self.wandb = (
+            wandb_run(wandb, f"{path.parent.parent.name}-{path.parent.name}") if wandb else None
+        )
         if events is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -98,6 +129,13 @@ class MetricsLog:
             for key, value in scalars(record).items():
                 self.events.add_scalar(key, value, global_step=record["step"])
             self.events.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        """Finish the W&B run (event files are flushed at every write)."""
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 class Progress:
