@@ -54,8 +54,8 @@ def test_wandb_offline_gets_every_record(tmp_path: Path, monkeypatch: pytest.Mon
     for step in (1, 2):
         metrics.write({"step": step, "train/loss": 0.5 / step, "reward/mean": 0.1 * step})
     metrics.close()
-    runs = list((tmp_path / "tiny/wandb/wandb").glob("offline-run-*-grpo-fp"))
+    runs = list((tmp_path / "tiny/wandb/wandb").glob("offline-run-*-tiny-grpo-fp"))
     assert len(runs) == 1, list((tmp_path / "tiny/wandb").rglob("*"))[:20]
     # The offline run's record file (protobuf) holds the logged keys by name.
-    data = (runs[0] / "run-grpo-fp.wandb").read_bytes()
+    data = (runs[0] / "run-tiny-grpo-fp.wandb").read_bytes()
     assert b"train/loss" in data and b"reward/mean" in data

@@ -91,10 +91,8 @@ class MetricsLog:
         wandb: Mapping[str, str] | None = None,
     ) -> None:
         self.path, self.registry, self.events = path, registry, None
-        # One W&B run per checkpoint folder (<stage>-<fingerprint>): a resume continues it.
-        self.wandb = (
-            wandb_run(wandb, f"{path.parent.parent.name}-{path.parent.name}") if wandb else None
-        )
+        # One W&B run per checkpoint folder (<run>-<stage>-<fingerprint>): a resume continues it.
+        self.wandb = wandb_run(wandb, f"{wandb['name']}-{path.parent.name}") if wandb else None
         if events is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
