@@ -46,7 +46,7 @@ def test_wandb_without_the_package_is_one_line_naming_the_key_and_the_pip_comman
 
 def test_wandb_offline_gets_every_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where wandb is installed (not a dependency): a real offline run holds the scalars."""
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     found = trackers({"report_to": ["wandb"], "wandb_project": "p"}, tmp_path / "tiny", "grpo")
@@ -54,6 +54,7 @@ def test_wandb_offline_gets_every_record(tmp_path: Path, monkeypatch: pytest.Mon
     for step in (1, 2):
         metrics.write({"step": step, "train/loss": 0.5 / step, "reward/mean": 0.1 * step})
     metrics.close()
+    wandb.teardown()  # the service flushes its files when it stops, as at a rank's exit
     runs = list((tmp_path / "tiny/wandb/wandb").glob("offline-run-*-tiny-grpo-fp"))
     assert len(runs) == 1, list((tmp_path / "tiny/wandb").rglob("*"))[:20]
     # The offline run's record file (protobuf) holds the logged keys by name.
