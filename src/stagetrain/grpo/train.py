@@ -92,10 +92,8 @@ def _reference(
 def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    cfg, layout = (
-        GrpoSettings.from_config(spec["grpo"], "grpo"),
-        Layout.from_plan(plan, "grpo"),
-    )
+    cfg = GrpoSettings.from_config(spec["grpo"], "grpo")
+    layout = Layout.from_plan(plan, "grpo")
     manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
     components = {  # the start model by content: a resharded folder of the same weights resumes
         "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
@@ -228,7 +226,7 @@ def summarise(
     records = run.loop.records()
     trained = [r for r in records if "train/loss" in r]
     return {
-        **run.loop.summary(core, layout=run.layout, windows=run.eval_windows, seq_len=run.layout.seq_len),
+        **run.loop.summary(core, layout=run.layout, windows=run.eval_windows),
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
         "levels": {r["step"]: r["curriculum/level"] for r in trained},

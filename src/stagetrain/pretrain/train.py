@@ -80,10 +80,8 @@ def components(
 def setup(spec: dict[str, Any]) -> Run:
     """Start the process group, check the world against the plan, build the engine and the data."""
     plan, meta, ds_config, device = engines.join_world(spec)
-    cfg, layout = (
-        PretrainSettings.from_config(spec["pretrain"], "pretrain"),
-        Layout.from_plan(plan, "pretrain"),
-    )
+    cfg = PretrainSettings.from_config(spec["pretrain"], "pretrain")
+    layout = Layout.from_plan(plan, "pretrain")
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config),
                               layout.checkpoint_layout, cfg.keep_checkpoints)  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
@@ -220,7 +218,7 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
     mfus = [r["throughput/mfu(%)"] for r in records[1:] if r.get("throughput/mfu(%)") is not None]
     predicted = run.params["predicted_tokens_per_s"]
     return {
-        **run.loop.summary(result, layout=run.layout, windows=run.eval_windows, seq_len=run.cfg.seq_len),
+        **run.loop.summary(result, layout=run.layout, windows=run.eval_windows),
         "final_loss": records[-1]["train/loss"],
         "final_eval_loss": [r["eval/loss"] for r in records if "eval/loss" in r][-1],
         "losses": {r["step"]: r["train/loss"] for r in records},

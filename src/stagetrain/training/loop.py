@@ -97,7 +97,7 @@ class StageLoop:
         return [json.loads(line) for line in text.splitlines()]
 
     def summary(
-        self, result: Mapping[str, Any], *, layout: Layout, windows: np.ndarray, seq_len: int
+        self, result: Mapping[str, Any], *, layout: Layout, windows: np.ndarray
     ) -> dict[str, Any]:
         """The summary keys every training stage writes: where its final checkpoint is, and
         the validation windows its last loss was measured on (what consolidation re-checks)."""
@@ -113,7 +113,7 @@ class StageLoop:
             "eval_batch": {
                 "shard": self.spec["val"],
                 "windows": windows.tolist(),
-                "seq_len": seq_len,
+                "seq_len": layout.seq_len,
                 "micro_batch_size": layout.micro_batch_size,
             },
         }
