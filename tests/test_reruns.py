@@ -328,7 +328,8 @@ def test_an_edited_table_reruns_the_planner(finished_small_run: Path, tmp_path: 
         ("planning/search.py", {"plan_parallelism"}),
         ("prepare_tokenizer.py", {"prepare_tokenizer"}),
         ("deepspeed_config.py", RENDER),
-        ("pretrain/train.py", {"pretrain", "grpo"}),  # GRPO's loop imports pretrain's pieces
+        ("pretrain/train.py", {"pretrain"}),  # the stages are siblings: GRPO never imports it
+        ("training/loop.py", {"pretrain", "grpo"}),  # the shared runtime runs in both
         ("consolidate/writer.py", CONSOLIDATE),
         ("grpo/loss.py", {"grpo"}),
     ],
