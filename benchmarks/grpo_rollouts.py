@@ -58,16 +58,33 @@ SHAPES = ((2, 4), (2, 8), (4, 8), (2, 16))
 """(B, K) tree shapes of part 1; the config's own shape is added."""
 
 
-def _summary(groups: list[Group], seconds: float, cpu: float) -> dict[str, float]:
+def _summary(groups: list[Group], seconds: float, cpu: float, fed: int) -> dict[str, float]:
     """Counts and rates of one rollout mode; `cpu` is the process's CPU seconds (one torch thread),
-    which other users' load on a shared machine inflates much less than wall-clock seconds."""
+    which other users' load on a shared machine inflates much less than wall-clock seconds; `fed`
+    the token positions the model computed (prefill and decode, padding included)."""
     leaves = sum(len(g.rewards) for g in groups)
     tokens = sum(g.generated_tokens for g in groups)
     return {
         "leaves": leaves, "tokens": tokens, "per_1k": 1000 * leaves / tokens, "seconds": seconds,
         "s_per_leaf": seconds / leaves, "cpu_per_leaf": cpu / leaves, "reward": sum(r for g in groups for r in g.rewards) / leaves,
         "zero_std": sum(not g.varies for g in groups) / len(groups), "length": sum(g.flat_tokens for g in groups) / leaves,
+        "fed": fed,
     }  # fmt: skip
+
+
+class _Fed:
+    """Counts the token positions the model is fed (a forward pre-hook on its base model)."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001
+        self.count = 0
+        self.handle = model.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, _module, _args, kwargs) -> None:  # noqa: ANN001
+        self.count += kwargs["input_ids"].numel()
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
 
 
 def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shapes) -> dict:  # noqa: ANN001
@@ -83,6 +100,7 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
     def reward(i: int, completion: list[int]) -> float:
         return score(tok.decode(completion, skip_special_tokens=False), problems[i])
 
+    fed = _Fed(model)
     torch.manual_seed(seed)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
@@ -96,8 +114,10 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
             max_batch=batch,
             **common,
         )
-    rows = {"flat": _summary(flat, time.perf_counter() - start, time.process_time() - cpu)}
-    for b, k in shapes:
+    rows = {
+        "flat": _summary(flat, time.perf_counter() - start, time.process_time() - cpu, fed.take())
+    }
+    for b, k, reuse in [(b, k, True) for b, k in shapes] + [(*own, False)]:
         cfg = TreeConfig(
             branching=b,
             segment_tokens=k,
@@ -117,11 +137,18 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
                 cfg,
                 max_batch=batch,
                 budgets=[g.generated_tokens for g in flat],
+                reuse_cache=reuse,
                 **common,
             )
-        rows[f"tree B={b} K={k}" + (" (config)" if (b, k) == own else "")] = _summary(
-            trees, time.perf_counter() - start, time.process_time() - cpu
+        name = (
+            f"tree B={b} K={k}"
+            + (" (config)" if (b, k) == own else "")
+            + ("" if reuse else " no prefix cache")
         )
+        rows[name] = _summary(
+            trees, time.perf_counter() - start, time.process_time() - cpu, fed.take()
+        )
+    fed.handle.remove()
     return rows  # fmt: skip
 
 
@@ -159,15 +186,15 @@ def rollouts(
         f"tree: flat's tokens for the prompt as budget; at most {batch} sequences per generate call"
     )
     print(
-        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | CPU s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length |"
+        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | CPU s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length | positions fed |"
     )
-    print("| --- " * 12 + "|")
+    print("| --- " * 13 + "|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['leaves']} | {r['tokens']:,} | {r['per_1k']:.1f} | {r['per_1k'] / base['per_1k']:.2f} | "
             f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | "
             f"{1000 * r['cpu_per_leaf']:.2f} | {r['cpu_per_leaf'] / base['cpu_per_leaf']:.2f} | {r['reward']:.3f} | "
-            f"{r['zero_std']:.2f} | {r['length']:.1f} |"
+            f"{r['zero_std']:.2f} | {r['length']:.1f} | {r['fed']:,} |"
         )
     return _ratios(rows)  # fmt: skip
 
