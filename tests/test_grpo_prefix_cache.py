@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stagetrain.grpo.rollouts import tree_groups
+from stagetrain.grpo.rollouts import Group, tree_groups
+from stagetrain.grpo.sampling import branch_cut
 from stagetrain.grpo.tree import TreeConfig
 
 PROMPTS = [[3, 4], [5, 6, 7, 8, 9], [8], [9, 10, 11]]
@@ -35,14 +36,24 @@ def _model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def _trees(model: LlamaForCausalLM, *, reuse_cache: bool, greedy: bool) -> list[list[list[int]]]:
+def _groups(
+    model: LlamaForCausalLM, *, reuse_cache: bool, greedy: bool, entropy: float = 0.0
+) -> list[Group]:
     cfg = TreeConfig(branching=2, segment_tokens=3, max_leaves=8, max_tokens=60, max_new_tokens=12,
-                     uct_c=1.0, eos_id=1)  # fmt: skip
+                     uct_c=1.0, eos_id=1, branch_entropy=entropy)  # fmt: skip
     torch.manual_seed(5)
     with torch.no_grad():
-        groups = tree_groups(model, PROMPTS, lambda i, c: float(sum(c) % 2), cfg, temperature=1.0,
-                             top_p=0.9, pad_id=0, max_batch=6, reuse_cache=reuse_cache, greedy=greedy)  # fmt: skip
-    return [g.completions for g in groups]
+        return tree_groups(model, PROMPTS, lambda i, c: float(sum(c) % 2), cfg, temperature=1.0,
+                           top_p=0.9, pad_id=0, max_batch=6, reuse_cache=reuse_cache, greedy=greedy)  # fmt: skip
+
+
+def _trees(
+    model: LlamaForCausalLM, *, reuse_cache: bool, greedy: bool, entropy: float = 0.0
+) -> list[list[list[int]]]:
+    return [
+        g.completions
+        for g in _groups(model, reuse_cache=reuse_cache, greedy=greedy, entropy=entropy)
+    ]
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -70,3 +81,32 @@ def test_the_prefix_cache_feeds_each_round_only_new_positions() -> None:
     prefill: list[Any] = [width for width in fed[True] if width > 1]
     assert len(prefill) < len([w for w in fed[False] if w > 1]) / 2
     assert sum(fed[True]) < sum(fed[False])
+
+
+def test_entropy_branching_ends_segments_before_uncertain_tokens() -> None:
+    model = _model()
+    fixed = _groups(model, reuse_cache=True, greedy=False)
+    assert all(g.generated_tokens > g.nodes for g in fixed)  # segments of up to 3 tokens
+    # Top-p leaves some steps a single token (no entropy): not every segment is one token long,
+    # but many more segments for the tokens.
+    eager = _groups(model, reuse_cache=True, greedy=False, entropy=1e-6)
+    per_token = [
+        sum(g.nodes for g in gs) / sum(g.generated_tokens for g in gs) for gs in (fixed, eager)
+    ]
+    assert per_token[1] > 1.3 * per_token[0]
+    # A threshold no distribution reaches (64 tokens: at most ln 64 = 4.16 nats) is fixed segments.
+    assert _trees(model, reuse_cache=True, greedy=False, entropy=5.0) == [
+        g.completions for g in fixed
+    ]
+    assert _trees(model, reuse_cache=False, greedy=False, entropy=1.0) == _trees(
+        model, reuse_cache=True, greedy=False, entropy=1.0
+    )
+
+
+def test_branch_cut_ends_a_row_before_its_first_uncertain_token_after_the_first() -> None:
+    c, u = torch.tensor([10.0, -10.0, -10.0, -10.0]), torch.zeros(4)  # ~0 and ln 4 = 1.39 nats
+    entropy = [[u, u, c, c], [c, c, c, c], [c, u, u, u], [u, c, c, u]]  # per row, per step
+    scores = [torch.stack([row[step] for row in entropy]) for step in range(4)]
+    rows = [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6], [5, 6, 7, 8]]
+    assert branch_cut(rows, scores, threshold=1.0) == [[5], [5, 6, 7, 8], [5], [5, 6, 7]]
+    assert branch_cut(rows, scores, threshold=2.0) == rows

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from stagetrain.grpo.sampling import generate
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, keys and values of one sequence: [kv_heads, length, head_dim] each."""
 
@@ -45,8 +47,9 @@ class PrefixCache:
         max_new_tokens: int,
         keep: Sequence[int],
         generation: dict,
+        branch_entropy: float = 0.0,
     ) -> list[list[int]]:
-        """n continuations of each sequence in one `generate` call (`sample`'s contract), and
+        """n continuations of each sequence in one `generate` call (`sampling.generate`), and
         the cache of each sequence plus its first `keep[i]` continuation tokens kept for later
         (none for a continuation that ends with eos: it will not be extended)."""
         width = max(len(s) for s in sequences)
@@ -55,18 +58,16 @@ class PrefixCache:
             self._batch([kv[layer] for kv in cached], width - 1, n)
             for layer in range(len(cached[0]))
         ]
-        ids = torch.tensor([[generation["pad_token_id"]] * (width - len(s)) + s for s in sequences])
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
-        device = next(self.model.parameters()).device
         cache = DynamicCache(ddp_cache_data=layers)
-        out = self.model.generate(
-            input_ids=ids.repeat_interleave(n, 0).to(device), attention_mask=mask.repeat_interleave(n, 0).to(device),
-            cache=cache, max_new_tokens=max_new_tokens, use_cache=True, synced_gpus=False, **generation,
-        )  # fmt: skip
-        rows = [
-            cut(row[width:].tolist(), generation["eos_token_id"], generation["pad_token_id"])
-            for row in out
-        ]
+        rows = generate(
+            self.model,
+            sequences,
+            n,
+            max_new_tokens,
+            generation,
+            branch_entropy=branch_entropy,
+            cache=cache,
+        )
         for j, row in enumerate(rows):
             sequence, kept = sequences[j // n], row[: keep[j // n]]
             if kept and kept[-1] != generation["eos_token_id"]:
@@ -123,15 +124,3 @@ class PrefixCache:
             (layer.keys[row, :, pad:end].clone(), layer.values[row, :, pad:end].clone())
             for layer in cache.layers
         ]
-
-
-def cut(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:
-    """A sampled row's tokens up to and including the first eos, without padding."""
-    out = []
-    for token in tokens:
-        if token == pad_id and token != eos_id:
-            break
-        out.append(token)
-        if token == eos_id:
-            break
-    return out

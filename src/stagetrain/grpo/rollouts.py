@@ -25,7 +25,8 @@ import torch
 from transformers import PreTrainedModel
 
 from stagetrain.grpo.advantages import group_advantages, tree_token_advantages
-from stagetrain.grpo.prefix_cache import PrefixCache, cut
+from stagetrain.grpo.prefix_cache import PrefixCache
+from stagetrain.grpo.sampling import generate, generation_kwargs
 from stagetrain.grpo.tree import (
     Request,
     SearchTree,
@@ -66,34 +67,10 @@ def sample(
     top_p: float,
     eos_id: int,
     pad_id: int,
-    greedy: bool = False,
 ) -> list[list[int]]:
-    """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order;
-    `greedy` takes the most likely token instead (tests compare cached and uncached trees)."""
-    width = max(len(p) for p in prefixes)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prefixes])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
-    device = next(model.parameters()).device
-    out = model.generate(
-        # Rows repeated here, as num_return_sequences would (greedy refuses it), so n = B works greedy.
-        input_ids=ids.repeat_interleave(n, 0).to(device), attention_mask=mask.repeat_interleave(n, 0).to(device),
-        max_new_tokens=max_new_tokens, use_cache=True, **generation_kwargs(temperature, top_p, eos_id, pad_id, greedy),
-        # Parameters are gathered and ZeRO-3's hooks are off (grpo.train.gathered): each rank
-        # generates alone. transformers would otherwise keep ranks in lockstep under ZeRO-3,
-        # which deadlocks when ranks make different numbers of generate calls (tree search).
-        synced_gpus=False,
-    )  # fmt: skip
-    return [cut(row[width:].tolist(), eos_id, pad_id) for row in out]
-
-
-def generation_kwargs(
-    temperature: float, top_p: float, eos_id: int, pad_id: int, greedy: bool
-) -> dict:
-    """`generate`'s sampling arguments, shared by the uncached and the prefix-cached sampler."""
-    tokens = {"eos_token_id": eos_id, "pad_token_id": pad_id}
-    if greedy:
-        return tokens | {"do_sample": False}
-    return tokens | {"do_sample": True, "temperature": temperature, "top_p": top_p}
+    """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order."""
+    generation = generation_kwargs(temperature, top_p, eos_id, pad_id)
+    return generate(model, prefixes, n, max_new_tokens, generation)
 
 
 def flat_groups(
@@ -162,10 +139,11 @@ def tree_groups(
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
         sequences = [list(prompts[r.tree]) + r.prefix for r in requests]
         if store is None:
-            out = sample(model, sequences, n, k, temperature=temperature, top_p=top_p,
-                         eos_id=cfg.eos_id, pad_id=pad_id, greedy=greedy)  # fmt: skip
+            out = generate(model, sequences, n, k, generation, branch_entropy=cfg.branch_entropy)
         else:
-            out = store.sample(sequences, n, k, [r.limit for r in requests], generation)
+            out = store.sample(
+                sequences, n, k, [r.limit for r in requests], generation, cfg.branch_entropy
+            )
         # A sampled pad token ends a completion as flat sampling's cut does; a segment needs a
         # token, so one that starts with pad is an eos (the completion ends there).
         return [c or [cfg.eos_id] for c in out]
