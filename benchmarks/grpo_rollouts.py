@@ -56,6 +56,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 SHAPES = ((2, 4), (2, 8), (4, 8), (2, 16))
 """(B, K) tree shapes of part 1; the config's own shape is added."""
+PROBES = (2, 4)
+"""probe_leaves of part 1's probe rows (the config's shape)."""
+ENTROPY = ((4, 0.5), (4, 1.0), (8, 0.5), (8, 1.0))
+"""(longest segment K, branch_entropy in nats) of part 1's entropy-branching rows."""
 
 
 def _summary(groups: list[Group], seconds: float, cpu: float, fed: int) -> dict[str, float]:
@@ -68,7 +72,7 @@ def _summary(groups: list[Group], seconds: float, cpu: float, fed: int) -> dict[
         "leaves": leaves, "tokens": tokens, "per_1k": 1000 * leaves / tokens, "seconds": seconds,
         "s_per_leaf": seconds / leaves, "cpu_per_leaf": cpu / leaves, "reward": sum(r for g in groups for r in g.rewards) / leaves,
         "zero_std": sum(not g.varies for g in groups) / len(groups), "length": sum(g.flat_tokens for g in groups) / leaves,
-        "fed": fed,
+        "fed": fed, "useful_per_1k": 1000 * sum(len(g.rewards) for g in groups if g.varies) / tokens,
     }  # fmt: skip
 
 
@@ -87,7 +91,30 @@ class _Fed:
         return count
 
 
-def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shapes) -> dict:  # noqa: ANN001
+def _variants(
+    shapes, own: tuple[int, int], variants: bool
+) -> list[tuple[str, tuple[int, int], dict]]:  # noqa: ANN001
+    """(row name, (B, K), tree_groups and TreeConfig changes) of each tree run: the shapes with
+    the prefix cache, then (`variants`) the config's shape without it, with a probe against
+    zero-variance groups and with entropy branching (K the longest segment)."""
+    rows = [
+        (f"tree B={b} K={k}" + (" (config)" if (b, k) == own else ""), (b, k), {})
+        for b, k in shapes
+    ]
+    if not variants:
+        return rows
+    b, k = own
+    rows.append((f"tree B={b} K={k} no prefix cache", own, {"reuse_cache": False}))
+    rows += [(f"tree B={b} K={k} probe {p}", own, {"probe_leaves": p}) for p in PROBES]
+    rows += [
+        (f"tree B={b} K={kk} entropy {h}", (b, kk), {"branch_entropy": h}) for kk, h in ENTROPY
+    ]
+    return rows
+
+
+def _compare(
+    model, tok, grpo: dict, problems: list, seed: int, batch: int, shapes, variants: bool = False
+) -> tuple[dict, list[Group]]:  # noqa: ANN001
     """Flat sampling, then each tree shape with flat's tokens per prompt as its budget."""
     ids = [prompt_ids(tok, p, grpo["max_prompt_len"]) for p in problems]
     common = {
@@ -117,7 +144,8 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
     rows = {
         "flat": _summary(flat, time.perf_counter() - start, time.process_time() - cpu, fed.take())
     }
-    for b, k, reuse in [(b, k, True) for b, k in shapes] + [(*own, False)]:
+
+    for name, (b, k), extra in _variants(shapes, own, variants):
         cfg = TreeConfig(
             branching=b,
             segment_tokens=k,
@@ -126,6 +154,8 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
             max_new_tokens=grpo["max_new_tokens"],
             uct_c=grpo["tree"]["uct_c"],
             eos_id=tok.eos_token_id,
+            probe_leaves=extra.get("probe_leaves", 0),
+            branch_entropy=extra.get("branch_entropy", 0.0),
         )
         torch.manual_seed(seed)
         start, cpu = time.perf_counter(), time.process_time()
@@ -137,19 +167,31 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
                 cfg,
                 max_batch=batch,
                 budgets=[g.generated_tokens for g in flat],
-                reuse_cache=reuse,
+                reuse_cache=extra.get("reuse_cache", True),
                 **common,
             )
-        name = (
-            f"tree B={b} K={k}"
-            + (" (config)" if (b, k) == own else "")
-            + ("" if reuse else " no prefix cache")
-        )
         rows[name] = _summary(
             trees, time.perf_counter() - start, time.process_time() - cpu, fed.take()
         )
     fed.handle.remove()
-    return rows  # fmt: skip
+    return rows, flat  # fmt: skip
+
+
+def _flat_probe(groups: list[Group], probe: int) -> dict[str, float]:
+    """Flat sampling that draws `probe` completions first and the rest of the group only if
+    their rewards differ, computed exactly from flat's samples (they are independent draws);
+    it has no time of its own."""
+    kept = [(g.rewards, g.completions) if g.varies or len(set(g.rewards[:probe])) > 1
+            else (g.rewards[:probe], g.completions[:probe]) for g in groups]  # fmt: skip
+    leaves = sum(len(r) for r, _ in kept)
+    tokens = sum(len(c) for _, cs in kept for c in cs)
+    nan = float("nan")
+    return {
+        "leaves": leaves, "tokens": tokens, "per_1k": 1000 * leaves / tokens, "seconds": nan, "s_per_leaf": nan,
+        "cpu_per_leaf": nan, "reward": sum(sum(r) for r, _ in kept) / leaves, "fed": 0,
+        "zero_std": sum(len(set(r)) == 1 for r, _ in kept) / len(kept), "length": tokens / leaves,
+        "useful_per_1k": 1000 * sum(len(r) for r, _ in kept if len(set(r)) > 1) / tokens,
+    }  # fmt: skip
 
 
 def _ratios(rows: dict) -> dict:
@@ -179,22 +221,26 @@ def rollouts(
         sample(rng.choice(families), rng.choice(levels), "train", rng) for _ in range(prompts)
     ]
     own = (grpo["tree"]["branching"], grpo["tree"]["segment_tokens"])
-    rows = _compare(model, tok, grpo, problems, seed, batch, sorted({*SHAPES, own}))
+    rows, flat = _compare(
+        model, tok, grpo, problems, seed, batch, sorted({*SHAPES, own}), variants=True
+    )
+    for p in PROBES:
+        rows[f"flat probe {p} (from flat's samples)"] = _flat_probe(flat, p)
     base = rows["flat"]
     print(
         f"{prompts} prompts at levels {levels} of {families}; flat: {grpo['group_size']} samples each; "
         f"tree: flat's tokens for the prompt as budget; at most {batch} sequences per generate call"
     )
     print(
-        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | CPU s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length | positions fed |"
+        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | CPU s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length | positions fed | leaves of varying groups/1k tok |"
     )
-    print("| --- " * 13 + "|")
+    print("| --- " * 14 + "|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['leaves']} | {r['tokens']:,} | {r['per_1k']:.1f} | {r['per_1k'] / base['per_1k']:.2f} | "
             f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | "
             f"{1000 * r['cpu_per_leaf']:.2f} | {r['cpu_per_leaf'] / base['cpu_per_leaf']:.2f} | {r['reward']:.3f} | "
-            f"{r['zero_std']:.2f} | {r['length']:.1f} | {r['fed']:,} |"
+            f"{r['zero_std']:.2f} | {r['length']:.1f} | {r['fed']:,} | {r['useful_per_1k']:.1f} |"
         )
     return _ratios(rows)  # fmt: skip
 
@@ -212,7 +258,7 @@ def curve(folder: Path, grpo: dict, prompts: int, seed: int, batch: int) -> None
     for level in range(1, 6):
         rng = random.Random(seed + level)
         problems = [sample(rng.choice(families), level, "train", rng) for _ in range(prompts)]
-        rows = _compare(model, tok, grpo, problems, seed, batch, [own])
+        rows, _ = _compare(model, tok, grpo, problems, seed, batch, [own])
         r, tree = _ratios(rows), rows[next(n for n in rows if n != "flat")]
         print(f"| {level} | {rows['flat']['length']:.1f} | {r['leaves_per_1k_ratio']:.2f} | "
               f"{r['seconds_per_leaf_ratio']:.2f} | {rows['flat']['zero_std']:.2f} | {tree['zero_std']:.2f} |", flush=True)  # fmt: skip
