@@ -104,7 +104,7 @@ def _variants(
     if not variants:
         return rows
     b, k = own
-    rows.append((f"tree B={b} K={k} no prefix cache", own, {"reuse_cache": False}))
+    rows.append((f"tree B={b} K={k} no prefix cache", own, {"prefix_cache": False}))
     rows += [(f"tree B={b} K={k} probe {p}", own, {"probe_leaves": p}) for p in PROBES]
     rows += [
         (f"tree B={b} K={kk} entropy {h}", (b, kk), {"branch_entropy": h}) for kk, h in ENTROPY
@@ -156,6 +156,7 @@ def _compare(
             eos_id=tok.eos_token_id,
             probe_leaves=extra.get("probe_leaves", 0),
             branch_entropy=extra.get("branch_entropy", 0.0),
+            prefix_cache=extra.get("prefix_cache", True),
         )
         torch.manual_seed(seed)
         start, cpu = time.perf_counter(), time.process_time()
@@ -167,7 +168,6 @@ def _compare(
                 cfg,
                 max_batch=batch,
                 budgets=[g.generated_tokens for g in flat],
-                reuse_cache=extra.get("reuse_cache", True),
                 **common,
             )
         rows[name] = _summary(

@@ -407,6 +407,7 @@ def test_segments_of_a_search_cover_every_leaf_path() -> None:
         ("uct_c", float("inf")),
         ("uct_c", "1"),
         ("probe_leaves", -1),
+        ("prefix_cache", 1),
         ("branch_entropy", -0.5),
         ("branch_entropy", float("inf")),
     ],

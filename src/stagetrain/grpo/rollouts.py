@@ -10,7 +10,7 @@ tree   a search tree per prompt (`grpo.tree`): UCT selects a partial completion,
        The trees of the rank's prompts grow together: one `generate` call per
        round for the node each open tree selected (left-padded, KV cache; in
        chunks of at most the generation batch's sequences). The KV cache of
-       every open node is kept between rounds (`grpo.prefix_cache`), so a round
+       every open node is kept between rounds (`grpo/prefix_cache.py`), so a round
        prefills one token per sequence, not prompt and prefix again.
        Token advantages: the segment's value among its siblings plus the leaf's
        group advantage (`grpo.advantages.tree_token_advantages`).
@@ -119,22 +119,20 @@ def tree_groups(
     pad_id: int,
     max_batch: int,
     budgets: Sequence[int] | None = None,
-    reuse_cache: bool = True,
     greedy: bool = False,
 ) -> list[Group]:
     """A search tree per prompt, all grown together (`tree.search_trees`): each round's
     selected nodes of every tree are expanded in one `generate` call of at most `max_batch`
     sequences; each tree's finished leaves are its group. `budgets`, if given, replaces
     `cfg.max_tokens` per prompt (the benchmark gives each tree flat sampling's tokens).
-    `reuse_cache` keeps the KV cache of each open node between rounds (`PrefixCache`), so a
-    round prefills only the new tokens; off, every round prefills prompt and prefix again
-    (the benchmark's comparison). `greedy` is for tests."""
+    `cfg.prefix_cache` keeps the KV cache of each open node between rounds (`PrefixCache`).
+    `greedy` is for tests."""
     if budgets is None:
         cfgs = [cfg] * len(prompts)
     else:
         cfgs = [replace(cfg, max_tokens=max(1, b)) for b in budgets]
     generation = generation_kwargs(temperature, top_p, cfg.eos_id, pad_id, greedy)
-    store = PrefixCache(model) if reuse_cache else None
+    store = PrefixCache(model) if cfg.prefix_cache else None
 
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
         sequences = [list(prompts[r.tree]) + r.prefix for r in requests]

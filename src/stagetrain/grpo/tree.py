@@ -64,7 +64,16 @@ class TreeConfig:
     than this, so the tree branches where the policy is uncertain; segment_tokens stays the
     longest segment."""
 
+    prefix_cache: bool = True
+    """Keep each open node's KV cache between rounds (`grpo/prefix_cache.py`), so a round prefills
+    only new tokens; off, every round prefills prompt and prefix again (for a model whose cache
+    the prefix cache does not handle, and the benchmark's comparison)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.prefix_cache, bool):
+            raise StageError(
+                f"grpo.tree.prefix_cache: expected true or false, got {self.prefix_cache!r}"
+            )
         minimum = {"branching": 2, "segment_tokens": 1, "max_leaves": 1, "max_tokens": 1}
         minimum |= {"max_new_tokens": 1, "eos_id": 0, "probe_leaves": 0}
         for key, low in minimum.items():
