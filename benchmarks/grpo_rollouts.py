@@ -56,21 +56,65 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 SHAPES = ((2, 4), (2, 8), (4, 8), (2, 16))
 """(B, K) tree shapes of part 1; the config's own shape is added."""
+PROBES = (2, 4)
+"""probe_leaves of part 1's probe rows (the config's shape)."""
+ENTROPY = ((4, 0.5), (4, 1.0), (8, 0.5), (8, 1.0))
+"""(longest segment K, branch_entropy in nats) of part 1's entropy-branching rows."""
 
 
-def _summary(groups: list[Group], seconds: float, cpu: float) -> dict[str, float]:
+def _summary(groups: list[Group], seconds: float, cpu: float, fed: int) -> dict[str, float]:
     """Counts and rates of one rollout mode; `cpu` is the process's CPU seconds (one torch thread),
-    which other users' load on a shared machine inflates much less than wall-clock seconds."""
+    which other users' load on a shared machine inflates much less than wall-clock seconds; `fed`
+    the token positions the model computed (prefill and decode, padding included)."""
     leaves = sum(len(g.rewards) for g in groups)
     tokens = sum(g.generated_tokens for g in groups)
     return {
         "leaves": leaves, "tokens": tokens, "per_1k": 1000 * leaves / tokens, "seconds": seconds,
         "s_per_leaf": seconds / leaves, "cpu_per_leaf": cpu / leaves, "reward": sum(r for g in groups for r in g.rewards) / leaves,
         "zero_std": sum(not g.varies for g in groups) / len(groups), "length": sum(g.flat_tokens for g in groups) / leaves,
+        "fed": fed, "useful_per_1k": 1000 * sum(len(g.rewards) for g in groups if g.varies) / tokens,
     }  # fmt: skip
 
 
-def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shapes) -> dict:  # noqa: ANN001
+class _Fed:
+    """Counts the token positions the model is fed (a forward pre-hook on its base model)."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001
+        self.count = 0
+        self.handle = model.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, _module, _args, kwargs) -> None:  # noqa: ANN001
+        self.count += kwargs["input_ids"].numel()
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+
+def _variants(
+    shapes, own: tuple[int, int], variants: bool
+) -> list[tuple[str, tuple[int, int], dict]]:  # noqa: ANN001
+    """(row name, (B, K), tree_groups and TreeConfig changes) of each tree run: the shapes with
+    the prefix cache, then (`variants`) the config's shape without it, with a probe against
+    zero-variance groups and with entropy branching (K the longest segment)."""
+    rows = [
+        (f"tree B={b} K={k}" + (" (config)" if (b, k) == own else ""), (b, k), {})
+        for b, k in shapes
+    ]
+    if not variants:
+        return rows
+    b, k = own
+    rows.append((f"tree B={b} K={k} no prefix cache", own, {"prefix_cache": False}))
+    rows += [(f"tree B={b} K={k} probe {p}", own, {"probe_leaves": p}) for p in PROBES]
+    rows += [
+        (f"tree B={b} K={kk} entropy {h}", (b, kk), {"branch_entropy": h}) for kk, h in ENTROPY
+    ]
+    return rows
+
+
+def _compare(
+    model, tok, grpo: dict, problems: list, seed: int, batch: int, shapes, variants: bool = False
+) -> tuple[dict, list[Group]]:  # noqa: ANN001
     """Flat sampling, then each tree shape with flat's tokens per prompt as its budget."""
     ids = [prompt_ids(tok, p, grpo["max_prompt_len"]) for p in problems]
     common = {
@@ -83,6 +127,7 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
     def reward(i: int, completion: list[int]) -> float:
         return score(tok.decode(completion, skip_special_tokens=False), problems[i])
 
+    fed = _Fed(model)
     torch.manual_seed(seed)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
@@ -96,8 +141,11 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
             max_batch=batch,
             **common,
         )
-    rows = {"flat": _summary(flat, time.perf_counter() - start, time.process_time() - cpu)}
-    for b, k in shapes:
+    rows = {
+        "flat": _summary(flat, time.perf_counter() - start, time.process_time() - cpu, fed.take())
+    }
+
+    for name, (b, k), extra in _variants(shapes, own, variants):
         cfg = TreeConfig(
             branching=b,
             segment_tokens=k,
@@ -106,6 +154,9 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
             max_new_tokens=grpo["max_new_tokens"],
             uct_c=grpo["tree"]["uct_c"],
             eos_id=tok.eos_token_id,
+            probe_leaves=extra.get("probe_leaves", 0),
+            branch_entropy=extra.get("branch_entropy", 0.0),
+            prefix_cache=extra.get("prefix_cache", True),
         )
         torch.manual_seed(seed)
         start, cpu = time.perf_counter(), time.process_time()
@@ -119,10 +170,28 @@ def _compare(model, tok, grpo: dict, problems: list, seed: int, batch: int, shap
                 budgets=[g.generated_tokens for g in flat],
                 **common,
             )
-        rows[f"tree B={b} K={k}" + (" (config)" if (b, k) == own else "")] = _summary(
-            trees, time.perf_counter() - start, time.process_time() - cpu
+        rows[name] = _summary(
+            trees, time.perf_counter() - start, time.process_time() - cpu, fed.take()
         )
-    return rows  # fmt: skip
+    fed.handle.remove()
+    return rows, flat  # fmt: skip
+
+
+def _flat_probe(groups: list[Group], probe: int) -> dict[str, float]:
+    """Flat sampling that draws `probe` completions first and the rest of the group only if
+    their rewards differ, computed exactly from flat's samples (they are independent draws);
+    it has no time of its own."""
+    kept = [(g.rewards, g.completions) if g.varies or len(set(g.rewards[:probe])) > 1
+            else (g.rewards[:probe], g.completions[:probe]) for g in groups]  # fmt: skip
+    leaves = sum(len(r) for r, _ in kept)
+    tokens = sum(len(c) for _, cs in kept for c in cs)
+    nan = float("nan")
+    return {
+        "leaves": leaves, "tokens": tokens, "per_1k": 1000 * leaves / tokens, "seconds": nan, "s_per_leaf": nan,
+        "cpu_per_leaf": nan, "reward": sum(sum(r) for r, _ in kept) / leaves, "fed": 0,
+        "zero_std": sum(len(set(r)) == 1 for r, _ in kept) / len(kept), "length": tokens / leaves,
+        "useful_per_1k": 1000 * sum(len(r) for r, _ in kept if len(set(r)) > 1) / tokens,
+    }  # fmt: skip
 
 
 def _ratios(rows: dict) -> dict:
@@ -152,22 +221,26 @@ def rollouts(
         sample(rng.choice(families), rng.choice(levels), "train", rng) for _ in range(prompts)
     ]
     own = (grpo["tree"]["branching"], grpo["tree"]["segment_tokens"])
-    rows = _compare(model, tok, grpo, problems, seed, batch, sorted({*SHAPES, own}))
+    rows, flat = _compare(
+        model, tok, grpo, problems, seed, batch, sorted({*SHAPES, own}), variants=True
+    )
+    for p in PROBES:
+        rows[f"flat probe {p} (from flat's samples)"] = _flat_probe(flat, p)
     base = rows["flat"]
     print(
         f"{prompts} prompts at levels {levels} of {families}; flat: {grpo['group_size']} samples each; "
         f"tree: flat's tokens for the prompt as budget; at most {batch} sequences per generate call"
     )
     print(
-        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | CPU s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length |"
+        "| rollout | leaves | tokens | leaves/1k tok | ratio | s/leaf (ms) | ratio | CPU s/leaf (ms) | ratio | mean reward | zero-std prompts | leaf length | positions fed | leaves of varying groups/1k tok |"
     )
-    print("| --- " * 12 + "|")
+    print("| --- " * 14 + "|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['leaves']} | {r['tokens']:,} | {r['per_1k']:.1f} | {r['per_1k'] / base['per_1k']:.2f} | "
             f"{1000 * r['s_per_leaf']:.2f} | {r['s_per_leaf'] / base['s_per_leaf']:.2f} | "
             f"{1000 * r['cpu_per_leaf']:.2f} | {r['cpu_per_leaf'] / base['cpu_per_leaf']:.2f} | {r['reward']:.3f} | "
-            f"{r['zero_std']:.2f} | {r['length']:.1f} |"
+            f"{r['zero_std']:.2f} | {r['length']:.1f} | {r['fed']:,} | {r['useful_per_1k']:.1f} |"
         )
     return _ratios(rows)  # fmt: skip
 
@@ -185,7 +258,7 @@ def curve(folder: Path, grpo: dict, prompts: int, seed: int, batch: int) -> None
     for level in range(1, 6):
         rng = random.Random(seed + level)
         problems = [sample(rng.choice(families), level, "train", rng) for _ in range(prompts)]
-        rows = _compare(model, tok, grpo, problems, seed, batch, [own])
+        rows, _ = _compare(model, tok, grpo, problems, seed, batch, [own])
         r, tree = _ratios(rows), rows[next(n for n in rows if n != "flat")]
         print(f"| {level} | {rows['flat']['length']:.1f} | {r['leaves_per_1k_ratio']:.2f} | "
               f"{r['seconds_per_leaf_ratio']:.2f} | {rows['flat']['zero_std']:.2f} | {tree['zero_std']:.2f} |", flush=True)  # fmt: skip

@@ -179,6 +179,21 @@ def test_search_respects_the_leaf_budget_and_finishes_every_leaf() -> None:
     assert tree.root.visits == len(leaves)
 
 
+def test_a_probe_stops_a_tree_whose_first_leaves_agree_and_only_that_one() -> None:
+    def expand(requests: list[Request], b: int, k: int) -> list[list[int]]:
+        return [[2 + i % 2, EOS] for r in requests for i in range(b)]
+
+    def score(tree: int, completion: list[int]) -> float:
+        return 1.0 if tree == 0 else float(completion[0] == 2)  # tree 0 agrees, tree 1 does not
+
+    cfg = _cfg(branching=2, max_leaves=8, probe_leaves=4)
+    agree, differ = search_trees([cfg, cfg], expand, score, max_batch=4)
+    assert len(agree.leaves()) == 4  # stopped after the probe: 2 widenings of 2 leaves
+    assert len(differ.leaves()) == 8
+    unprobed = search_trees([replace(cfg, probe_leaves=0)], expand, score, max_batch=4)[0]
+    assert len(unprobed.leaves()) == 8
+
+
 def test_search_respects_the_token_budget() -> None:
     cfg = _cfg(max_leaves=1000, max_tokens=20)
     tree = search(cfg, _fake_expand(), _even_score)
@@ -391,6 +406,10 @@ def test_segments_of_a_search_cover_every_leaf_path() -> None:
         ("uct_c", float("nan")),
         ("uct_c", float("inf")),
         ("uct_c", "1"),
+        ("probe_leaves", -1),
+        ("prefix_cache", 1),
+        ("branch_entropy", -0.5),
+        ("branch_entropy", float("inf")),
     ],
 )
 def test_config_errors_name_the_key(key: str, value: Any) -> None:

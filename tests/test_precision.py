@@ -143,6 +143,10 @@ class _Recording(torch.nn.Module):
         self.batches.append(kwargs["input_ids"].shape[0] * kwargs.get("num_return_sequences", 1))
         return self.model.generate(**kwargs)
 
+    def forward(self, **kwargs: Any) -> Any:
+        """The tree's prefix cache prefills its misses with a plain forward pass."""
+        return self.model(**kwargs)
+
 
 @pytest.mark.parametrize("prompts_per_step", [16, 64])
 def test_rollouts_generate_the_batch_the_plan_counted(prompts_per_step: int) -> None:

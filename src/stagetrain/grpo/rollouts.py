@@ -9,7 +9,9 @@ tree   a search tree per prompt (`grpo.tree`): UCT selects a partial completion,
        their rewards backed up, until group_size leaves or the token budget.
        The trees of the rank's prompts grow together: one `generate` call per
        round for the node each open tree selected (left-padded, KV cache; in
-       chunks of at most the generation batch's sequences).
+       chunks of at most the generation batch's sequences). The KV cache of
+       every open node is kept between rounds (`grpo/prefix_cache.py`), so a round
+       prefills one token per sequence, not prompt and prefix again.
        Token advantages: the segment's value among its siblings plus the leaf's
        group advantage (`grpo.advantages.tree_token_advantages`).
 """
@@ -23,6 +25,8 @@ import torch
 from transformers import PreTrainedModel
 
 from stagetrain.grpo.advantages import group_advantages, tree_token_advantages
+from stagetrain.grpo.prefix_cache import PrefixCache
+from stagetrain.grpo.sampling import generate, generation_kwargs
 from stagetrain.grpo.tree import (
     Request,
     SearchTree,
@@ -53,18 +57,6 @@ class Group:
         return len(set(self.rewards)) > 1
 
 
-def _cut(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:
-    """Tokens up to and including the first eos, without padding."""
-    out = []
-    for token in tokens:
-        if token == pad_id and token != eos_id:
-            break
-        out.append(token)
-        if token == eos_id:
-            break
-    return out
-
-
 def sample(
     model: PreTrainedModel,
     prefixes: Sequence[list[int]],
@@ -77,20 +69,8 @@ def sample(
     pad_id: int,
 ) -> list[list[int]]:
     """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order."""
-    width = max(len(p) for p in prefixes)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prefixes])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
-    device = next(model.parameters()).device
-    out = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
-        top_p=top_p, max_new_tokens=max_new_tokens, num_return_sequences=n, eos_token_id=eos_id,
-        pad_token_id=pad_id, use_cache=True,
-        # Parameters are gathered and ZeRO-3's hooks are off (grpo.train.gathered): each rank
-        # generates alone. transformers would otherwise keep ranks in lockstep under ZeRO-3,
-        # which deadlocks when ranks make different numbers of generate calls (tree search).
-        synced_gpus=False,
-    )  # fmt: skip
-    return [_cut(row[width:].tolist(), eos_id, pad_id) for row in out]
+    generation = generation_kwargs(temperature, top_p, eos_id, pad_id)
+    return generate(model, prefixes, n, max_new_tokens, generation)
 
 
 def flat_groups(
@@ -139,19 +119,29 @@ def tree_groups(
     pad_id: int,
     max_batch: int,
     budgets: Sequence[int] | None = None,
+    greedy: bool = False,
 ) -> list[Group]:
     """A search tree per prompt, all grown together (`tree.search_trees`): each round's
     selected nodes of every tree are expanded in one `generate` call of at most `max_batch`
     sequences; each tree's finished leaves are its group. `budgets`, if given, replaces
-    `cfg.max_tokens` per prompt (the benchmark gives each tree flat sampling's tokens)."""
+    `cfg.max_tokens` per prompt (the benchmark gives each tree flat sampling's tokens).
+    `cfg.prefix_cache` keeps the KV cache of each open node between rounds (`PrefixCache`).
+    `greedy` is for tests."""
     if budgets is None:
         cfgs = [cfg] * len(prompts)
     else:
         cfgs = [replace(cfg, max_tokens=max(1, b)) for b in budgets]
+    generation = generation_kwargs(temperature, top_p, cfg.eos_id, pad_id, greedy)
+    store = PrefixCache(model) if cfg.prefix_cache else None
 
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
-        out = sample(model, [list(prompts[r.tree]) + r.prefix for r in requests], n, k,
-                     temperature=temperature, top_p=top_p, eos_id=cfg.eos_id, pad_id=pad_id)  # fmt: skip
+        sequences = [list(prompts[r.tree]) + r.prefix for r in requests]
+        if store is None:
+            out = generate(model, sequences, n, k, generation, branch_entropy=cfg.branch_entropy)
+        else:
+            out = store.sample(
+                sequences, n, k, [r.limit for r in requests], generation, cfg.branch_entropy
+            )
         # A sampled pad token ends a completion as flat sampling's cut does; a segment needs a
         # token, so one that starts with pad is an eos (the completion ends there).
         return [c or [cfg.eos_id] for c in out]

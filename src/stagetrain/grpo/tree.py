@@ -54,17 +54,36 @@ class TreeConfig:
     uct_c: float
     """The exploration constant c of UCT; 0 is greedy on the mean reward."""
     eos_id: int
+    probe_leaves: int = 0
+    """Stop a tree whose first `probe_leaves` finished leaves all got the same reward (0: never):
+    such a group is likely to stay without reward variance, which the loss drops, so the
+    tokens it would still spend carry no signal (DAPO's dynamic sampling, inside the budget)."""
+    branch_entropy: float = 0.0
+    """0: every continuation runs segment_tokens tokens. Above 0: the sampler ends a segment
+    before its first token (after the first) sampled from a distribution of more entropy (nats)
+    than this, so the tree branches where the policy is uncertain; segment_tokens stays the
+    longest segment."""
+
+    prefix_cache: bool = True
+    """Keep each open node's KV cache between rounds (`grpo/prefix_cache.py`), so a round prefills
+    only new tokens; off, every round prefills prompt and prefix again (for a model whose cache
+    the prefix cache does not handle, and the benchmark's comparison)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefix_cache, bool):
+            raise StageError(
+                f"grpo.tree.prefix_cache: expected true or false, got {self.prefix_cache!r}"
+            )
         minimum = {"branching": 2, "segment_tokens": 1, "max_leaves": 1, "max_tokens": 1}
-        minimum |= {"max_new_tokens": 1, "eos_id": 0}
+        minimum |= {"max_new_tokens": 1, "eos_id": 0, "probe_leaves": 0}
         for key, low in minimum.items():
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise StageError(f"grpo.tree.{key}: expected an integer >= {low}, got {value!r}")
-        c = self.uct_c
-        if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < math.inf:
-            raise StageError(f"grpo.tree.uct_c: expected a finite number >= 0, got {c!r}")
+        for key in ("uct_c", "branch_entropy"):
+            c = getattr(self, key)
+            if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < math.inf:
+                raise StageError(f"grpo.tree.{key}: expected a finite number >= 0, got {c!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,8 +262,12 @@ TreeScore = Callable[[int, list[int]], float]
 
 
 def _spent(tree: SearchTree) -> bool:
-    """Whether the tree's leaf or token budget is used up."""
-    return len(tree.leaves()) >= tree.cfg.max_leaves or tree.generated_tokens >= tree.cfg.max_tokens
+    """Whether the tree's leaf or token budget is used up, or its probe found no variance."""
+    leaves = tree.leaves()
+    if len(leaves) >= tree.cfg.max_leaves or tree.generated_tokens >= tree.cfg.max_tokens:
+        return True
+    probe = tree.cfg.probe_leaves
+    return probe > 0 and len(leaves) >= probe and len({leaf.value for leaf in leaves}) == 1
 
 
 def search_trees(
