@@ -233,6 +233,9 @@ class TreeSettings(_Section):
     branching: int
     segment_tokens: int
     uct_c: float
+    probe_leaves: int
+    branch_entropy: float
+    prefix_cache: bool
 
 
 @dataclass(frozen=True)
