@@ -38,7 +38,6 @@ from stagetrain.training.batches import window_count
 from stagetrain.training.checkpoints import Checkpoints, tag_of
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, validation_loss
-from stagetrain.training.integrity import weights_only_loads
 from stagetrain.training.layout import StageLayout
 from stagetrain.training.metrics import MetricsLog, check_finite, tensorboard_dir
 from stagetrain.training.rank import rank_main
@@ -169,8 +168,7 @@ def loop(run: Run) -> dict[str, Any]:
     curriculum, start = Curriculum.start(run.curriculum, cfg["curriculum"]["families"]), 0
     pointer = run.checkpoints.latest()
     if pointer:
-        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
-            _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
+        client = run.checkpoints.load(run.engine, pointer)
         try:
             start, curriculum = client["step"], Curriculum.from_json(client["curriculum"])
         except StageError as err:
@@ -196,10 +194,10 @@ def loop(run: Run) -> dict[str, Any]:
     elif start == 0:
         accuracy(run)
     for step in range(start + 1, cfg["steps"] + 1):
-        rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
-        torch.manual_seed(rng.getrandbits(63))
+        # Sampling the completions: per rank (the prompts are global, steps.step_prompts).
+        torch.manual_seed(random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}").getrandbits(63))
         t0 = time.monotonic()
-        record = grpo_steps.step(run, curriculum, step, rng)
+        record = grpo_steps.step(run, curriculum, step)
         check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
                      precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from stagetrain.training import engine as engines
 from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
-from stagetrain.training.integrity import weights_only_loads
 from stagetrain.training.layout import StageLayout
 from stagetrain.training.metrics import (
     MetricsLog,
@@ -43,6 +43,14 @@ from stagetrain.training.metrics import (
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
+WINDOW_LOG = "STAGETRAIN_WINDOW_LOG"
+"""Debug option: set to 1, rank 0 writes windows.jsonl beside metrics.jsonl in the checkpoint
+folder, one record per step with the training windows each data-parallel rank read (cut back
+to the resumed step on a restart, as metrics.jsonl is), to prove every window is read once."""
+WINDOW_RECORD = {
+    "step": "optimizer steps completed",
+    "windows": "window ids read, dp ranks in order",
+}
 NOT_MATHS = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
 
 
@@ -134,16 +142,27 @@ def evaluate(run: Run) -> float:
     return loss
 
 
-def train_step(run: Run, step: int) -> float:
-    """One optimizer step over this rank's micro batches; the loss averaged over all ranks."""
-    losses = []
+def train_step(run: Run, step: int, windows: MetricsLog | None = None) -> float:
+    """One optimizer step over this rank's micro batches; the loss averaged over all ranks.
+
+    With the window log on (`WINDOW_LOG`), the windows every rank read are
+    gathered and rank 0 appends them to `windows`.
+    """
+    losses, read = [], []
     for micro in run.sampler.rank_micro_batches(step, run.dp_rank):
         loss = loss_on(run, micro, run.train)
         run.engine.backward(loss)
         run.engine.step()
         losses.append(loss.detach().float())
+        read.extend(int(i) for i in micro)
     mean = torch.stack(losses).mean()
     dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+    if os.environ.get(WINDOW_LOG) == "1":
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (run.dp_rank, read))
+        if windows:  # ranks of one tp group read the same windows: one entry per dp rank
+            by_dp = dict(every)
+            windows.write({"step": step + 1, "windows": [by_dp[r] for r in sorted(by_dp)]})
     return mean.item() / dist.get_world_size()
 
 
@@ -177,8 +196,7 @@ def loop(run: Run) -> dict[str, Any]:
     start = 0
     pointer = run.checkpoints.latest()
     if pointer:
-        with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
-            _, client = run.engine.load_checkpoint(str(run.checkpoints.folder), tag=pointer["tag"])
+        client = run.checkpoints.load(run.engine, pointer)
         start = client["step"]
         log.info("resuming from %s at step %d", pointer["tag"], start)
     elif rank0 and (why := run.checkpoints.why_fresh()):
@@ -190,12 +208,17 @@ def loop(run: Run) -> dict[str, Any]:
         if rank0
         else None
     )
+    windows = (
+        MetricsLog(run.checkpoints.folder / "windows.jsonl", start, WINDOW_RECORD)
+        if rank0 and os.environ.get(WINDOW_LOG) == "1"
+        else None
+    )
     progress, began = Progress(cfg["steps"], start), time.monotonic()
     tokens_per_step = run.layout.global_batch * cfg["seq_len"]
     last_eval, window_s, window_steps = None, 0.0, 0
     for step in range(start + 1, cfg["steps"] + 1):
         t0 = time.monotonic()
-        loss = train_step(run, step - 1)
+        loss = train_step(run, step - 1, windows)
         finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1

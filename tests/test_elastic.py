@@ -1,0 +1,125 @@
+"""Elastic resume at the runtime level: a checkpoint of one layout resumed under another.
+
+Each drill starts from the state a SIGKILL of the whole run after step 2's
+checkpoint leaves on disk: the uninterrupted run's checkpoint folder with the
+pointer at step 2 and step 4 never written (its tag folder gone, the logs
+beyond step 2 still there, as a killed run leaves them). The resumed run, under
+another layout and the same global batch, must then match the uninterrupted
+run: losses of steps 3-4 to 1e-4 relative, final fp32 weights to 1e-4 absolute
+(the tolerances of test_pretrain_dist.py), and the windows it read (the
+STAGETRAIN_WINDOW_LOG debug log) must be the uninterrupted run's, each once.
+One uninterrupted run per source layout is shared by the drills that start from it.
+The drills through Snakemake (SIGKILL of the real run, `--rerun-incomplete`
+with other `hardware.cpu_ranks`) are in test_workflow.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pretrain_harness import final_params, launch, run
+from test_pretrain_dist import LOSS_RTOL, PARAM_ATOL
+
+from stagetrain.training.checkpoints import tag_of
+
+pytestmark = pytest.mark.slow
+CHANGES = {"pretrain": {"checkpoint_every": 2, "keep_checkpoints": 2}}
+ZERO2_DP2 = {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 2}
+ZERO1_TP2 = {"dp": 1, "tp": 2, "micro_batch_size": 4, "zero_stage": 1}
+ZERO1_DP1 = {"dp": 1, "tp": 1, "micro_batch_size": 4, "zero_stage": 1}
+ZERO0_DP2 = {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0}
+
+
+@pytest.fixture(autouse=True)
+def _window_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAGETRAIN_WINDOW_LOG", "1")
+
+
+def _uninterrupted(data: dict[str, str], out: Path, layout: dict[str, Any]) -> dict[str, Any]:
+    world = layout["dp"] * layout["tp"]
+    return run(data, out, world=world, layout=layout, config_changes=CHANGES)
+
+
+@pytest.fixture(scope="module")
+def zero2_dp2(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STAGETRAIN_WINDOW_LOG", "1")
+        return _uninterrupted(data, tmp_path_factory.mktemp("z2dp2"), ZERO2_DP2)
+
+
+def killed_after_step_2(summary: dict[str, Any], out: Path) -> Path:
+    """A copy of the run's checkpoints as a SIGKILL after step 2's checkpoint leaves them."""
+    source = Path(summary["checkpoint"]["folder"])
+    root = out / "checkpoints"
+    shutil.copytree(source.parent, root)
+    folder = root / source.name
+    shutil.rmtree(folder / tag_of(4))
+    pointer = json.loads((folder / "latest.json").read_text())
+    layout = pointer["layouts"][tag_of(2)]
+    (folder / "latest.json").write_text(json.dumps({"tag": tag_of(2), "step": 2, "layout": layout,
+                                                    "complete": [tag_of(2)], "layouts": {tag_of(2): layout}}))  # fmt: skip
+    return root
+
+
+def windows(summary: dict[str, Any]) -> list[list[int]]:
+    """The windows read per step (all dp ranks together) from the run's window log."""
+    path = Path(summary["checkpoint"]["folder"]) / "windows.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    return [sum(r["windows"], []) for r in records]
+
+
+def drill(data: dict[str, str], baseline: dict[str, Any], out: Path, layout: dict[str, Any]) -> str:
+    """Resume the baseline's step-2 checkpoint under `layout`; check it against the baseline; the log."""
+    world = layout["dp"] * layout["tp"]
+    proc = launch(data, out, world=world, layout=layout, config_changes=CHANGES,
+                  checkpoints=killed_after_step_2(baseline, out))  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["resumed_from_step"] == 2 and resumed["layout"]["dp"] == layout["dp"]
+    for step in ("3", "4"):
+        assert resumed["losses"][step] == pytest.approx(baseline["losses"][step], rel=LOSS_RTOL)
+    got, want = windows(resumed), windows(baseline)
+    assert got == want  # the same global order, step by step
+    flat = sum(got, [])
+    assert len(flat) == len(set(flat))  # no window read twice
+    a, b = final_params(resumed), final_params(baseline)
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < PARAM_ATOL, worst
+    return proc.stdout + proc.stderr
+
+
+def test_two_ranks_zero2_resume_on_one_rank(
+    data: dict[str, str], zero2_dp2: dict[str, Any], tmp_path: Path
+) -> None:
+    log = drill(data, zero2_dp2, tmp_path, {**ZERO1_DP1, "zero_stage": 2})
+    assert "2 ranks (dp=2 tp=1) ZeRO-2 -> 1 rank (dp=1 tp=1) ZeRO-2: converted step 2" in log
+    folder = tmp_path / "checkpoints" / zero2_dp2["fingerprint"]
+    assert (folder / "step00000002.universal").is_dir()  # beside the original, kept with it
+    assert sorted(p.name for p in folder.glob("step*")) == [
+        "step00000002", "step00000002.universal", "step00000004"
+    ]  # fmt: skip
+
+
+def test_zero2_resumes_under_zero3(
+    data: dict[str, str], zero2_dp2: dict[str, Any], tmp_path: Path
+) -> None:
+    log = drill(data, zero2_dp2, tmp_path, {**ZERO2_DP2, "zero_stage": 3})
+    assert "ZeRO-2 -> 2 ranks (dp=2 tp=1) ZeRO-3: converted step 2" in log
+
+
+def test_one_rank_resumes_on_two(data: dict[str, str], tmp_path: Path) -> None:
+    baseline = _uninterrupted(data, tmp_path / "base", ZERO1_DP1)
+    log = drill(data, baseline, tmp_path / "drill", {**ZERO2_DP2, "zero_stage": 1})
+    assert "1 rank (dp=1 tp=1) ZeRO-1 -> 2 ranks (dp=2 tp=1) ZeRO-1: converted step 2" in log
+
+
+def test_tensor_parallel_two_resumes_on_tp_one(data: dict[str, str], tmp_path: Path) -> None:
+    baseline = _uninterrupted(data, tmp_path / "base", ZERO1_TP2)
+    log = drill(data, baseline, tmp_path / "drill", ZERO1_DP1)
+    assert "2 ranks (dp=1 tp=2) ZeRO-1 -> 1 rank (dp=1 tp=1) ZeRO-1: converted step 2" in log
