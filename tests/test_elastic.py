@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from pretrain_harness import final_params, launch, run
 from test_pretrain_dist import LOSS_RTOL, PARAM_ATOL
 
+from stagetrain.consolidate.stored import Reader
+from stagetrain.consolidate.weights import read_weights
 from stagetrain.training.checkpoints import tag_of
 
 pytestmark = pytest.mark.slow
@@ -73,6 +76,20 @@ def windows(summary: dict[str, Any]) -> list[list[int]]:
     return [sum(r["windows"], []) for r in records]
 
 
+def tp_params(
+    summary: dict[str, Any], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """The final weights of a run, AutoTP slices joined by the consolidation's reader (zero_to_fp32
+    reads no AutoTP checkpoint); `final_params` for other layouts."""
+    if summary["layout"]["tp"] == 1:
+        return final_params(summary)
+    folder, tag = Path(summary["checkpoint"]["folder"]), summary["checkpoint"]["tag"]
+    stored = read_weights(folder, tag, summary["layout"], shapes)
+    with Reader() as reader:
+        return {name: torch.cat([c.flatten().float() for c in reader.chunks(where)]).view(shapes[name])
+                for name, where in stored.items()}  # fmt: skip
+
+
 def drill(data: dict[str, str], baseline: dict[str, Any], out: Path, layout: dict[str, Any]) -> str:
     """Resume the baseline's step-2 checkpoint under `layout`; check it against the baseline; the log."""
     world = layout["dp"] * layout["tp"]
@@ -87,7 +104,8 @@ def drill(data: dict[str, str], baseline: dict[str, Any], out: Path, layout: dic
     assert got == want  # the same global order, step by step
     flat = sum(got, [])
     assert len(flat) == len(set(flat))  # no window read twice
-    a, b = final_params(resumed), final_params(baseline)
+    a = final_params(resumed)
+    b = tp_params(baseline, {k: tuple(v.shape) for k, v in a.items()})
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst < PARAM_ATOL, worst

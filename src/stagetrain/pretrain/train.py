@@ -85,7 +85,9 @@ def components(
         "training": {k: v for k, v in spec["pretrain"].items() if k not in NOT_MATHS},
         "precision": [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
         or ["fp32"],
-        "global_batch": ds_config["train_batch_size"],
+        # DeepSpeed counts AutoTP ranks in its batch size; the sequences per step do not depend on tp
+        "global_batch": ds_config["train_batch_size"]
+        // ds_config.get("tensor_parallel", {}).get("autotp_size", 1),
         "seed": spec["seed"],
     }
 

@@ -100,6 +100,7 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
     try:
         _ds_to_universal(folder / tag, work / tag)
         _model_states_for_every_stage(work / tag)
+        _optimizer_state_for_every_stage(work / tag / "zero")
     except (AssertionError, KeyError, ValueError, RuntimeError, OSError, TypeError) as err:
         shutil.rmtree(work, ignore_errors=True)
         raise StageError(
@@ -138,6 +139,36 @@ def _model_states_for_every_stage(folder: Path) -> None:
             continue
         if not (folder / twin).exists():
             shutil.copy2(path, folder / twin)
+
+
+def _optimizer_state_for_every_stage(zero: Path) -> None:
+    """Give the universal folder the optimizer step both of DeepSpeed's loaders look for.
+
+    ds_to_universal writes the Adam step where the source's ZeRO stage keeps
+    it and the loaders read it where the target's keeps it: ZeRO 1-2 per
+    parameter (`<param>/step.pt`), ZeRO-3 in the global `optimizer_state.pt`
+    (`optimizer_state_dict.state[0].step`, with its `param_groups`). Without
+    this a ZeRO-3 -> ZeRO-2 resume would restart Adam's bias correction at
+    step 0, and ZeRO-2 -> ZeRO-3 fails on the missing key.
+    """
+    import torch
+
+    path = zero / "optimizer_state.pt"
+    state = load_file(path)
+    inner = state.get("optimizer_state_dict")
+    steps = sorted(zero.glob("*/step.pt"))
+    if inner is not None:
+        step = inner["state"][0]["step"]
+    elif steps:
+        step = load_file(steps[0])
+    else:
+        raise KeyError("no optimizer step in the converted checkpoint")
+    if inner is None:
+        state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+        torch.save(state, path)
+    for folder in (p.parent for p in zero.glob("*/fp32.pt")):
+        if not (folder / "step.pt").exists():
+            torch.save(step, folder / "step.pt")
 
 
 def check_universal(folder: Path) -> None:
