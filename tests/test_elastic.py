@@ -55,25 +55,31 @@ def zero2_dp2(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def killed_after_step_2(summary: dict[str, Any], out: Path) -> Path:
-    """A copy of the run's checkpoints as a SIGKILL after step 2's checkpoint leaves them."""
+    """A copy of the run's checkpoint root as a SIGKILL after step 2's checkpoint leaves it: the
+    pointer at step 2, the later tags never written; the logs beyond step 2 as they were."""
     source = Path(summary["checkpoint"]["folder"])
     root = out / "checkpoints"
     shutil.copytree(source.parent, root)
     folder = root / source.name
-    shutil.rmtree(folder / tag_of(4))
-    pointer = json.loads((folder / "latest.json").read_text())
-    layout = pointer["layouts"][tag_of(2)]
+    for later in folder.glob("step*"):
+        if int(later.name.removeprefix("step")) > 2:
+            shutil.rmtree(later)
+    layout = json.loads((folder / "latest.json").read_text())["layouts"][tag_of(2)]
     (folder / "latest.json").write_text(json.dumps({"tag": tag_of(2), "step": 2, "layout": layout,
                                                     "complete": [tag_of(2)], "layouts": {tag_of(2): layout}}))  # fmt: skip
     return root
 
 
-def windows(summary: dict[str, Any]) -> list[list[int]]:
-    """The windows read per step (all dp ranks together) from the run's window log."""
-    path = Path(summary["checkpoint"]["folder"]) / "windows.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+def windows_of(folder: Path, steps: int) -> list[list[int]]:
+    """The windows read per step (all dp ranks together) from a checkpoint folder's window log."""
+    records = [json.loads(line) for line in (folder / "windows.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     return [sum(r["windows"], []) for r in records]
+
+
+def windows(summary: dict[str, Any]) -> list[list[int]]:
+    """`windows_of` the run's checkpoint folder (four steps)."""
+    return windows_of(Path(summary["checkpoint"]["folder"]), 4)
 
 
 def tp_params(
@@ -141,3 +147,58 @@ def test_tensor_parallel_two_resumes_on_tp_one(data: dict[str, str], tmp_path: P
     baseline = _uninterrupted(data, tmp_path / "base", ZERO1_TP2)
     log = drill(data, baseline, tmp_path / "drill", ZERO1_DP1)
     assert "2 ranks (dp=1 tp=2) ZeRO-1 -> 1 rank (dp=1 tp=1) ZeRO-1: converted step 2" in log
+
+
+def _fp32_model(workdir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file as load_safetensors
+
+    folder = workdir / "results/tiny/model/pretrain"
+    assert (
+        "verified: validation loss"
+        in (workdir / "results/tiny/logs/consolidate_pretrain.log").read_text()
+    )
+    return {
+        k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_safetensors(f).items()
+    }
+
+
+def test_snakemake_run_killed_on_two_ranks_resumes_on_one(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drill through Snakemake: SIGKILL after step 4's checkpoint of a 2-rank ZeRO-2 run, then
+    `--rerun-incomplete` with hardware.cpu_ranks: 1; the consolidated fp32 model of the resumed run
+    verifies and matches the uninterrupted run's."""
+    from conftest import copy_workflow, edit_config, kill_after_checkpoint, small_run, snakemake
+
+    straight = copy_workflow(tmp_path_factory.mktemp("straight") / "wf")
+    small_run(straight, steps=8)
+    edit_config(straight, "deepspeed", precision="fp32")
+    edit_config(straight, "parallelism", zero_stage=2)
+    edit_config(straight, "consolidate", dtype="fp32")
+    snakemake(straight, "results/tiny/model/pretrain")
+    drilled = tmp_path_factory.mktemp("drilled") / "wf"
+    shutil.copytree(straight, drilled, symlinks=True)
+    for done in ("pretrain", "checkpoints/pretrain", "model/pretrain"):  # the data is reused
+        shutil.rmtree(drilled / "results/tiny" / done)
+    kill_after_checkpoint(drilled, "pretrain", 4, "results/tiny/model/pretrain")
+    assert not (drilled / "results/tiny/pretrain/summary.json").exists()
+    snakemake(drilled, "--unlock")
+    edit_config(drilled, "hardware", cpu_ranks=1)
+    snakemake(drilled, "--rerun-incomplete", "results/tiny/model/pretrain")
+
+    log = (drilled / "results/tiny/logs/pretrain.log").read_text()
+    assert "2 ranks (dp=2 tp=1) ZeRO-2 -> 1 rank (dp=1 tp=1) ZeRO-2: converted step 4" in log
+    resumed, reference = (
+        json.loads((w / "results/tiny/pretrain/summary.json").read_text())
+        for w in (drilled, straight)
+    )
+    assert 4 <= resumed["resumed_from_step"] < 8 and resumed["layout"]["dp"] == 1
+    for step in range(resumed["resumed_from_step"] + 1, 9):
+        assert resumed["losses"][str(step)] == pytest.approx(
+            reference["losses"][str(step)], rel=LOSS_RTOL
+        )
+    got, want = (windows_of(Path(s["checkpoint"]["folder"]), 8) for s in (resumed, reference))
+    assert got == want and len(sum(got, [])) == len(set(sum(got, [])))
+    a, b = _fp32_model(drilled), _fp32_model(straight)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < PARAM_ATOL

@@ -147,6 +147,8 @@ class Row(NamedTuple):
     """Tokens of each completion."""
     trained: int
     """Prompt and completion tokens one optimisation pass runs through the model."""
+    key: str
+    """The problem's identity (for the debug prompt log)."""
 
 
 def _gather(values: list[Any]) -> list[Any]:
@@ -199,7 +201,7 @@ def step(
     rows: list[Row] = _gather([
         Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,
             flat=g.flat_tokens, nodes=g.nodes, lengths=[len(c) for c in g.completions],
-            trained=sum(len(g.prompt) + len(c) for c in g.completions))
+            trained=sum(len(g.prompt) + len(c) for c in g.completions), key=p.key)
         for g, p in zip(groups, batch, strict=True)
     ])  # fmt: skip
 
@@ -235,6 +237,7 @@ def step(
         record["curriculum/events"] = events
     trained = sum(row.trained for row in rows) * cfg["passes"]
     record["_tokens"] = record["rollout/generated_tokens"] + trained
+    record["_prompts"] = [row.key for row in rows]
     return record
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -39,10 +40,14 @@ from stagetrain.training.checkpoints import Checkpoints, tag_of
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, validation_loss
 from stagetrain.training.layout import StageLayout
-from stagetrain.training.metrics import MetricsLog, check_finite, tensorboard_dir
+from stagetrain.training.metrics import WINDOW_LOG, MetricsLog, check_finite, tensorboard_dir
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
+PROMPT_RECORD = {
+    "step": "GRPO steps completed",
+    "prompts": "problem keys of the step, dp ranks in order",
+}
 NOT_MATHS = (
     "eval_problems",
     "eval_every",
@@ -188,6 +193,11 @@ def loop(run: Run) -> dict[str, Any]:
         if rank0
         else None
     )
+    prompts_log = (  # the debug option of pretrain's window log: the problems each step drew
+        MetricsLog(run.checkpoints.folder / "prompts.jsonl", start, PROMPT_RECORD)
+        if rank0 and os.environ.get(WINDOW_LOG) == "1"
+        else None
+    )
     began = time.monotonic()
     if start == 0 and metrics:
         metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
@@ -202,6 +212,9 @@ def loop(run: Run) -> dict[str, Any]:
                      precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
+        if prompts_log:
+            prompts_log.write({"step": step, "prompts": record.pop("_prompts")})
+        record.pop("_prompts", None)
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             record.update(_accuracy_record(accuracy(run)))
         if metrics and (

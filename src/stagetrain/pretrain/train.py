@@ -34,6 +34,7 @@ from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
 from stagetrain.training.layout import StageLayout
 from stagetrain.training.metrics import (
+    WINDOW_LOG,
     MetricsLog,
     Progress,
     check_finite,
@@ -43,10 +44,6 @@ from stagetrain.training.metrics import (
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
-WINDOW_LOG = "STAGETRAIN_WINDOW_LOG"
-"""Debug option: set to 1, rank 0 writes windows.jsonl beside metrics.jsonl in the checkpoint
-folder, one record per step with the training windows each data-parallel rank read (cut back
-to the resumed step on a restart, as metrics.jsonl is), to prove every window is read once."""
 WINDOW_RECORD = {
     "step": "optimizer steps completed",
     "windows": "window ids read, dp ranks in order",

@@ -164,7 +164,10 @@ def _optimizer_state_for_every_stage(zero: Path) -> None:
     else:
         raise KeyError("no optimizer step in the converted checkpoint")
     if inner is None:
-        state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+        state["optimizer_state_dict"] = {
+            "state": {0: {"step": step}},
+            "param_groups": state["param_groups"],
+        }
         torch.save(state, path)
     for folder in (p.parent for p in zero.glob("*/fp32.pt")):
         if not (folder / "step.pt").exists():
