@@ -175,7 +175,8 @@ def test_grpo_on_two_ranks_resumes_on_one(
                        checkpoints=killed_after_step_2(straight, shrunk))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (
-        "2 ranks (dp=2 tp=1) ZeRO-1 -> 1 rank (dp=1 tp=1) ZeRO-1: converted step 2" in proc.stderr
+        "2 ranks (dp=2 tp=1) ZeRO-1 -> 1 rank (dp=1 tp=1) ZeRO-1: converted step 2"
+        in proc.stdout + proc.stderr
     )
     resumed = json.loads((shrunk / "summary.json").read_text())
     assert resumed["resumed_from_step"] == 2 and resumed["optimizer_steps"] == 4

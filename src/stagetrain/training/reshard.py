@@ -115,7 +115,8 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
 
 
 def _ds_to_universal(source: Path, output: Path) -> None:
-    """DeepSpeed's converter, in process and serially (no worker pool in a rank), quiet."""
+    """DeepSpeed's converter, in process and serially (no worker pool in a rank), its prints and
+    progress bars kept out of the stage's log (a failure still raises)."""
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(
@@ -123,7 +124,8 @@ def _ds_to_universal(source: Path, output: Path) -> None:
         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
     )  # fmt: skip
     output.parent.mkdir(parents=True, exist_ok=True)
-    with weights_only_loads(), contextlib.redirect_stdout(io.StringIO()):
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with weights_only_loads(), quiet[0], quiet[1]:
         ds_to_universal.main(args)
 
 
