@@ -187,7 +187,8 @@ class Checkpoints:
         layouts = {**earlier["layouts"], tag: self.layout}
         atomic_write_json(pointer, {"tag": tag, "step": step, "layout": self.layout, "complete": complete,
                                     "layouts": {t: layouts[t] for t in complete}})  # fmt: skip
-        for old in self.folder.glob("step*"):  # a universal copy goes with its tag
+        # a universal copy (or a killed conversion's temp folder) goes with its tag
+        for old in [*self.folder.glob("step*"), *self.folder.glob(".step*.tmp")]:
             if old.is_dir() and reshard.source_tag(old.name) not in complete:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s saved in %s", tag, self.folder)

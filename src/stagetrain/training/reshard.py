@@ -78,8 +78,9 @@ def universal_tag(tag: str) -> str:
 
 
 def source_tag(name: str) -> str:
-    """The checkpoint tag a folder belongs to (step00000004.universal -> step00000004)."""
-    return name.removesuffix(SUFFIX)
+    """The checkpoint tag a folder belongs to (step00000004.universal and a conversion's temp
+    folder .step00000004.universal.tmp -> step00000004)."""
+    return name.removeprefix(".").removesuffix(".tmp").removesuffix(SUFFIX)
 
 
 def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, int]) -> str:
