@@ -8,14 +8,15 @@ into `--work`, or reuses the run already there. Then, for `--rounds` rounds,
 with the checkpoint's pages dropped from the page cache before each
 measurement: times `cp -r` of the tag folder, and the conversion a resume on
 one rank runs (`Checkpoints.latest` on rank 0: DeepSpeed's ds_to_universal,
-the model-states copies and the optimizer step written for every ZeRO stage,
-then every converted file read back by the weights-only unpickler), each into
-a fresh copy of the checkpoint root so that nothing is reused.
+the model-states links and the optimizer step written for every ZeRO stage,
+then every converted file read back by the weights-only unpickler), each in
+a fresh copy of the tag so that nothing is reused.
 
-Printed per round, then the best round: the checkpoint's size, the universal
-copy's size (disk the conversion adds beside the checkpoint until the tag is
-pruned), the conversion's seconds and its throughput in checkpoint bytes per
-second over `cp -r`'s. A last line is JSON with the numbers.
+Printed per round, then the best round: the checkpoint's size, the disk
+the universal copy adds beside it until the tag is pruned (its model-states
+files are hard links to the checkpoint's, not counted), the conversion's
+seconds and its throughput in checkpoint bytes per second over `cp -r`'s. A
+last line is JSON with the numbers.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from consolidate_speed import SIZES, drop_cache, prepare  # noqa: E402
 
 
-def size_of(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+def size_of(folder: Path, *, added: bool = False) -> int:
+    """Bytes of the files in `folder`; with `added`, only those not hard-linked elsewhere
+    (the universal copy links the source tag's model-states files)."""
+    files = [p.stat() for p in folder.rglob("*") if p.is_file()]
+    return sum(f.st_size for f in files if not added or f.st_nlink == 1)
 
 
 def convert_once(checkpoint: Path, scratch: Path) -> tuple[float, int]:
@@ -53,7 +57,7 @@ def convert_once(checkpoint: Path, scratch: Path) -> tuple[float, int]:
     start = time.perf_counter()
     point = ckpt.latest()
     seconds = time.perf_counter() - start
-    return seconds, size_of(folder / point["load_tag"])
+    return seconds, size_of(folder / point["load_tag"], added=True)
 
 
 def copy_once(checkpoint: Path, scratch: Path) -> float:

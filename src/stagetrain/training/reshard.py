@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import io
 import logging
+import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -100,7 +101,7 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
     began = time.monotonic()
     try:
         _ds_to_universal(folder / tag, work / tag)
-        _model_states_for_every_stage(work / tag)
+        _model_states_for_every_stage(work / tag, folder / tag)
         _optimizer_state_for_every_stage(work / tag / "zero")
     except (AssertionError, KeyError, ValueError, RuntimeError, OSError, TypeError) as err:
         shutil.rmtree(work, ignore_errors=True)
@@ -130,8 +131,13 @@ def _ds_to_universal(source: Path, output: Path) -> None:
         ds_to_universal.main(args)
 
 
-def _model_states_for_every_stage(folder: Path) -> None:
-    """Copy the model-states file of each tp rank under the other naming (see the module docstring)."""
+def _model_states_for_every_stage(folder: Path, source: Path) -> None:
+    """Give each tp rank's model-states file the other stage's name too (see the module docstring).
+
+    ds_to_universal copies these files from the source tag unchanged; they are
+    replaced by hard links to the source's, and the second name is a hard link
+    too, so the universal folder adds no second copy of the weights they hold.
+    """
     for path in sorted(folder.glob("*model_states.pt")):
         name = path.name
         if name.startswith("zero_pp_rank_0_"):
@@ -140,8 +146,22 @@ def _model_states_for_every_stage(folder: Path) -> None:
             twin = f"zero_pp_rank_0_{name}"
         else:
             continue
+        original = source / name
+        if original.exists() and original.stat().st_size == path.stat().st_size:
+            _link(original, path)
         if not (folder / twin).exists():
-            shutil.copy2(path, folder / twin)
+            _link(path, folder / twin)
+
+
+def _link(existing: Path, name: Path) -> None:
+    """`name` as a hard link to `existing` (a copy where the filesystem has no hard links)."""
+    tmp = name.with_name(f".{name.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(existing, tmp)
+    except OSError:
+        shutil.copy2(existing, tmp)
+    os.replace(tmp, name)
 
 
 def _optimizer_state_for_every_stage(zero: Path) -> None:
@@ -184,7 +204,10 @@ def check_universal(folder: Path) -> None:
 
 
 def _size(folder: Path) -> str:
-    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    # disk the copy adds: files hard-linked to the source tag's are counted once there
+    total = sum(
+        p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.stat().st_nlink == 1
+    )
     return f"{total / 1e6:.1f} MB"
 
 
