@@ -32,8 +32,10 @@ import contextlib
 import io
 import logging
 import os
+import pickle
 import shutil
 import time
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -103,7 +105,11 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
         _ds_to_universal(folder / tag, work / tag)
         _model_states_for_every_stage(work / tag, folder / tag)
         _optimizer_state_for_every_stage(work / tag / "zero")
-    except (AssertionError, KeyError, ValueError, RuntimeError, OSError, TypeError) as err:
+    except StageError:  # a converted file that does not read back: named already
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    except (AssertionError, KeyError, IndexError, ValueError, RuntimeError, OSError, TypeError,
+            EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as err:  # fmt: skip
         shutil.rmtree(work, ignore_errors=True)
         raise StageError(
             f"{folder / tag}: cannot convert to a universal checkpoint ({type(err).__name__}: "
