@@ -109,3 +109,29 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     build_comm_op()
     return prepare_data(tmp_path_factory.mktemp("data"))
+
+
+def kill_after_checkpoint(workdir: Path, stage: str, step: int, *targets: str) -> None:
+    """Start Snakemake on `targets`, SIGKILL it and every process under it once `stage` has a
+    complete checkpoint at or past `step`, and wait for it to die."""
+    import contextlib
+    import json
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([SNAKEMAKE, "--cores", "2", *targets], cwd=workdir, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    pointer = workdir / f"results/tiny/checkpoints/{stage}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(
+        json.loads(p.read_text())["step"] >= step for p in pointer.glob("*/latest.json")
+    ):
+        time.sleep(0.2)
+    victims = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in victims:  # torchrun starts its ranks in sessions of their own: kill each one
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()

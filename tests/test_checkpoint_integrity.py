@@ -70,7 +70,8 @@ def truncate(path: Path) -> None:
 def test_save_lists_the_complete_checkpoints_kept_and_prunes_the_rest(tmp_path: Path) -> None:
     ckpt = _saved(tmp_path, [2, 4, 6])
     pointer = json.loads((ckpt.folder / "latest.json").read_text())
-    assert pointer == {"tag": "step00000006", "step": 6, "layout": ZERO2, "complete": ["step00000006", "step00000004"]}  # fmt: skip
+    assert pointer == {"tag": "step00000006", "step": 6, "layout": ZERO2, "complete": ["step00000006", "step00000004"],
+                       "layouts": {"step00000006": ZERO2, "step00000004": ZERO2}}  # fmt: skip
     assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000004", "step00000006"]
     assert ckpt.latest()["tag"] == "step00000006"
 

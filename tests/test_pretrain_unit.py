@@ -91,7 +91,9 @@ def test_fingerprint_follows_the_maths(tmp_path: Path) -> None:
     assert new.latest() is None
 
 
-def test_a_checkpoint_from_another_layout_is_refused(tmp_path: Path) -> None:
+def test_a_zero0_checkpoint_resumes_under_another_dp_and_is_refused_under_another_stage(
+    tmp_path: Path,
+) -> None:
     ckpt = Checkpoints(tmp_path, {"seed": 1}, {"dp": 2, "tp": 1, "zero_stage": 0}, keep=2)
     fake_checkpoint(ckpt.folder, 4, {"dp": 2, "tp": 1, "zero_stage": 0})
     (ckpt.folder / "latest.json").write_text(
@@ -101,8 +103,12 @@ def test_a_checkpoint_from_another_layout_is_refused(tmp_path: Path) -> None:
     )
     assert ckpt.latest()["step"] == 4
     other = Checkpoints(tmp_path, {"seed": 1}, {"dp": 1, "tp": 1, "zero_stage": 0}, keep=2)
-    with pytest.raises(StageError, match="written with layout .* this run is .* ds_to_universal"):
-        other.latest()
+    assert other.latest()["load_tag"] == "step00000004"  # the model file holds the whole state
+    zero2 = Checkpoints(tmp_path, {"seed": 1}, {"dp": 1, "tp": 1, "zero_stage": 2}, keep=2)
+    with pytest.raises(
+        StageError, match="a ZeRO-0 checkpoint resumes only under ZeRO-0 with the same tp"
+    ):
+        zero2.latest()
 
 
 def test_metrics_log_keeps_only_registered_keys_and_truncates_on_resume(tmp_path: Path) -> None:

@@ -11,7 +11,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stagetrain.grpo.curriculum import Curriculum, draw, update_all, window_rate
+from stagetrain.grpo.curriculum import (
+    Curriculum,
+    CurriculumConfig,
+    draw,
+    update_all,
+    window_rate,
+)
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
 from stagetrain.tasks import Problem, sample, score
@@ -22,13 +28,29 @@ if TYPE_CHECKING:  # grpo.train imports this module; the type only, at check tim
     from stagetrain.grpo.train import Run
 
 
-def draw_problems(run: Run, curriculum: Curriculum, rng: random.Random) -> list[Problem]:
-    """This rank's prompts of the step: families uniform, each level from its family's curriculum."""
-    n = run.cfg.prompts_per_step // run.layout.dp
+def step_prompts(
+    curriculum: Curriculum, config: CurriculumConfig, *, prompts: int, seed: int, step: int
+) -> list[Problem]:
+    """The whole prompt batch of `step`, for all data-parallel ranks in rank order: families
+    uniform, each level from its family's curriculum.
+
+    A pure function of (seed, step, curriculum state), independent of dp, so a
+    run resumed under another dp continues the same prompt sequence (the
+    curriculum state is the same on every rank and saved with the checkpoint).
+    """
+    rng = random.Random(f"{seed}:{step}:prompts")
     return [
         sample(family, level, "train", rng)
-        for family, level in draw(curriculum, run.curriculum, n, rng)
+        for family, level in draw(curriculum, config, prompts, rng)
     ]
+
+
+def draw_problems(run: Run, curriculum: Curriculum, step_no: int) -> list[Problem]:
+    """This data-parallel rank's contiguous share of the step's global prompt batch."""
+    every = step_prompts(curriculum, run.curriculum, prompts=run.cfg.prompts_per_step,
+                         seed=run.spec["seed"], step=step_no)  # fmt: skip
+    n = len(every) // run.layout.dp
+    return every[run.dp_rank * n : (run.dp_rank + 1) * n]
 
 
 def token_logprobs(
@@ -125,6 +147,8 @@ class Row(NamedTuple):
     """Tokens of each completion."""
     trained: int
     """Prompt and completion tokens one optimisation pass runs through the model."""
+    key: str
+    """The problem's identity (for the debug prompt log)."""
 
 
 def _gather(values: list[Any]) -> list[Any]:
@@ -163,11 +187,10 @@ def step(
     run: Run,
     curriculum: Curriculum,
     step_no: int,
-    rng: random.Random,
 ) -> dict[str, Any]:
     """Rollouts, training and the curriculum update of one step; its metrics record."""
     cfg, tok = run.cfg, run.tokenizer
-    batch = draw_problems(run, curriculum, rng)
+    batch = draw_problems(run, curriculum, step_no)
     prompts = [prompt_ids(tok, p, cfg.max_prompt_len) for p in batch]
 
     def reward(i: int, completion: list[int]) -> float:
@@ -178,7 +201,7 @@ def step(
     rows: list[Row] = _gather([
         Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,
             flat=g.flat_tokens, nodes=g.nodes, lengths=[len(c) for c in g.completions],
-            trained=sum(len(g.prompt) + len(c) for c in g.completions))
+            trained=sum(len(g.prompt) + len(c) for c in g.completions), key=p.key)
         for g, p in zip(groups, batch, strict=True)
     ])  # fmt: skip
 
@@ -214,6 +237,7 @@ def step(
         record["curriculum/events"] = events
     trained = sum(row.trained for row in rows) * cfg.passes
     record["_tokens"] = record["rollout/generated_tokens"] + trained
+    record["_prompts"] = [row.key for row in rows]
     return record
 
 

@@ -44,6 +44,10 @@ from stagetrain.training.metrics import check_finite
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
+PROMPT_RECORD = {
+    "step": "GRPO steps completed",
+    "prompts": "problem keys of the step, dp ranks in order",
+}
 NOT_MATHS = (
     "eval_problems",
     "eval_every",
@@ -178,20 +182,24 @@ def loop(run: Run) -> dict[str, Any]:
         except StageError as err:
             raise StageError(f"{run.loop.checkpoints.folder / stage.resumed_tag}: {err}") from None
         log.info("curriculum levels at step %d: %s", stage.start, _levels(curriculum.levels()))
+    prompts_log = stage.debug_log("prompts.jsonl", PROMPT_RECORD)  # pretrain's window log's twin
     began = time.monotonic()
     if stage.start == 0 and stage.metrics:
         stage.metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
     elif stage.start == 0:
         accuracy(run)
     for step in stage.steps():
-        rng = random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}")
-        torch.manual_seed(rng.getrandbits(63))
+        # Sampling the completions: per rank (the prompts are global, steps.step_prompts).
+        torch.manual_seed(random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}").getrandbits(63))
         t0 = time.monotonic()
-        record = grpo_steps.step(run, curriculum, step, rng)
+        record = grpo_steps.step(run, curriculum, step)
         check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
                      precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
+        prompts = record.pop("_prompts")
+        if prompts_log:
+            prompts_log.write({"step": step, "prompts": prompts})
         if stage.evaluates(step):
             record.update(_accuracy_record(accuracy(run)))
         if stage.metrics and (

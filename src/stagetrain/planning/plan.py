@@ -151,5 +151,5 @@ class Layout:
 
     @property
     def checkpoint_layout(self) -> dict[str, int]:
-        """What a checkpoint's files depend on: resuming under another one fails."""
+        """What a checkpoint's files depend on: a resume under another one converts it (training.reshard)."""
         return {"dp": self.dp, "tp": self.tp, "zero_stage": self.zero_stage}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,10 +34,14 @@ from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
-from stagetrain.training.metrics import Progress, check_finite, max_rss_gib
+from stagetrain.training.metrics import WINDOW_LOG, MetricsLog, Progress, check_finite, max_rss_gib
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
+WINDOW_RECORD = {
+    "step": "optimizer steps completed",
+    "windows": "window ids read, dp ranks in order",
+}
 NOT_MATHS = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
 
 
@@ -72,7 +77,9 @@ def components(
         "training": {k: v for k, v in spec["pretrain"].items() if k not in NOT_MATHS},
         "precision": [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
         or ["fp32"],
-        "global_batch": ds_config["train_batch_size"],
+        # DeepSpeed counts AutoTP ranks in its batch size; the sequences per step do not depend on tp
+        "global_batch": ds_config["train_batch_size"]
+        // ds_config.get("tensor_parallel", {}).get("autotp_size", 1),
         "seed": spec["seed"],
     }
 
@@ -128,16 +135,27 @@ def evaluate(run: Run) -> float:
     return loss
 
 
-def train_step(run: Run, step: int) -> float:
-    """One optimizer step over this rank's micro batches; the loss averaged over all ranks."""
-    losses = []
+def train_step(run: Run, step: int, windows: MetricsLog | None = None) -> float:
+    """One optimizer step over this rank's micro batches; the loss averaged over all ranks.
+
+    With the window log on (`WINDOW_LOG`), the windows every rank read are
+    gathered and rank 0 appends them to `windows`.
+    """
+    losses, read = [], []
     for micro in run.sampler.rank_micro_batches(step, run.dp_rank):
         loss = loss_on(run, micro, run.train)
         run.engine.backward(loss)
         run.engine.step()
         losses.append(loss.detach().float())
+        read.extend(int(i) for i in micro)
     mean = torch.stack(losses).mean()
     dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+    if os.environ.get(WINDOW_LOG) == "1":
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (run.dp_rank, read))
+        if windows:  # ranks of one tp group read the same windows: one entry per dp rank
+            by_dp = dict(every)
+            windows.write({"step": step + 1, "windows": [by_dp[r] for r in sorted(by_dp)]})
     return mean.item() / dist.get_world_size()
 
 
@@ -168,12 +186,13 @@ def loop(run: Run) -> dict[str, Any]:
     """Train from the latest checkpoint (or step 0) to the configured steps; return the summary."""
     cfg, stage = run.cfg, run.loop
     stage.resume(METRICS)
+    windows = stage.debug_log("windows.jsonl", WINDOW_RECORD)
     progress, began = Progress(cfg.steps, stage.start), time.monotonic()
     tokens_per_step = run.layout.global_batch * cfg.seq_len
     last_eval, window_s, window_steps = None, 0.0, 0
     for step in stage.steps():
         t0 = time.monotonic()
-        loss = train_step(run, step - 1)
+        loss = train_step(run, step - 1, windows)
         finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1

@@ -12,8 +12,10 @@ The fingerprint covers everything that changes the maths: model config,
 tokenizer, training data, the stage's hyperparameters, precision and seed.
 A changed config gets a new fingerprint, so it starts fresh, and the log says
 which components changed. The layout (dp, tp, ZeRO stage) is not part of it: a
-checkpoint resumed under another layout is refused with a message, because
-DeepSpeed's sharded files are tied to the layout that wrote them.
+checkpoint written under another layout is resharded for this one
+(`stagetrain.training.reshard`: loaded as it is, or converted once to
+DeepSpeed's universal checkpoint beside the original), so a run that lost a
+node continues on the ones left. The pointer records the layout of each tag.
 
 Only one run writes here at a time: `hold` has rank 0 lock the stage's
 checkpoint root (stagetrain.training.lock) before anything is written.
@@ -40,7 +42,14 @@ import torch.distributed as dist
 
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
-from stagetrain.training.integrity import POINTER, read_pointer, resume_point, step_of
+from stagetrain.training import reshard
+from stagetrain.training.integrity import (
+    POINTER,
+    read_pointer,
+    resume_point,
+    step_of,
+    weights_only_loads,
+)
 from stagetrain.training.lock import StageLock
 
 log = logging.getLogger("stagetrain")
@@ -109,16 +118,18 @@ class Checkpoints:
         return f"config changed since checkpoint {others[-1].parent.name} ({', '.join(changed)}): starting fresh"
 
     def latest(self) -> dict[str, Any] | None:
-        """The pointer to the newest complete, intact checkpoint, checked against this run's layout.
+        """The pointer to the newest complete, intact checkpoint, made loadable under this run's layout.
 
         Rank 0 checks the files (`integrity.resume_point`: a damaged newest
-        checkpoint falls back to an earlier complete one) and tells every rank
-        its decision, so all ranks load the same tag or all stop with the same line.
+        checkpoint falls back to an earlier complete one), converts a checkpoint
+        of another layout (`reshard`; `load_tag` is then the folder to load) and
+        tells every rank its decision, so all ranks load the same folder or all
+        stop with the same line.
         """
         outcome: tuple[str, Any] = ("ok", None)
         if self.rank == 0:
             try:
-                outcome = ("ok", resume_point(self.folder, self.layout))
+                outcome = ("ok", self._loadable(resume_point(self.folder)))
             except StageError as err:
                 outcome = ("error", str(err))
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -128,6 +139,33 @@ class Checkpoints:
         if outcome[0] == "error":
             raise StageError(outcome[1])
         return outcome[1]
+
+    def _loadable(self, point: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`point` with the tag folder this run's layout loads (`load_tag`), converted if it must be."""
+        if point is None:
+            return None
+        how = reshard.plan(point["layout"], self.layout)
+        if how == "as_is":
+            log.info("%s -> %s: the ZeRO-0 checkpoint at step %d holds the whole state; loading it as it is",
+                     reshard.describe(point["layout"]), reshard.describe(self.layout), point["step"])  # fmt: skip
+        if how != "universal":
+            return {**point, "load_tag": point["tag"]}
+        tag = reshard.convert(self.folder, point["tag"], point["layout"], self.layout)
+        reshard.check_universal(self.folder / tag)
+        return {**point, "load_tag": tag}
+
+    def load(self, engine: Any, pointer: Mapping[str, Any]) -> dict[str, Any]:
+        """Load `pointer` (from `latest`) into `engine` on every rank; the checkpoint's client state."""
+        options = reshard.load_options(pointer)
+        config = engine._config  # DeepSpeed reads load_universal from its config at load time
+        before = config.load_universal_checkpoint
+        config.load_universal_checkpoint = options["universal"]
+        try:
+            with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
+                _, client = engine.load_checkpoint(str(self.folder), tag=options["tag"])
+        finally:
+            config.load_universal_checkpoint = before
+        return client
 
     def save(self, engine: Any, step: int, client_state: Mapping[str, Any]) -> None:
         """Save on every rank, then (rank 0) point at it and drop checkpoints beyond `keep`."""
@@ -143,14 +181,15 @@ class Checkpoints:
             return
         atomic_write_json(self.folder / "components.json", self.components)
         pointer = self.folder / POINTER
-        earlier = read_pointer(pointer)["complete"] if pointer.exists() else []
+        earlier = read_pointer(pointer) if pointer.exists() else {"complete": [], "layouts": {}}
         # Only tags older than this one: after a fallback, a damaged newer tag is not complete.
-        complete = [tag, *[t for t in earlier if step_of(t) < step]][: self.keep]
-        atomic_write_json(
-            pointer, {"tag": tag, "step": step, "layout": self.layout, "complete": complete}
-        )
-        for old in self.folder.glob("step*"):
-            if old.is_dir() and old.name not in complete:
+        complete = [tag, *[t for t in earlier["complete"] if step_of(t) < step]][: self.keep]
+        layouts = {**earlier["layouts"], tag: self.layout}
+        atomic_write_json(pointer, {"tag": tag, "step": step, "layout": self.layout, "complete": complete,
+                                    "layouts": {t: layouts[t] for t in complete}})  # fmt: skip
+        # a universal copy (or a killed conversion's temp folder) goes with its tag
+        for old in [*self.folder.glob("step*"), *self.folder.glob(".step*.tmp")]:
+            if old.is_dir() and reshard.source_tag(old.name) not in complete:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s saved in %s", tag, self.folder)
 

@@ -9,7 +9,9 @@ The pointer `latest.json`: `tag`, `step`, `layout` (dp, tp, zero_stage) and
 `complete`, the tags of the complete checkpoints kept, newest first (rank 0
 writes it after every rank has saved, so each listed tag was complete when
 written). A pointer without `complete` (written before it existed) names only
-its own tag, so it resumes the same but has nothing to fall back to.
+its own tag, so it resumes the same but has nothing to fall back to. `layouts`
+gives the layout each kept tag was written under (they differ after a resume
+under another layout); a pointer without it wrote every tag under `layout`.
 
 Every file is read with torch's weights-only unpickler, which rebuilds tensors,
 containers and the few DeepSpeed classes of `safe_globals` and refuses any other
@@ -107,14 +109,19 @@ def read_pointer(path: Path) -> dict[str, Any]:
         raise StageError(f"{path}: 'complete' must start with the tag {tag}, found {tags!r}")
     if type(pointer["step"]) is not int or pointer["step"] != step_of(tag):
         raise StageError(f"{path}: 'step' must be {step_of(tag)}, the step of {tag}")
-    layout = pointer["layout"]
-    if not isinstance(layout, dict) or not all(
-        type(layout.get(k)) is int for k in ("dp", "tp", "zero_stage")
-    ):
+    layouts = pointer.get("layouts", dict.fromkeys(tags, pointer["layout"]))
+    if not isinstance(layouts, dict) or set(layouts) != set(tags):
         raise StageError(
-            f"{path}: 'layout' must hold integer dp, tp and zero_stage, found {layout!r}"
+            f"{path}: 'layouts' must give the layout of each tag of 'complete' {tags!r}"
         )
-    return {**pointer, "complete": tags}
+    for layout in (pointer["layout"], *layouts.values()):
+        if not isinstance(layout, dict) or not all(
+            type(layout.get(k)) is int for k in ("dp", "tp", "zero_stage")
+        ):
+            raise StageError(
+                f"{path}: 'layout' must hold integer dp, tp and zero_stage, found {layout!r}"
+            )
+    return {**pointer, "complete": tags, "layouts": layouts}
 
 
 def step_of(tag: str) -> int:
@@ -165,33 +172,30 @@ def check_tag(folder: Path, tag: str, layout: Mapping[str, int]) -> list[Path]:
     return files
 
 
-def resume_point(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] | None:
-    """The newest complete, intact checkpoint in `folder` for a run of `layout`, or None if there is none yet.
+def resume_point(folder: Path) -> dict[str, Any] | None:
+    """The newest complete, intact checkpoint in `folder`, or None if there is none yet.
 
-    A damaged newest checkpoint falls back to the next complete one the pointer
-    lists (logged); with none left the first damage is the error.
+    Each tag is checked against the layout that wrote it (`layout` of the
+    result); whether and how it resumes under this run's layout is
+    `stagetrain.training.reshard`'s decision. A damaged newest checkpoint falls
+    back to the next complete one the pointer lists (logged); with none left
+    the first damage is the error.
     """
     path = folder / POINTER
     if not path.exists():
         return None
     pointer = read_pointer(path)
-    if pointer["layout"] != dict(layout):
-        raise StageError(
-            f"{folder}: the checkpoint at step {pointer['step']} was written with layout "
-            f"{pointer['layout']}, this run is {dict(layout)}; DeepSpeed checkpoints are tied to their "
-            "layout: delete the folder to start fresh, or convert it with DeepSpeed's ds_to_universal"
-        )
     damage = []
     for tag in pointer["complete"]:
         try:
-            check_tag(folder, tag, layout)
+            check_tag(folder, tag, pointer["layouts"][tag])
         except StageError as err:
             damage.append(str(err))
             continue
         if damage:
             log.warning("checkpoint %s is damaged (%s); resuming from %s, the newest intact one",
                         pointer["tag"], damage[0], tag)  # fmt: skip
-        return {**pointer, "tag": tag, "step": step_of(tag)}
+        return {**pointer, "tag": tag, "step": step_of(tag), "layout": pointer["layouts"][tag]}
     earlier = len(pointer["complete"]) - 1
     rest = (
         f"the {earlier} earlier kept checkpoint(s) are damaged too"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,7 @@ from stagetrain.io import atomic_write_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import TrainingSettings
 from stagetrain.training.checkpoints import Checkpoints, tag_of
-from stagetrain.training.integrity import weights_only_loads
-from stagetrain.training.metrics import MetricsLog, tensorboard_dir
+from stagetrain.training.metrics import WINDOW_LOG, MetricsLog, tensorboard_dir
 
 log = logging.getLogger("stagetrain")
 
@@ -57,10 +57,7 @@ class StageLoop:
         client = None
         pointer = self.checkpoints.latest()
         if pointer:
-            with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
-                _, client = self.engine.load_checkpoint(
-                    str(self.checkpoints.folder), tag=pointer["tag"]
-                )
+            client = self.checkpoints.load(self.engine, pointer)
             self.start, self.resumed_tag = client["step"], pointer["tag"]
             log.info("resuming from %s at step %d", pointer["tag"], self.start)
         elif dist.get_rank() == 0 and (why := self.checkpoints.why_fresh()):
@@ -74,6 +71,13 @@ class StageLoop:
                 self.spec.get("wandb"),
             )
         return client
+
+    def debug_log(self, name: str, registry: dict[str, str]) -> MetricsLog | None:
+        """Rank 0's `name` log beside metrics.jsonl when the WINDOW_LOG debug option is on (after
+        `resume`: cut back to the resumed step as metrics.jsonl is); None otherwise."""
+        if dist.get_rank() != 0 or os.environ.get(WINDOW_LOG) != "1":
+            return None
+        return MetricsLog(self.checkpoints.folder / name, self.start, registry)
 
     def steps(self) -> range:
         """The steps still to train: after the resumed one, up to the configured count."""

@@ -25,6 +25,12 @@ from typing import Any
 from stagetrain.errors import StageError
 
 log = logging.getLogger("stagetrain")
+WINDOW_LOG = "STAGETRAIN_WINDOW_LOG"
+"""Debug option: set to 1, rank 0 of pretrain writes windows.jsonl (the training windows each
+data-parallel rank read) and rank 0 of GRPO prompts.jsonl (the keys of the problems the step
+drew), one record per step, beside metrics.jsonl in the checkpoint folder and cut back to the
+resumed step on a restart as metrics.jsonl is: the proof that a resume under another layout
+reads every window (prompt) once and in the uninterrupted run's order."""
 
 
 def max_rss_gib() -> float:

@@ -1,0 +1,223 @@
+"""Resuming a checkpoint written under another layout (world size, dp, tp, ZeRO stage).
+
+DeepSpeed's sharded files are tied to the layout that wrote them. Two cases
+need no conversion and one needs DeepSpeed's universal checkpoint:
+
+- ZeRO-0 to ZeRO-0 with the same tp: the model file of each tp rank already
+  holds the whole model and optimizer state, whatever dp wrote it, so it loads
+  as it is.
+- ZeRO 1-3 to ZeRO 1-3 (tp changes included, with ZeRO 1-2 on both tp sides):
+  the tag is converted once with DeepSpeed's own `ds_to_universal` (ZeRO
+  partitions and AutoTP slices merged into one folder per parameter holding
+  its fp32 weights and both Adam moments), and the engine loads that with
+  `checkpoint.load_universal`, re-partitioning under the new layout. The
+  converted copy is written under a temporary name beside the original and
+  renamed to `<tag>.universal` when complete, so a killed conversion leaves
+  nothing that looks finished and the next try reuses a finished one. It lives
+  and dies with its tag (`keep_checkpoints` prunes both together).
+- Anything involving ZeRO-0 and another stage or tp is refused with one line:
+  DeepSpeed's universal format is built from, and loaded into, ZeRO
+  optimizer partitions, which a ZeRO-0 run does not have.
+
+The universal folder also gets the model-states file under the name the
+target's ZeRO stage looks for (ZeRO-3 reads `zero_pp_rank_0_mp_rank_XX_...`,
+the others `mp_rank_XX_...`): under `load_universal` DeepSpeed reads only the
+step, scheduler and client state from it, the weights come from `zero/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import pickle
+import shutil
+import time
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stagetrain.errors import StageError
+from stagetrain.training.integrity import load_file, weights_only_loads
+
+log = logging.getLogger("stagetrain")
+SUFFIX = ".universal"
+
+
+def describe(layout: Mapping[str, int]) -> str:
+    """'2 ranks (dp=2 tp=1) ZeRO-2' for the log line."""
+    world = layout["dp"] * layout["tp"]
+    return (
+        f"{world} rank{'s' if world != 1 else ''} (dp={layout['dp']} tp={layout['tp']}) "
+        f"ZeRO-{layout['zero_stage']}"
+    )
+
+
+def plan(old: Mapping[str, int], new: Mapping[str, int]) -> str:
+    """How a checkpoint of layout `old` resumes under `new`: "same", "as_is" or "universal".
+
+    Raises:
+        StageError: a change DeepSpeed's formats cannot carry (ZeRO-0 against another stage or tp).
+    """
+    if dict(old) == dict(new):
+        return "same"
+    if old["zero_stage"] == 0 and new["zero_stage"] == 0 and old["tp"] == new["tp"]:
+        return "as_is"
+    if old["zero_stage"] == 0 or new["zero_stage"] == 0:
+        raise StageError(
+            f"{describe(old)} -> {describe(new)}: a ZeRO-0 checkpoint resumes only under ZeRO-0 with "
+            "the same tp (DeepSpeed's universal checkpoint needs ZeRO 1-3 on both sides); set "
+            f"parallelism.zero_stage: {old['zero_stage']} to resume, or delete the folder to start fresh"
+        )
+    return "universal"
+
+
+def universal_tag(tag: str) -> str:
+    """The tag folder of `tag`'s universal copy."""
+    return f"{tag}{SUFFIX}"
+
+
+def source_tag(name: str) -> str:
+    """The checkpoint tag a folder belongs to (step00000004.universal and a conversion's temp
+    folder .step00000004.universal.tmp -> step00000004)."""
+    return name.removeprefix(".").removesuffix(".tmp").removesuffix(SUFFIX)
+
+
+def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, int]) -> str:
+    """`tag`'s universal copy in `folder`, made now or reused from an earlier try; its tag.
+
+    Logs what changed, how long the conversion took and its size. A
+    conversion DeepSpeed cannot do (a file that reads but holds the wrong
+    state) is a one-line error naming the tag folder, and nothing is left behind.
+    """
+    target = folder / universal_tag(tag)
+    change = f"{describe(old)} -> {describe(new)}"
+    if target.is_dir():
+        log.info("%s: reusing the universal checkpoint %s (%s)", change, target.name, _size(target))
+        return target.name
+    work = folder / f".{target.name}.tmp"
+    shutil.rmtree(work, ignore_errors=True)  # a killed earlier try
+    began = time.monotonic()
+    try:
+        _ds_to_universal(folder / tag, work / tag)
+        _model_states_for_every_stage(work / tag, folder / tag)
+        _optimizer_state_for_every_stage(work / tag / "zero")
+    except StageError:  # a converted file that does not read back: named already
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    except (AssertionError, KeyError, IndexError, ValueError, RuntimeError, OSError, TypeError,
+            EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as err:  # fmt: skip
+        shutil.rmtree(work, ignore_errors=True)
+        raise StageError(
+            f"{folder / tag}: cannot convert to a universal checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no detail'}); nothing was changed"
+        ) from None
+    (work / tag).rename(target)
+    shutil.rmtree(work, ignore_errors=True)
+    log.info("%s: converted step %d to a universal checkpoint in %.1f s, %s",
+             change, int(tag.removeprefix("step")), time.monotonic() - began, _size(target))  # fmt: skip
+    return target.name
+
+
+def _ds_to_universal(source: Path, output: Path) -> None:
+    """DeepSpeed's converter, in process and serially (no worker pool in a rank), its prints and
+    progress bars kept out of the stage's log (a failure still raises)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(source), output_folder=str(output), num_extract_workers=1,
+        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+    )  # fmt: skip
+    output.parent.mkdir(parents=True, exist_ok=True)
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with weights_only_loads(), quiet[0], quiet[1]:
+        ds_to_universal.main(args)
+
+
+def _model_states_for_every_stage(folder: Path, source: Path) -> None:
+    """Give each tp rank's model-states file the other stage's name too (see the module docstring).
+
+    ds_to_universal copies these files from the source tag unchanged; they are
+    replaced by hard links to the source's, and the second name is a hard link
+    too, so the universal folder adds no second copy of the weights they hold.
+    """
+    for path in sorted(folder.glob("*model_states.pt")):
+        name = path.name
+        if name.startswith("zero_pp_rank_0_"):
+            twin = name.removeprefix("zero_pp_rank_0_")
+        elif name.startswith("mp_rank_"):
+            twin = f"zero_pp_rank_0_{name}"
+        else:
+            continue
+        original = source / name
+        if original.exists() and original.stat().st_size == path.stat().st_size:
+            _link(original, path)
+        if not (folder / twin).exists():
+            _link(path, folder / twin)
+
+
+def _link(existing: Path, name: Path) -> None:
+    """`name` as a hard link to `existing` (a copy where the filesystem has no hard links)."""
+    tmp = name.with_name(f".{name.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(existing, tmp)
+    except OSError:
+        shutil.copy2(existing, tmp)
+    os.replace(tmp, name)
+
+
+def _optimizer_state_for_every_stage(zero: Path) -> None:
+    """Give the universal folder the optimizer step both of DeepSpeed's loaders look for.
+
+    ds_to_universal writes the Adam step where the source's ZeRO stage keeps
+    it and the loaders read it where the target's keeps it: ZeRO 1-2 per
+    parameter (`<param>/step.pt`), ZeRO-3 in the global `optimizer_state.pt`
+    (`optimizer_state_dict.state[0].step`, with its `param_groups`). Without
+    this a ZeRO-3 -> ZeRO-2 resume would restart Adam's bias correction at
+    step 0, and ZeRO-2 -> ZeRO-3 fails on the missing key.
+    """
+    import torch
+
+    path = zero / "optimizer_state.pt"
+    state = load_file(path)
+    inner = state.get("optimizer_state_dict")
+    steps = sorted(zero.glob("*/step.pt"))
+    if inner is not None:
+        step = inner["state"][0]["step"]
+    elif steps:
+        step = load_file(steps[0])
+    else:
+        raise KeyError("no optimizer step in the converted checkpoint")
+    if inner is None:
+        state["optimizer_state_dict"] = {
+            "state": {0: {"step": step}},
+            "param_groups": state["param_groups"],
+        }
+        torch.save(state, path)
+    for folder in (p.parent for p in zero.glob("*/fp32.pt")):
+        if not (folder / "step.pt").exists():
+            torch.save(step, folder / "step.pt")
+
+
+def check_universal(folder: Path) -> None:
+    """Every file of a universal copy readable (the weights-only unpickler), else one line naming it."""
+    for path in sorted(folder.rglob("*.pt")):
+        load_file(path)
+
+
+def _size(folder: Path) -> str:
+    # disk the copy adds: files hard-linked to the source tag's are counted once there
+    total = sum(
+        p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.stat().st_nlink == 1
+    )
+    return f"{total / 1e6:.1f} MB"
+
+
+def load_options(pointer: Mapping[str, Any]) -> dict[str, Any]:
+    """What `engine.load_checkpoint` needs for `pointer`: the tag folder and whether it is universal."""
+    tag = pointer.get("load_tag", pointer["tag"])
+    return {"tag": tag, "universal": tag.endswith(SUFFIX)}

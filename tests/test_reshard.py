@@ -1,0 +1,101 @@
+"""Resuming under another layout, without ranks: what is converted, what is refused, what a failed conversion leaves.
+
+The real conversions (DeepSpeed's ds_to_universal on checkpoints of real runs)
+are the drills of test_elastic.py and test_workflow.py; here the tag folders
+are the small stand-ins of test_checkpoint_integrity.py, which hold the right
+file names but not DeepSpeed's state, so a conversion of them must fail cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from test_checkpoint_integrity import ZERO2, FakeEngine
+
+from stagetrain.errors import StageError
+from stagetrain.training import reshard
+from stagetrain.training.checkpoints import Checkpoints
+
+ZERO2_DP1 = {"dp": 1, "tp": 1, "zero_stage": 2}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "how"),
+    [
+        (ZERO2, ZERO2, "same"),
+        ({"dp": 2, "tp": 1, "zero_stage": 0}, {"dp": 1, "tp": 1, "zero_stage": 0}, "as_is"),
+        (ZERO2, ZERO2_DP1, "universal"),
+        (ZERO2, {"dp": 2, "tp": 1, "zero_stage": 3}, "universal"),
+        ({"dp": 1, "tp": 2, "zero_stage": 1}, {"dp": 1, "tp": 1, "zero_stage": 1}, "universal"),
+    ],
+)
+def test_which_changes_convert(old: dict, new: dict, how: str) -> None:
+    assert reshard.plan(old, new) == how
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"dp": 2, "tp": 1, "zero_stage": 0}, ZERO2_DP1),
+        (ZERO2, {"dp": 1, "tp": 1, "zero_stage": 0}),
+        ({"dp": 1, "tp": 2, "zero_stage": 0}, {"dp": 2, "tp": 1, "zero_stage": 0}),
+    ],
+)
+def test_a_change_the_formats_cannot_carry_is_one_line(old: dict, new: dict) -> None:
+    with pytest.raises(StageError) as err:
+        reshard.plan(old, new)
+    assert "a ZeRO-0 checkpoint resumes only under ZeRO-0 with the same tp" in str(err.value)
+    assert f"set parallelism.zero_stage: {old['zero_stage']}" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def _saved(root: Path, layout: dict, steps: list[int]) -> Checkpoints:
+    ckpt = Checkpoints(root, {"seed": 1}, layout, keep=2)
+    for step in steps:
+        ckpt.save(FakeEngine(layout), step, {"step": step})
+    return ckpt
+
+
+def test_a_checkpoint_that_cannot_be_converted_is_one_line_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    ckpt = _saved(tmp_path, ZERO2, [2, 4])
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    pointer = (ckpt.folder / "latest.json").read_text()
+    with pytest.raises(StageError) as err:
+        Checkpoints(tmp_path, {"seed": 1}, ZERO2_DP1, keep=2).latest()
+    line = str(err.value)
+    assert line.startswith(
+        f"{ckpt.folder / 'step00000004'}: cannot convert to a universal checkpoint ("
+    )
+    assert line.endswith("nothing was changed") and "\n" not in line
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert (ckpt.folder / "latest.json").read_text() == pointer
+
+
+def test_the_pointer_keeps_each_tags_layout_and_prunes_a_universal_copy_with_its_tag(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = _saved(tmp_path, ZERO2, [2])
+    (old.folder / "step00000002.universal").mkdir()  # as a conversion leaves it
+    new = Checkpoints(tmp_path, {"seed": 1}, ZERO2_DP1, keep=2)
+    with caplog.at_level(logging.INFO, logger="stagetrain"):
+        point = new.latest()
+    assert point["load_tag"] == "step00000002.universal" and point["layout"] == ZERO2
+    assert any(
+        "reusing the universal checkpoint step00000002.universal" in r.getMessage()
+        for r in caplog.records
+    )
+    new.save(FakeEngine(ZERO2_DP1), 3, {"step": 3})
+    pointer = json.loads((new.folder / "latest.json").read_text())
+    assert pointer["layouts"] == {"step00000003": ZERO2_DP1, "step00000002": ZERO2}
+    # the newest is damaged: the fallback checks step 2 against the layout that wrote it
+    (new.folder / "step00000003" / "mp_rank_00_model_states.pt").unlink()
+    assert new.latest()["tag"] == "step00000002"
+    (new.folder / ".step00000002.universal.tmp").mkdir()  # a conversion killed on a later try
+    new.save(FakeEngine(ZERO2_DP1), 4, {"step": 4})
+    new.save(FakeEngine(ZERO2_DP1), 5, {"step": 5})
+    assert sorted(p.name for p in new.folder.glob("*step*")) == ["step00000004", "step00000005"]
