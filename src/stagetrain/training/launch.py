@@ -94,30 +94,51 @@ def torchrun_command(
         StageError: several nodes outside a Slurm allocation, or an allocation
             whose node count differs from the plan's.
     """
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if allocation is None or nodes * procs_per_node == 1:
         if nodes > 1:
             raise StageError(
                 f"plan.json: {nodes} nodes need a Slurm allocation to start them (run through profiles/slurm)"
             )
-        return [*torchrun, "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs_per_node),
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs_per_node),
                 "-m", module, *args]  # fmt: skip
     hosts = allocation.hosts
     if len(hosts) != nodes:
         raise StageError(
             f"plan.json: {nodes} nodes, but the Slurm allocation has {len(hosts)}: {','.join(hosts)}"
         )
+    # --kill-on-bad-exit: a node whose torchrun fails (its ranks died, or the node was
+    # lost) ends the whole step at once instead of leaving the others to wait.
     step = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1",
             "--kill-on-bad-exit=1"]  # fmt: skip
     if allocation.cpus_per_node:
         step.append(f"--cpus-per-task={allocation.cpus_per_node}")
     if gpus:
         step.append(f"--gres=gpu:{procs_per_node}")
+    return [*step, *node_torchrun(nodes=nodes, procs_per_node=procs_per_node, first_host=hosts[0],
+                                  run_id=allocation.job_id, module=module, args=args)]  # fmt: skip
+
+
+def node_torchrun(
+    *,
+    nodes: int,
+    procs_per_node: int,
+    first_host: str,
+    run_id: str,
+    module: str,
+    args: Sequence[str],
+) -> list[str]:
+    """The torchrun that each of `nodes` hosts runs: c10d rendezvous on `first_host`.
+
+    Every node runs the same command; they meet at `first_host:RDZV_PORT` under
+    `run_id`, and torchrun gives out the ranks. No restarts (torchrun's default
+    --max-restarts 0): a rank that fails stops its node's torchrun, and with it,
+    under srun --kill-on-bad-exit, every node's.
+    """
     return [
-        *step,
-        *torchrun, "--nnodes", str(nodes), "--nproc_per_node", str(procs_per_node),
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0]}:{RDZV_PORT}",
-        "--rdzv_id", allocation.job_id,
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(nodes), "--nproc_per_node", str(procs_per_node),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{first_host}:{RDZV_PORT}",
+        "--rdzv_id", run_id,
         "-m", module, *args,
     ]  # fmt: skip
 
