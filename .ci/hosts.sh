@@ -30,7 +30,8 @@
 set -euo pipefail
 
 ROOT=${STAGETRAIN_HOSTS_DIR:-/var/lib/stagetrain-hosts}
-CONF=$ROOT/slurm.conf
+CONF_DIR=$ROOT/etc
+CONF=$CONF_DIR/slurm.conf
 HOSTS=(node1 node2)
 NET=10.199.77
 ADDRS=("$NET.1" "$NET.2")
@@ -116,16 +117,23 @@ remove_hosts() {
     ip link del "$BRIDGE" 2>/dev/null || true
 }
 
-# Run a command inside a host: its network, its hostname and its /etc/hosts.
+# Run a command inside a host: its network, its hostname, its /etc/hosts, and
+# this cluster's config as its /etc/slurm (in a mount namespace of its own), so
+# srun and scontrol in a job find it without SLURM_CONF, which Snakemake's
+# job step removes from the environment of the commands it runs.
 # Not `ip netns exec`, which also mounts a sysfs of the namespace over /sys and
 # so hides /sys/fs/cgroup, without which slurmd does not start.
 in_host() {
     local host=$1
     shift
     ip netns list 2>/dev/null | grep -qw "^$host" || die "host $host does not exist (.ci/hosts.sh start)"
-    exec_in_host() { mount --bind "/etc/netns/$1/hosts" /etc/hosts && hostname "$1" && shift && exec "$@"; }
+    mkdir -p /etc/slurm   # the mount point of the hosts' Slurm config
+    exec_in_host() {
+        mount --bind "/etc/netns/$1/hosts" /etc/hosts && mount --bind "$2" /etc/slurm &&
+            hostname "$1" && shift 2 && exec "$@"
+    }
     nsenter --net="/run/netns/$host" unshare --mount --uts \
-        bash -c "$(declare -f exec_in_host); exec_in_host \"\$@\"" in_host "$host" "$@"
+        bash -c "$(declare -f exec_in_host); exec_in_host \"\$@\"" in_host "$host" "$CONF_DIR" "$@"
 }
 
 # --- Slurm on the hosts ----------------------------------------------------------
@@ -203,7 +211,7 @@ start_slurm() {
     bash "$HERE/slurm.sh" install || exit $?   # exit 3 (cannot install) passes through
     start_munge
     local clear="" host
-    mkdir -p "$ROOT/slurmctld/state"
+    mkdir -p "$ROOT/slurmctld/state" "$CONF_DIR"
     if [[ ! -f $CONF || $(cat "$CONF") != "$(render_conf)" ]]; then
         render_conf >"$CONF"
         clear=-c

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -180,6 +181,7 @@ def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
     """
     log.info("launch: %s", " ".join(cmd))
     first_error = None
+    failure = NodeFailures()
     with subprocess.Popen(
         tied_to_this_process(cmd),
         env=dict(env),
@@ -193,10 +195,61 @@ def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
             log.info("%s", line)
             if first_error is None and line.startswith("error: "):
                 first_error = line.removeprefix("error: ")
+            failure.read(line)
     if proc.returncode != 0:
         raise StageError(
-            first_error or f"{stage}: the training ranks exited with status {proc.returncode}"
+            first_error
+            or failure.summary(stage)
+            or f"{stage}: the training ranks exited with status {proc.returncode}"
         )
+
+
+class NodeFailures:
+    """Which node's ranks failed first, read from the launchers' output of a failed run.
+
+    torchrun reports each failed rank in a block (`host : node2`, `rank : 1`,
+    `exitcode : -9 (pid: 7) (SIGKILL)`), and srun names each node whose
+    torchrun exited (`srun: error: node2: task 1: Exited with exit code 1`).
+    When one node's ranks die, the others fail moments later in a collective
+    ("Connection closed by peer"), so the first failure is not always the
+    cause: a rank killed by a signal (SIGKILL, the OOM killer) is named before
+    any rank that merely exited, and srun's first line otherwise.
+    """
+
+    _TORCHRUN = re.compile(r"^\s*(host|rank|exitcode)\s*:\s*(\S+)(?:.*\((SIG\w+)\))?")
+    _SRUN = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
+
+    def __init__(self) -> None:
+        self.ranks: list[dict[str, str]] = []
+        self.nodes: list[tuple[str, str]] = []
+
+    def read(self, line: str) -> None:
+        """Take one output line."""
+        if found := self._SRUN.match(line):
+            self.nodes.append((found.group(1), found.group(3)))
+        elif found := self._TORCHRUN.match(line):
+            key, value, signame = found.groups()
+            if key == "host":
+                self.ranks.append({"host": value})
+            elif self.ranks:
+                self.ranks[-1][key] = value
+                if signame:
+                    self.ranks[-1]["signal"] = signame
+
+    def summary(self, stage: str) -> str | None:
+        """One line naming the node that failed, or None when the output named none."""
+        killed = [r for r in self.ranks if r.get("signal") not in (None, "SIGTERM")]
+        nodes = sorted({host for host, _ in self.nodes})
+        stopped = (
+            f"; the ranks on every node were stopped (srun: {', '.join(nodes)})" if nodes else ""
+        )
+        if killed:
+            r = killed[0]
+            return f"{stage}: rank {r.get('rank', '?')} on node {r['host']} was killed by {r['signal']}{stopped}"
+        if self.nodes:
+            host, what = self.nodes[0]
+            return f"{stage}: the ranks on node {host} failed first ({what}){stopped}"
+        return None
 
 
 def job_spec(
