@@ -75,8 +75,14 @@ hosts_file() {
 
 make_hosts() {
     ((EUID == 0)) || skip "it needs root (ip netns, daemons)"
+    if ! command -v ip >/dev/null && command -v apt-get >/dev/null; then
+        log "installing iproute2 with apt-get"
+        DEBIAN_FRONTEND=noninteractive apt-get -y -q install --no-install-recommends iproute2 >/dev/null 2>&1 ||
+            { timeout 300 apt-get -q update && DEBIAN_FRONTEND=noninteractive apt-get -y -q install \
+                --no-install-recommends iproute2; } >/dev/null 2>&1 || true
+    fi
     command -v ip >/dev/null || skip "no ip command (Debian: apt-get install iproute2)"
-    command -v unshare >/dev/null || skip "no unshare command (util-linux)"
+    command -v nsenter >/dev/null && command -v unshare >/dev/null || skip "no nsenter/unshare (util-linux)"
     if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
         ip link add "$BRIDGE" type bridge 2>/dev/null || skip "ip link add type bridge refused"
         ip addr add "$HEAD_ADDR/24" dev "$BRIDGE"
@@ -298,11 +304,16 @@ cmd_status() {
     [[ $(grep -cE ' (idle|mixed|allocated|completing)$' <<<"$states") == "${#HOSTS[@]}" ]]
 }
 
-case ${1:-} in
+# The whole command line is read before any of it runs (a function), so an edit
+# to this file while it runs (a test's `exec` lasts minutes) cannot change it.
+main() {
+  case ${1:-} in
     start) cmd_start ;;
     stop) cmd_stop ;;
     status) cmd_status ;;
     env) echo "SLURM_CONF=$CONF" ;;
     exec) shift; in_host "$@" ;;
     *) echo "usage: $0 start|stop|status|env|exec HOST CMD..." >&2; exit 2 ;;
-esac
+  esac
+}
+main "$@"; exit
