@@ -7,6 +7,7 @@
 #                         slurmctld and slurmd, wait until the node is idle
 #   .ci/slurm.sh stop     stop slurmd, slurmctld and munged (jobs are not cancelled)
 #   .ci/slurm.sh status   print sinfo; exit 0 when the node takes jobs
+#   .ci/slurm.sh install  only install slurm-wlm and munge where missing (.ci/hosts.sh uses it)
 #
 # Made for Debian/Ubuntu machines without systemd (containers, VMs): daemons
 # are started directly and found again through their pid files. Root only.
@@ -316,5 +317,10 @@ case ${1:-} in
     start) cmd_start ;;
     stop) cmd_stop ;;
     status) cmd_status ;;
-    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+    install)
+        ((EUID == 0)) || skip "it needs root (apt-get)"
+        if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+            install_packages
+        fi ;;
+    *) echo "usage: $0 start|stop|status|install" >&2; exit 2 ;;
 esac

@@ -82,21 +82,32 @@ def _torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> An
 
 
 def launch(
+    data: dict[str, str], out: Path, *, world: int, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run the pretrain entry point on `world` CPU ranks (`write_job`'s arguments); don't check the exit."""
+    return _torchrun(
+        "stagetrain.pretrain.train", write_job(data, out, world=world, **kwargs), world
+    )
+
+
+def write_job(
     data: dict[str, str],
     out: Path,
     *,
     world: int,
     layout: dict[str, Any],
+    nodes: int = 1,
     config_changes: dict[str, dict[str, Any]] | None = None,
     model_config: str | None = None,
     checkpoints: Path | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """Run the pretrain entry point on `world` CPU ranks with `layout` fixed; don't check the exit."""
+) -> Path:
+    """Plan, DeepSpeed config and job.json of a pretrain run of `world` CPU ranks on `nodes`
+    nodes with `layout` fixed; the job.json's path."""
     cfg = small_config()
     for section, changes in (config_changes or {}).items():
         cfg[section] = {**cfg[section], **changes}
     cfg["parallelism"].update({"activation_checkpointing": False, "offload": "none", **layout})
-    plan = plan_for(cfg, cpu_hardware(ranks=world))
+    plan = plan_for(cfg, cpu_hardware(ranks=world // nodes, nodes=nodes))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     atomic_write_json(
@@ -111,7 +122,7 @@ def launch(
         extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"]},
     )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
-    return _torchrun("stagetrain.pretrain.train", out / "job.json", world)
+    return out / "job.json"
 
 
 def run(data: dict[str, str], out: Path, **kwargs: Any) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""The pipeline on Slurm: the profiles' resource requests, and a real submission to a one-node Slurm.
+"""The pipeline on Slurm: the profiles' resource requests, and a failing job on a one-node Slurm.
 
-The submission tests need the Slurm that .ci/slurm.sh starts (`.ci/run` does);
-where it cannot start (no root, no apt-get) they are skipped with its reason.
+The submission test needs the Slurm that .ci/slurm.sh starts (`.ci/run` does);
+where it cannot start (no root, no apt-get) it is skipped with its reason. The
+pipeline itself runs on two nodes, in tests/test_multinode.py.
 """
 
 from __future__ import annotations
@@ -73,33 +74,6 @@ def slurm() -> Iterator[None]:
     assert proc.returncode == 0, f".ci/slurm.sh start failed:\n{proc.stdout}\n{proc.stderr}"
     yield
     subprocess.run([*script, "stop"], capture_output=True, timeout=120)
-
-
-def test_the_pipeline_runs_through_sbatch_srun_and_torchrun(workdir: Path, slurm: None) -> None:
-    small_run(workdir, steps=4)
-    snakemake(workdir, "--workflow-profile", "profiles/slurm-local", "pretrain")
-    run = workdir / "results/tiny"
-    expected = ["hardware.json", "plan.json", "model_config.json", "tokenizer", "data/train.bin",
-                "data/val.bin", "data/meta.json", "deepspeed/pretrain.json", "pretrain/summary.json",
-                "pretrain/metrics.jsonl", "pretrain/loss.png"]  # fmt: skip
-    assert all((run / name).exists() for name in expected)
-    # Heavy stages were Slurm jobs, with logs; the quick local rules were not.
-    logs = workdir / "results/slurm_logs"
-    assert {p.name for p in logs.iterdir()} == {
-        "rule_detect_hardware",
-        "rule_prepare_tokenizer",
-        "rule_pretrain",
-    }
-    assert json.loads((run / "hardware.json").read_text())["slurm"]["job_id"]
-    launch = next(
-        line for line in (run / "logs/pretrain.log").read_text().splitlines() if "launch: " in line
-    )
-    assert re.search(r"launch: srun --nodes 1 --ntasks 1 .*torch\.distributed\.run --nnodes 1 --nproc_per_node 2 "
-                     r"--rdzv_backend c10d", launch)  # fmt: skip
-    summary = json.loads((run / "pretrain/summary.json").read_text())
-    assert summary["layout"]["world"] == 2 and summary["final_step"] == 4
-    first, second = summary["param_checksum_per_rank"]  # one synchronised model, not two copies
-    assert first == second
 
 
 def test_a_failing_job_names_its_slurm_log(workdir: Path, slurm: None) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import catalog, gpu_spec, match_gpu
-from stagetrain.hardware.detect import detect
+from stagetrain.hardware.detect import detect, slurm_allocation
 from stagetrain.hardware.visible import Device, select_visible
 
 # --------------------------------------------------------------------------------------
@@ -951,6 +951,15 @@ class TestSlurm:
             "nodelist": "gpu[01-03]",
             "gpus_on_node": None,
         }
+
+    def test_inside_a_step_of_a_stripped_job_the_controller_names_the_nodes(self) -> None:
+        """Snakemake's job step leaves SLURM_JOB_ID and runs the stage in an `srun -n1`
+        step, whose SLURM_NNODES and SLURM_JOB_NODELIST count only that step's node."""
+        env = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_NNODES": "1",
+               "SLURM_JOB_NODELIST": "node1"}  # fmt: skip
+        answer = "JobId=5 NodeList=node[1-2] NumNodes=2 NumCPUs=4"
+        found = slurm_allocation(env, lambda job_id: answer)
+        assert (found["nodes"], found["nodelist"]) == (2, "node1,node2")
 
     def test_no_allocation_uses_config(self, tmp_path: Path) -> None:
         """Outside Slurm the config's node count stands."""

@@ -173,3 +173,16 @@ def test_metrics_without_tensorboard_installed_log_the_reason_and_keep_the_json_
     assert json.loads((tmp_path / "m.jsonl").read_text())["train/loss"] == 2.0
     assert not (tmp_path / "tensorboard").exists()
     assert "no TensorBoard event files" in caplog.text
+
+
+def test_the_collective_timeout_is_bounded_and_checked() -> None:
+    from datetime import timedelta
+
+    from stagetrain.training.engine import COLLECTIVE_TIMEOUT_S, collective_timeout
+
+    assert collective_timeout({}) == timedelta(seconds=COLLECTIVE_TIMEOUT_S) < timedelta(minutes=30)
+    assert collective_timeout({"STAGETRAIN_COLLECTIVE_TIMEOUT_S": "20"}) == timedelta(seconds=20)
+    with pytest.raises(
+        StageError, match="STAGETRAIN_COLLECTIVE_TIMEOUT_S: expected a whole number"
+    ):
+        collective_timeout({"STAGETRAIN_COLLECTIVE_TIMEOUT_S": "1.5"})

@@ -13,7 +13,7 @@ from stagetrain.slurm import (
     expand_nodelist,
     job_resources,
 )
-from stagetrain.training.launch import torchrun_command
+from stagetrain.training.launch import NodeFailures, torchrun_command
 
 
 def _plan(nodes: int, per_node: int, device: str = "H100") -> dict:
@@ -128,3 +128,48 @@ def test_every_training_resource_is_declared_to_the_workflow() -> None:
     assert (
         tuple(job_resources(_plan(1, 2), "pretrain", node_cores=8, steps=10)) == TRAINING_RESOURCES
     )
+
+
+NODE2_KILLED = """\
+[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.199.77.2]:40614.
+srun: error: node2: task 1: Exited with exit code 1
+srun: launch/slurm: _step_signal: Terminating StepId=5.0
+[0]:
+  time      : 2026-11-30_20:44:13
+  host      : node2
+  rank      : 1 (local_rank: 0)
+  exitcode  : -9 (pid: 14511) (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 14511
+srun: error: node1: task 0: Exited with exit code 1
+"""
+
+
+def failure_of(output: str) -> str | None:
+    failures = NodeFailures()
+    for line in output.splitlines():
+        failures.read(line)
+    return failures.summary("pretrain")
+
+
+def test_a_failed_multi_node_run_names_the_node_whose_rank_was_killed() -> None:
+    assert failure_of(NODE2_KILLED) == (
+        "pretrain: rank 1 on node node2 was killed by SIGKILL; "
+        "the ranks on every node were stopped (srun: node1, node2)"
+    )
+    # node1's launcher reported first, but its ranks only lost their peer: node2 is still named
+    node1_first = NODE2_KILLED.replace("srun: error: node2: task 1: Exited with exit code 1\n", "")
+    assert "rank 1 on node node2 was killed by SIGKILL" in failure_of(
+        node1_first + "srun: error: node2: task 1: Exited with exit code 1\n"
+    )
+
+
+def test_without_a_killed_rank_the_first_node_srun_names_is_blamed() -> None:
+    out = (
+        "srun: error: node2: task 1: Exited with exit code 1\nsrun: error: node1: task 0: Killed\n"
+    )
+    assert failure_of(out) == (
+        "pretrain: the ranks on node node2 failed first (Exited with exit code 1); "
+        "the ranks on every node were stopped (srun: node1, node2)"
+    )
+    assert failure_of("Traceback (most recent call last):\n") is None  # one node: the old message

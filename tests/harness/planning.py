@@ -20,9 +20,9 @@ def plan_for(cfg: Mapping[str, Any], hardware: Mapping[str, Any] | None = None) 
     )  # fmt: skip
 
 
-def cpu_hardware(ranks: int = 2, memory_gib: float = 24) -> dict[str, Any]:
-    """hardware.json of one 2-core CPU node running `ranks` ranks, as detect_hardware writes it."""
+def cpu_hardware(ranks: int = 2, memory_gib: float = 24, nodes: int = 1) -> dict[str, Any]:
+    """hardware.json of `nodes` 2-core CPU nodes running `ranks` ranks each, as detect_hardware writes it."""
     return {
-        "gpu": None, "nodes": 1, "cpu_ranks": ranks, "gpus_per_node": 0,
+        "gpu": None, "nodes": nodes, "cpu_ranks": ranks, "gpus_per_node": 0,
         "cpu": {"cores": 2, "memory_bytes": int(memory_gib * GIB)},
     }  # fmt: skip

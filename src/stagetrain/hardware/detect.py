@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from stagetrain import slurm
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec, match_gpu
 from stagetrain.hardware.visible import Device, select_visible
@@ -144,16 +145,29 @@ def cpu_facts(proc_root: Path = Path("/proc")) -> dict[str, int]:
     return {"cores": int(cores or 1), "memory_bytes": int(memory)}
 
 
-def slurm_allocation(env: Mapping[str, str]) -> dict[str, Any] | None:
-    """The Slurm allocation this process runs in, if any: job, nodes, node list, GPUs on this node."""
+def slurm_allocation(
+    env: Mapping[str, str], scontrol: Callable[[str], str] | None = None
+) -> dict[str, Any] | None:
+    """The Slurm allocation this process runs in, if any: job, nodes, node list, GPUs on this node.
+
+    Inside a job step whose job variables were removed (Snakemake's job step keeps
+    only SLURM_JOB_ID, then runs the stage through `srun -n1`), SLURM_NNODES and
+    SLURM_JOB_NODELIST describe that one-node step, not the job: the job's nodes
+    are then asked of the controller (`scontrol`, injectable for tests).
+    """
     if "SLURM_JOB_ID" not in env:
         return None
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if "SLURM_JOB_NUM_NODES" not in env and "SLURM_STEP_ID" in env:
+        job = slurm.allocation({"SLURM_JOB_ID": env["SLURM_JOB_ID"]}, scontrol)
+        assert job is not None  # SLURM_JOB_ID is set
+        nodes, nodelist = str(len(job.hosts)), ",".join(job.hosts)
     gpus = env.get("SLURM_GPUS_ON_NODE")
     return {
         "job_id": env["SLURM_JOB_ID"],
         "nodes": int(nodes),
-        "nodelist": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
+        "nodelist": nodelist,
         "gpus_on_node": int(gpus) if gpus and gpus.isdigit() else None,
     }
 

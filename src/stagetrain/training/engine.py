@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,25 @@ SPARSE_BLOCKS = {
 }
 
 
+COLLECTIVE_TIMEOUT_S = 600
+"""How long a rank waits in one collective (and at the start-up barrier) for the
+others before it fails, unless STAGETRAIN_COLLECTIVE_TIMEOUT_S says otherwise.
+A peer whose process died closes its connections and fails the others at once;
+this bounds the case where nothing closes them (a node whose link went down, a
+rank hung in a kernel): without it gloo and DeepSpeed wait 30 minutes. 10 minutes
+covers the longest barrier of a run, the one after every rank's checkpoint save."""
+
+
+def collective_timeout(env: Mapping[str, str]) -> timedelta:
+    """The collective timeout from STAGETRAIN_COLLECTIVE_TIMEOUT_S, else COLLECTIVE_TIMEOUT_S."""
+    raw = env.get("STAGETRAIN_COLLECTIVE_TIMEOUT_S", str(COLLECTIVE_TIMEOUT_S))
+    if not raw.isdigit() or int(raw) == 0:
+        raise StageError(
+            f"STAGETRAIN_COLLECTIVE_TIMEOUT_S: expected a whole number of seconds > 0, got {raw!r}"
+        )
+    return timedelta(seconds=int(raw))
+
+
 def join_world(spec: Mapping[str, Any]) -> tuple[dict, dict, dict, torch.device]:
     """Start this rank's process group and check the world against the plan.
 
@@ -52,7 +72,7 @@ def join_world(spec: Mapping[str, Any]) -> tuple[dict, dict, dict, torch.device]
     the same start for every training stage.
     """
     plan, meta, ds_config = (read_json(spec[key]) for key in ("plan", "meta", "deepspeed_config"))
-    deepspeed.init_distributed(dist_backend=plan["backend"])
+    deepspeed.init_distributed(dist_backend=plan["backend"], timeout=collective_timeout(os.environ))
     world = torch.distributed.get_world_size()
     if world != plan["world"]:
         raise StageError(f"plan.json: world size {plan['world']}, but {world} processes started")

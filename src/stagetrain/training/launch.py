@@ -42,6 +42,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,30 +98,51 @@ def torchrun_command(
         StageError: several nodes outside a Slurm allocation, or an allocation
             whose node count differs from the plan's.
     """
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if allocation is None or nodes * procs_per_node == 1:
         if nodes > 1:
             raise StageError(
                 f"plan.json: {nodes} nodes need a Slurm allocation to start them (run through profiles/slurm)"
             )
-        return [*torchrun, "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs_per_node),
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(procs_per_node),
                 "-m", module, *args]  # fmt: skip
     hosts = allocation.hosts
     if len(hosts) != nodes:
         raise StageError(
             f"plan.json: {nodes} nodes, but the Slurm allocation has {len(hosts)}: {','.join(hosts)}"
         )
+    # --kill-on-bad-exit: a node whose torchrun fails (its ranks died, or the node was
+    # lost) ends the whole step at once instead of leaving the others to wait.
     step = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes), "--ntasks-per-node", "1",
             "--kill-on-bad-exit=1"]  # fmt: skip
     if allocation.cpus_per_node:
         step.append(f"--cpus-per-task={allocation.cpus_per_node}")
     if gpus:
         step.append(f"--gres=gpu:{procs_per_node}")
+    return [*step, *node_torchrun(nodes=nodes, procs_per_node=procs_per_node, first_host=hosts[0],
+                                  run_id=allocation.job_id, module=module, args=args)]  # fmt: skip
+
+
+def node_torchrun(
+    *,
+    nodes: int,
+    procs_per_node: int,
+    first_host: str,
+    run_id: str,
+    module: str,
+    args: Sequence[str],
+) -> list[str]:
+    """The torchrun that each of `nodes` hosts runs: c10d rendezvous on `first_host`.
+
+    Every node runs the same command; they meet at `first_host:RDZV_PORT` under
+    `run_id`, and torchrun gives out the ranks. No restarts (torchrun's default
+    --max-restarts 0): a rank that fails stops its node's torchrun, and with it,
+    under srun --kill-on-bad-exit, every node's.
+    """
     return [
-        *step,
-        *torchrun, "--nnodes", str(nodes), "--nproc_per_node", str(procs_per_node),
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0]}:{RDZV_PORT}",
-        "--rdzv_id", allocation.job_id,
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(nodes), "--nproc_per_node", str(procs_per_node),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{first_host}:{RDZV_PORT}",
+        "--rdzv_id", run_id,
         "-m", module, *args,
     ]  # fmt: skip
 
@@ -162,6 +184,7 @@ def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
     """
     log.info("launch: %s", " ".join(cmd))
     first_error = None
+    failure = NodeFailures()
     with subprocess.Popen(
         tied_to_this_process(cmd),
         env=dict(env),
@@ -175,10 +198,61 @@ def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
             log.info("%s", line)
             if first_error is None and line.startswith("error: "):
                 first_error = line.removeprefix("error: ")
+            failure.read(line)
     if proc.returncode != 0:
         raise StageError(
-            first_error or f"{stage}: the training ranks exited with status {proc.returncode}"
+            first_error
+            or failure.summary(stage)
+            or f"{stage}: the training ranks exited with status {proc.returncode}"
         )
+
+
+class NodeFailures:
+    """Which node's ranks failed first, read from the launchers' output of a failed run.
+
+    torchrun reports each failed rank in a block (`host : node2`, `rank : 1`,
+    `exitcode : -9 (pid: 7) (SIGKILL)`), and srun names each node whose
+    torchrun exited (`srun: error: node2: task 1: Exited with exit code 1`).
+    When one node's ranks die, the others fail moments later in a collective
+    ("Connection closed by peer"), so the first failure is not always the
+    cause: a rank killed by a signal (SIGKILL, the OOM killer) is named before
+    any rank that merely exited, and srun's first line otherwise.
+    """
+
+    _TORCHRUN = re.compile(r"^\s*(host|rank|exitcode)\s*:\s*(\S+)(?:.*\((SIG\w+)\))?")
+    _SRUN = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.+)$")
+
+    def __init__(self) -> None:
+        self.ranks: list[dict[str, str]] = []
+        self.nodes: list[tuple[str, str]] = []
+
+    def read(self, line: str) -> None:
+        """Take one output line."""
+        if found := self._SRUN.match(line):
+            self.nodes.append((found.group(1), found.group(3)))
+        elif found := self._TORCHRUN.match(line):
+            key, value, signame = found.groups()
+            if key == "host":
+                self.ranks.append({"host": value})
+            elif self.ranks:
+                self.ranks[-1][key] = value
+                if signame:
+                    self.ranks[-1]["signal"] = signame
+
+    def summary(self, stage: str) -> str | None:
+        """One line naming the node that failed, or None when the output named none."""
+        killed = [r for r in self.ranks if r.get("signal") not in (None, "SIGTERM")]
+        nodes = sorted({host for host, _ in self.nodes})
+        stopped = (
+            f"; the ranks on every node were stopped (srun: {', '.join(nodes)})" if nodes else ""
+        )
+        if killed:
+            r = killed[0]
+            return f"{stage}: rank {r.get('rank', '?')} on node {r['host']} was killed by {r['signal']}{stopped}"
+        if self.nodes:
+            host, what = self.nodes[0]
+            return f"{stage}: the ranks on node {host} failed first ({what}){stopped}"
+        return None
 
 
 def job_spec(
