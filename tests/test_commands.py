@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, edit_config, small_grpo, small_run, snakemake
+from harness.configs import edit_config, small_grpo, small_run
+from harness.workflow import REPO, SNAKEMAKE, snakemake
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, model_config, run
+from harness.training import final_params, model_config, run
 from safetensors.torch import load_file, save_file
 from test_checkpoint_integrity import Crafted, truncate
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -15,8 +15,8 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import default_config
-from pretrain_harness import final_params, grpo_config, launch_grpo, run, run_grpo
+from harness.training import final_params, grpo_config, launch_grpo, run, run_grpo
+from harness.workflow import default_config
 from safetensors.torch import load_file
 
 from stagetrain.consolidate.folder import consolidate

@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SNAKEMAKE, small_run, snakemake
-from pretrain_harness import final_params, launch, run
+from harness.configs import small_run
+from harness.training import final_params, launch, run
+from harness.workflow import SNAKEMAKE, snakemake
 
 from stagetrain.errors import StageError
 from stagetrain.training import lock as stage_lock

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, launch, model_config, run, small_config
+from harness.training import final_params, launch, model_config, run, small_config
 from test_checkpoint_integrity import truncate
 
 pytestmark = pytest.mark.slow

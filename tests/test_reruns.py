@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, snakemake
+from harness.workflow import REPO, SNAKEMAKE, snakemake
 
 from stagetrain import config as stconfig
 

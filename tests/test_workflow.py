@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import SNAKEMAKE, edit_config, small_run, snakemake
+from harness.configs import edit_config, small_run
+from harness.workflow import SNAKEMAKE, snakemake
 
 from stagetrain.pretrain.metrics import METRICS
 from stagetrain.training.integrity import load_file

@@ -1,0 +1,50 @@
+"""The workflow run by the real Snakemake in a scratch copy: the default config, the copy, the run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagetrain import config as stconfig
+
+REPO = Path(__file__).resolve().parents[2]
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles")
+
+
+def default_config() -> dict[str, Any]:
+    """The embedded default config, validated, defaults filled."""
+    return stconfig.load(REPO / "config" / "config.yaml")
+
+
+def copy_workflow(root: Path) -> Path:
+    """Copy the workflow into `root` (created), so runs and config edits stay there."""
+    root.mkdir(parents=True)
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, root / part)
+        else:
+            shutil.copy(src, root / part)
+    return root
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the real Snakemake in `workdir`; fail the test with its output if `check` and it fails."""
+    proc = subprocess.run(
+        [SNAKEMAKE, "--cores", "2", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"snakemake {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
