@@ -1,7 +1,8 @@
 """Fixtures: a workflow copy, a finished small run, the multi-rank tests' comm op, data and runs.
 
 Helpers are imported from the harness package (tests/harness/), not from here;
-the few names below stay importable from here for test_cluster.py.
+the helper names conftest.py used to define stay importable from here for test
+modules that still import them so (test_cluster.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 from harness.configs import edit_config, small_grpo, small_run
-from harness.workflow import REPO, copy_workflow, snakemake
+from harness.workflow import REPO, SNAKEMAKE, copy_workflow, default_config, snakemake
 
 if TYPE_CHECKING:
     from harness.training import SharedRuns
 
-__all__ = ["REPO", "edit_config", "small_run", "snakemake"]
+__all__ = ["REPO", "SNAKEMAKE", "copy_workflow", "default_config", "edit_config", "small_grpo",
+           "small_run", "snakemake"]  # fmt: skip
 
 
 @pytest.fixture
