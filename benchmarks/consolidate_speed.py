@@ -1,7 +1,9 @@
 """Benchmark: consolidation against a plain `cp -r` of the checkpoint: throughput, peak memory, disk reads.
 
-    python benchmarks/consolidate_speed.py --size 24m  --work /tmp/consolidate-24m
-    python benchmarks/consolidate_speed.py --size 300m --work /tmp/consolidate-300m
+    python -m benchmarks.consolidate_speed --size 24m  --work /tmp/consolidate-24m
+    python -m benchmarks.consolidate_speed --size 300m --work /tmp/consolidate-300m
+
+(from the repository root: it imports tests.harness)
 
 Trains the model for one step on two CPU ranks (fp32, so the checkpoint holds
 fp32 partitions beside both Adam moments; 24m: a 24M-parameter Llama under
@@ -35,8 +37,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 SIZES = {
     "24m": ({"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
@@ -82,7 +82,7 @@ def prepare(size: str, work: Path) -> dict[str, str]:
     spec = work / "spec.json"
     if spec.exists():
         return json.loads(spec.read_text())
-    import pretrain_harness as harness
+    from tests.harness import training as harness
 
     shape, zero = SIZES[size]
     data = harness.prepare_data(work / "data")

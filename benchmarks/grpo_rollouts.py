@@ -1,9 +1,10 @@
 """Benchmark: tree rollouts against flat sampling at the same generated-token budget.
 
-    python benchmarks/grpo_rollouts.py [--run results/tiny] [--prompts 64] [--levels 2,3]
+    python -m benchmarks.grpo_rollouts [--run results/tiny] [--prompts 64] [--levels 2,3]
                                        [--curve] [--steps 40] [--tree-steps N] [--seeds 3]
 
-Needs a consolidated model of the default run (`snakemake --cores all pretrain` makes it).
+Run from the repository root (it imports tests.harness). Needs a consolidated model of the
+default run (`snakemake --cores all pretrain` makes it).
 
 1. Rollouts, side by side on the same prompts and the same policy: flat
    samples `group_size` completions per prompt; the tree search gets, per
@@ -53,7 +54,6 @@ from stagetrain.tasks import sample, score
 from stagetrain.training.evaluation import prompt_ids
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 SHAPES = ((2, 4), (2, 8), (4, 8), (2, 16))
 """(B, K) tree shapes of part 1; the config's own shape is added."""
 PROBES = (2, 4)
@@ -269,7 +269,7 @@ def _grpo_run(
 ) -> tuple[float, int, float]:
     """One GRPO run on two CPU ranks: (held-out accuracy gain, generated tokens, mean share of
     prompts per step whose rewards did not vary)."""
-    import pretrain_harness as harness
+    from tests.harness import training as harness
 
     grpo = {
         **cfg["grpo"],

@@ -1,6 +1,6 @@
 """Benchmark: the pretrain stage's training step against a bare PyTorch loop, on one CPU rank.
 
-    python benchmarks/train_speed.py
+    python -m benchmarks.train_speed      (from the repository root: it imports tests.harness)
 
 Both loops train the same transformers model (the default config's) from the
 same weights on the same windows of the same shard, with the same threads, and
@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 STEPS, WARMUP, ROUNDS = 20, 3, 3
 
@@ -77,9 +75,8 @@ def one(precision: str) -> None:
     """Time both loops for one precision (a process each: DeepSpeed's groups live per process)."""
     import json
 
-    import pretrain_harness as harness
-
     from stagetrain.pretrain import train
+    from tests.harness import training as harness
 
     os.environ.update(
         RANK="0",
@@ -111,17 +108,19 @@ def main() -> None:
 
     for precision in ("fp32", "bf16"):
         proc = subprocess.run(
-            [sys.executable, __file__, precision], capture_output=True, text=True, check=True
+            [sys.executable, "-m", "benchmarks.train_speed", precision],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         print(proc.stdout.strip().splitlines()[-1])
 
 
 def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
-    from harness.planning import cpu_hardware, plan_for
-
     from stagetrain.deepspeed_config import render
     from stagetrain.io import atomic_write_json
     from stagetrain.training.launch import job_spec
+    from tests.harness.planning import cpu_hardware, plan_for
 
     cfg["parallelism"].update(
         dp=1,

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, edit_config, small_run, snakemake
+from harness.configs import edit_config, small_run
+from harness.workflow import REPO, snakemake
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, edit_config, small_grpo, small_run, snakemake
+from harness.configs import edit_config, small_grpo, small_run
+from harness.workflow import REPO, SNAKEMAKE, snakemake
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -176,6 +177,7 @@ def test_every_readme_command_works_as_written(finished_small_run: Path) -> None
         proc = subprocess.run(["bash", "-c", _as_run_here(command)], cwd=finished_small_run,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert (finished_small_run / "report.html").stat().st_size > 10_000
     report = (finished_small_run / "report.html").read_text()
     for plot in ("pretrain/loss.png", "grpo/reward.png"):
         name = plot.split("/")[1]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, default_config
+from harness.workflow import REPO, default_config
 from snakemake.utils import validate as snakemake_validate
 
 from stagetrain import config as stconfig

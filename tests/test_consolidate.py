@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, model_config, run
+from harness.training import SharedRuns, final_params
 from safetensors.torch import load_file, save_file
 from test_checkpoint_integrity import Crafted, truncate
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -26,29 +26,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def runs(
-    data: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, dict[str, Any]]:
+def runs(shared_runs: SharedRuns) -> SharedRuns:
     """fp32 two-rank runs whose checkpoints take each reading path: ZeRO 0, 1, 2, 3, AutoTP, and a
-    Mixtral (MoE sparse blocks as ZeRO-3 leaf modules). Each summary names its model config."""
-    layouts = {
-        "zero0": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0},
-        "zero1": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 1},
-        "zero2": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 2},
-        "zero3": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 3},
-        "tp2": {"dp": 1, "tp": 2, "micro_batch_size": 4, "zero_stage": 1},
-        "moe": {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 3},
-    }
-    moe = model_config(tmp_path_factory.mktemp("moe-config"), architecture="mixtral", num_experts=4,
-                       experts_per_token=2, intermediate_size=128)  # fmt: skip
-    runs = {}
-    for name, layout in layouts.items():
-        config = moe if name == "moe" else data["model_config"]
-        summary = run(
-            data, tmp_path_factory.mktemp(name), world=2, layout=layout, model_config=config
-        )
-        runs[name] = {**summary, "model_config": config}
-    return runs
+    Mixtral (MoE sparse blocks as ZeRO-3 leaf modules); the session's shared runs, read only.
+    Each summary names its model config."""
+    return shared_runs
 
 
 def _consolidate(
@@ -122,7 +104,7 @@ def _reference_shards(summary: dict[str, Any], dtype: str, max_size: str, out: P
      ("zero3", "bf16", "1MB"), ("zero3", "fp32", "2GB"), ("tp2", "bf16", "1MB"), ("tp2", "fp32", "2GB"),
      ("moe", "bf16", "200KB"), ("moe", "fp32", "2GB")],
 )  # fmt: skip
-def test_streamed_shards_equal_the_reference_bytes(data: dict[str, str], runs: dict, tmp_path: Path,
+def test_streamed_shards_equal_the_reference_bytes(data: dict[str, str], runs: SharedRuns, tmp_path: Path,
                                                    name: str, dtype: str, max_size: str) -> None:  # fmt: skip
     """Every shard and the index, byte for byte, as the whole-tensor implementation wrote them; the
     folder verifies (reloaded, the logged loss reproduced: MoE included)."""
@@ -150,7 +132,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["zero0", "zero2", "zero3"])
 def test_fp32_output_equals_deepspeeds_fp32_state_dict(
-    data: dict[str, str], runs: dict, tmp_path: Path, name: str
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path, name: str
 ) -> None:
     manifest = _consolidate(data, runs[name], tmp_path / "model")
     written, reference = _weights(tmp_path / "model"), final_params(runs[name])
@@ -163,7 +145,7 @@ def test_fp32_output_equals_deepspeeds_fp32_state_dict(
 
 
 def test_finite_verification_reads_every_shard_back(
-    data: dict[str, str], runs: dict, tmp_path: Path
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
 ) -> None:
     """verify: finite writes the same folder without reloading the model, and reads each shard back from
     disk: a NaN or a cut written into a shard after the conversion is found, and nothing is left."""
@@ -198,7 +180,7 @@ def test_finite_verification_reads_every_shard_back(
 
 
 def test_the_folder_loads_with_transformers_and_reproduces_the_loss(
-    data: dict[str, str], runs: dict, tmp_path: Path
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
 ) -> None:
     summary = runs["zero3"]
     _consolidate(data, summary, tmp_path / "model", dtype="bf16", max_shard_size="1MB")
@@ -218,7 +200,7 @@ def test_the_folder_loads_with_transformers_and_reproduces_the_loss(
     assert {"torch", "deepspeed", "transformers"} == set(manifest["versions"])
 
 
-def test_autotp_slices_are_gathered(data: dict[str, str], runs: dict, tmp_path: Path) -> None:
+def test_autotp_slices_are_gathered(data: dict[str, str], runs: SharedRuns, tmp_path: Path) -> None:
     """tp=2 files hold halves of the split layers; the folder holds whole tensors that reproduce the loss."""
     manifest = _consolidate(data, runs["tp2"], tmp_path / "model")
     written = _weights(tmp_path / "model")
@@ -231,7 +213,7 @@ def test_autotp_slices_are_gathered(data: dict[str, str], runs: dict, tmp_path: 
 
 
 def test_consolidating_twice_gives_identical_bytes(
-    data: dict[str, str], runs: dict, tmp_path: Path
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
 ) -> None:
     _consolidate(data, runs["zero2"], tmp_path / "a", dtype="bf16")
     _consolidate(data, runs["zero2"], tmp_path / "b", dtype="bf16")
@@ -275,7 +257,7 @@ def _nothing_written(tmp_path: Path) -> bool:
         ),
     ],
 )
-def test_a_broken_checkpoint_is_one_line_and_writes_nothing(data: dict[str, str], runs: dict, tmp_path: Path,
+def test_a_broken_checkpoint_is_one_line_and_writes_nothing(data: dict[str, str], runs: SharedRuns, tmp_path: Path,
                                                             damage: str, message: str) -> None:  # fmt: skip
     summary, tag_dir = _broken_copy(runs["zero3"], tmp_path)
     if damage == "pointer":
@@ -296,7 +278,7 @@ def test_a_broken_checkpoint_is_one_line_and_writes_nothing(data: dict[str, str]
 
 
 def test_a_loss_that_does_not_match_fails_and_writes_nothing(
-    data: dict[str, str], runs: dict, tmp_path: Path
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
 ) -> None:
     summary = {**runs["zero0"], "final_eval_loss": runs["zero0"]["final_eval_loss"] * 1.1}
     with pytest.raises(StageError, match="validation loss .* differs from .* nothing was written"):
@@ -318,7 +300,7 @@ def _edit_zero0_weights(
 
 
 def test_random_bytes_in_a_weight_fail_naming_it_and_write_nothing(
-    data: dict[str, str], runs: dict, tmp_path: Path
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
 ) -> None:
     """20 KB of random bytes in one tensor, its size kept: non-finite weights are refused."""
     noise = torch.randint(
@@ -332,7 +314,7 @@ def test_random_bytes_in_a_weight_fail_naming_it_and_write_nothing(
 
 
 def test_a_non_finite_validation_loss_fails_and_writes_nothing(
-    data: dict[str, str], runs: dict, tmp_path: Path
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
 ) -> None:
     """Finite weights that overflow in the forward pass give a NaN loss, which no tolerance catches."""
     summary = _edit_zero0_weights(
@@ -348,7 +330,7 @@ def test_a_non_finite_validation_loss_fails_and_writes_nothing(
 
 
 def test_a_crafted_rank_file_is_refused_and_its_code_never_runs(
-    data: dict[str, str], runs: dict, tmp_path: Path
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
 ) -> None:
     summary, tag_dir = _broken_copy(runs["zero3"], tmp_path)
     marker = tmp_path / "MARKER"

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import REPO, default_config
-from hub_server import commit_sha, hub_call, serve_hub
-from test_planning import _cpu_hardware, _plan
+from harness.hub import commit_sha, hub_call, serve_hub
+from harness.planning import cpu_hardware, plan_for
+from harness.workflow import REPO, default_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from stagetrain import config as stconfig
@@ -65,7 +65,7 @@ def _prepare(cfg: dict[str, Any], out: Path, plan: dict[str, Any] | None = None)
     }  # fmt: skip
     return prepare(
         run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
-        tp=vocab_padding(plan or _plan(cfg, _cpu_hardware()))["tp"], outputs=outputs,
+        tp=vocab_padding(plan or plan_for(cfg, cpu_hardware()))["tp"], outputs=outputs,
     )  # fmt: skip
 
 
@@ -354,7 +354,7 @@ def test_prepare_writes_everything_and_reruns_byte_identical(tmp_path: Path) -> 
 
 def test_vocab_is_padded_for_the_plans_tp(tmp_path: Path) -> None:
     cfg = _small()
-    plan = _plan(cfg, _cpu_hardware())
+    plan = plan_for(cfg, cpu_hardware())
     plan["stages"]["grpo"]["layout"]["tp"] = 4
     meta = _prepare(cfg, tmp_path, plan)
     assert meta["model_vocab_size"] == 512 and meta["model_vocab_size"] % 256 == 0
@@ -430,7 +430,7 @@ def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
 
     cfg_path.write_text(yaml.safe_dump(raw))
     plan = tmp_path / "vocab.json"
-    plan.write_text(json.dumps(vocab_padding(_plan(stconfig.load(cfg_path), _cpu_hardware()))))
+    plan.write_text(json.dumps(vocab_padding(plan_for(stconfig.load(cfg_path), cpu_hardware()))))
     out = tmp_path / "out"
     with serve_hub({"datasets/org/corpus": {"main": (sha, {"train.jsonl": rows.encode()})}}) as hub:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}

@@ -6,15 +6,15 @@ import json
 from typing import Any
 
 import pytest
-from conftest import default_config
-from test_planning import _cpu_hardware, _plan, _preset
+from harness.planning import cpu_hardware, plan_for, preset_config
+from harness.workflow import default_config
 
 from stagetrain.deepspeed_config import check, render
 from stagetrain.errors import StageError
 
 
 def _render(cfg: dict[str, Any], stage: str, plan: dict[str, Any] | None = None) -> dict[str, Any]:
-    plan = plan or _plan(cfg)
+    plan = plan or plan_for(cfg)
     return render(stage=stage, plan=plan, deepspeed=cfg["deepspeed"], training=cfg[stage])
 
 
@@ -29,8 +29,8 @@ def _no_auto(obj: Any) -> bool:
 @pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100"])
 @pytest.mark.parametrize("stage", ["pretrain", "grpo"])
 def test_presets_render_complete_configs(preset: str, stage: str) -> None:
-    cfg = _preset(preset)
-    plan = _plan(cfg)
+    cfg = preset_config(preset)
+    plan = plan_for(cfg)
     config = _render(cfg, stage, plan)
     layout = plan["stages"][stage]["layout"]
     assert _no_auto(config)
@@ -48,7 +48,7 @@ def test_presets_render_complete_configs(preset: str, stage: str) -> None:
     ("zero", "tp"), [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2), (2, 2)]
 )  # AutoTP with ZeRO-3 is refused by the planner (test_planning)
 def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
-    cfg = _preset("mistral-7b-8xh100", parallelism={"zero_stage": zero, "tp": tp})
+    cfg = preset_config("mistral-7b-8xh100", parallelism={"zero_stage": zero, "tp": tp})
     config = _render(cfg, "pretrain")
     assert config["zero_optimization"]["stage"] == zero
     if tp > 1:
@@ -62,7 +62,7 @@ def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
 
 def test_offload_and_activation_checkpointing_follow_the_plan() -> None:
     fixed = {"zero_stage": 3, "offload": "optimizer_and_params", "activation_checkpointing": True}
-    config = _render(_preset("mistral-7b-8xh100", parallelism=fixed), "pretrain")
+    config = _render(preset_config("mistral-7b-8xh100", parallelism=fixed), "pretrain")
     zero = config["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
     assert "torch_adam" not in config["optimizer"]["params"]  # offload runs DeepSpeed's CPU Adam
@@ -70,7 +70,7 @@ def test_offload_and_activation_checkpointing_follow_the_plan() -> None:
 
 
 def test_fp16_with_loss_scaling_on_gpus_without_bf16() -> None:
-    cfg = _preset("llama-1b-h200", hardware={"gpu": "V100-32GB", "gpus_per_node": 8})
+    cfg = preset_config("llama-1b-h200", hardware={"gpu": "V100-32GB", "gpus_per_node": 8})
     config = _render(cfg, "pretrain")
     assert "bf16" not in config
     assert config["fp16"]["enabled"] and config["fp16"]["loss_scale"] == 0
@@ -78,7 +78,7 @@ def test_fp16_with_loss_scaling_on_gpus_without_bf16() -> None:
 
 
 def test_fp32_on_request() -> None:
-    config = _render(_preset("llama-1b-h200", deepspeed={"precision": "fp32"}), "pretrain")
+    config = _render(preset_config("llama-1b-h200", deepspeed={"precision": "fp32"}), "pretrain")
     assert "bf16" not in config and "fp16" not in config
 
 
@@ -93,14 +93,14 @@ def test_fp32_on_request() -> None:
 def test_schedules(schedule: str, kind: str, keys: set[str]) -> None:
     cfg = default_config()
     cfg["pretrain"]["optimizer"]["schedule"] = schedule
-    config = _render(cfg, "pretrain", _plan(cfg, _cpu_hardware()))
+    config = _render(cfg, "pretrain", plan_for(cfg, cpu_hardware()))
     assert config["scheduler"]["type"] == kind
     assert keys <= set(config["scheduler"]["params"])
 
 
 def test_default_config_renders_on_cpu() -> None:
     cfg = default_config()
-    plan = _plan(cfg, _cpu_hardware())
+    plan = plan_for(cfg, cpu_hardware())
     for stage in ("pretrain", "grpo"):
         config = _render(cfg, stage, plan)
         assert config["optimizer"]["params"]["torch_adam"] is True
@@ -111,13 +111,13 @@ def test_warmup_longer_than_training_is_an_error() -> None:
     cfg = default_config()
     cfg["grpo"].update(steps=80, optimizer={**cfg["grpo"]["optimizer"], "warmup_steps": 500})
     with pytest.raises(StageError, match="grpo.optimizer.warmup_steps: 500 exceeds grpo.steps 80"):
-        _render(cfg, "grpo", _plan(cfg, _cpu_hardware()))
+        _render(cfg, "grpo", plan_for(cfg, cpu_hardware()))
 
 
 def test_deepspeed_itself_rejects_bad_keys_and_batch_arithmetic() -> None:
     """check() runs DeepSpeed's parser: a typo in a ZeRO key or a wrong batch fails here, in one line."""
     cfg = default_config()
-    good = _render(cfg, "pretrain", _plan(cfg, _cpu_hardware()))
+    good = _render(cfg, "pretrain", plan_for(cfg, cpu_hardware()))
     check(good, ranks=2, where="x.json")
     typo = {**good, "zero_optimization": {"stagee": 2}}
     with pytest.raises(StageError, match="x.json: DeepSpeed rejects the config:.*stagee") as err:
@@ -129,12 +129,12 @@ def test_deepspeed_itself_rejects_bad_keys_and_batch_arithmetic() -> None:
 
 def test_unknown_stage_is_an_error() -> None:
     cfg = default_config()
-    plan = _plan(cfg, _cpu_hardware())
+    plan = plan_for(cfg, cpu_hardware())
     with pytest.raises(StageError, match="plan.json: no stage 'sft'"):
         render(stage="sft", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"])
 
 
 def test_rendering_is_deterministic() -> None:
     cfg = default_config()
-    plan = _plan(cfg, _cpu_hardware())
+    plan = plan_for(cfg, cpu_hardware())
     assert json.dumps(_render(cfg, "grpo", plan)) == json.dumps(_render(cfg, "grpo", plan))

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import snakemake
+from harness.workflow import snakemake
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, launch, run
+from harness.training import final_params, launch, run
 from test_pretrain_dist import LOSS_RTOL, PARAM_ATOL
 
 from stagetrain.consolidate.stored import Reader
@@ -168,7 +168,8 @@ def test_snakemake_run_killed_on_two_ranks_resumes_on_one(
     """The drill through Snakemake: SIGKILL after step 4's checkpoint of a 2-rank ZeRO-2 run, then
     `--rerun-incomplete` with hardware.cpu_ranks: 1; the consolidated fp32 model of the resumed run
     verifies and matches the uninterrupted run's."""
-    from conftest import copy_workflow, edit_config, kill_after_checkpoint, small_run, snakemake
+    from harness.configs import edit_config, small_run
+    from harness.workflow import copy_workflow, kill_after_checkpoint, snakemake
 
     straight = copy_workflow(tmp_path_factory.mktemp("straight") / "wf")
     small_run(straight, steps=8)

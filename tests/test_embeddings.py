@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, default_config
-from pretrain_harness import build_comm_op
+from harness.workflow import REPO, default_config
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -214,12 +213,6 @@ def test_hf_deepspeed_config_can_be_built() -> None:
 # --- two CPU ranks, ZeRO-3 -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def shm_comm_op() -> None:
-    """DeepSpeed's shared-memory comm op, compiled (about 50 s, once per machine) before torchrun."""
-    build_comm_op()
-
-
 def run_ranks(out: Path, tied: bool) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     """Run resize_zero3.py on two ranks; each rank's (record, tensors). Fails with its output."""
     out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +239,7 @@ def run_ranks(out: Path, tied: bool) -> list[tuple[dict[str, Any], dict[str, tor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_resize_under_zero3_on_two_ranks(shm_comm_op: None, tmp_path: Path, tied: bool) -> None:
+def test_resize_under_zero3_on_two_ranks(comm_op: None, tmp_path: Path, tied: bool) -> None:
     """A model built partitioned under zero.Init resizes correctly on both ranks and trains.
 
     Proves: each rank held half of the embedding after construction; the gathered old rows

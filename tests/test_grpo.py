@@ -15,8 +15,8 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import default_config
-from pretrain_harness import final_params, grpo_config, launch_grpo, run, run_grpo
+from harness.training import SharedRuns, final_params, grpo_config, launch_grpo, run_grpo
+from harness.workflow import default_config
 from safetensors.torch import load_file
 
 from stagetrain.consolidate.folder import consolidate
@@ -28,17 +28,12 @@ FAMILIES = set(default_config()["grpo"]["curriculum"]["families"])
 
 @pytest.fixture(scope="module")
 def start(
-    data: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+    data: dict[str, str], shared_runs: SharedRuns, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[dict[str, str], str]:
-    """The shared data and a consolidated (fp32) pretrain model to start GRPO from."""
+    """The shared data and a consolidated (fp32) pretrain model to start GRPO from: the session's
+    shared ZeRO-0 run."""
     root = tmp_path_factory.mktemp("grpo")
-    summary = run(
-        data,
-        root / "pretrain",
-        world=2,
-        layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0},
-    )
-    (root / "summary.json").write_text(json.dumps(summary))
+    (root / "summary.json").write_text(json.dumps(shared_runs["zero0"]))
     consolidate(stage="pretrain", summary_path=str(root / "summary.json"), tokenizer_dir=data["tokenizer"],
                 model_config_path=data["model_config"], meta_path=data["meta"], out=str(root / "model"),
                 cfg={"dtype": "fp32", "max_shard_size": "2GB"})  # fmt: skip

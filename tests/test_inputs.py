@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import default_config
+from harness.workflow import default_config
 
 from stagetrain.codedeps import code_digest, modules_of
 from stagetrain.consolidate.folder import weights_sha256

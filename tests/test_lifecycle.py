@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,8 +25,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SNAKEMAKE, small_run, snakemake
-from pretrain_harness import final_params, launch, run
+from harness.configs import small_run
+from harness.training import SharedRuns, dp2, final_params, launch, run
+from harness.workflow import SNAKEMAKE, snakemake
 
 from stagetrain.errors import StageError
 from stagetrain.training import lock as stage_lock
@@ -33,8 +35,9 @@ from stagetrain.training.checkpoints import KILL_DURING_SAVE
 from stagetrain.training.lock import LOCK_NAME, StageLock
 
 # ZeRO-1, so that each rank writes a shard of its own
-LAYOUT = {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 1}
-STEPS = {"steps": 8, "checkpoint_every": 4, "eval_every": 8}
+LAYOUT = dp2(1)
+STEPS = {"checkpoint_every": 2}
+"""The session's shared ZeRO-1 run (4 steps), checkpointed every 2 steps: the same maths."""
 
 
 def _alive(pid: int) -> bool:
@@ -147,12 +150,16 @@ def _pids_running(needle: str) -> list[int]:
 
 @pytest.mark.slow
 def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_snakemake(
-    workdir: Path,
+    finished_copy: Path,
 ) -> None:
+    """In a copy of the finished small run at 400 steps (the plan and pretrain rerun), its
+    checkpoints removed so that the first pointer written is this run's."""
+    workdir = finished_copy
+    root = workdir / "results/tiny/checkpoints/pretrain"
+    shutil.rmtree(root)
     small_run(workdir, steps=400)
     proc = subprocess.Popen([SNAKEMAKE, "--cores", "2", "pretrain"], cwd=workdir, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    root = workdir / "results/tiny/checkpoints/pretrain"
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 300
@@ -186,10 +193,9 @@ def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_sn
 
 
 @pytest.fixture(scope="module")
-def lone(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The summary of an uninterrupted run, alone on its folder."""
-    out = tmp_path_factory.mktemp("lone")
-    return run(data, out, world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
+def lone(shared_runs: SharedRuns) -> dict[str, Any]:
+    """The summary of an uninterrupted run, alone on its folder: the session's shared ZeRO-1 run."""
+    return shared_runs["zero1"]
 
 
 def _same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -265,7 +271,7 @@ def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
         f"host {holder['host']} since {holder['since']}); wait for it to end or stop it, then rerun"
     }
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["resumed_from_step"] == 0 and _steps(tmp_path) == list(range(1, 9))
+    assert summary["resumed_from_step"] == 0 and _steps(tmp_path) == list(range(1, 5))
     assert summary["losses"] == lone["losses"]
     _same_weights(summary, lone)
 
@@ -274,20 +280,20 @@ def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
 def test_a_rank_killed_while_saving_resumes_from_the_previous_checkpoint(
     data: dict[str, str], lone: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(KILL_DURING_SAVE, "1:8")  # rank 1, in its save at step 8
+    monkeypatch.setenv(KILL_DURING_SAVE, "1:4")  # rank 1, in its save at step 4
     with _timed("killed in its save"):
         killed = launch(data, tmp_path, world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
     assert killed.returncode != 0
-    folder = Path(lone["checkpoint"]["folder"]).name
-    checkpoints = tmp_path / "checkpoints" / folder
-    shard = checkpoints / "step00000008" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (pointer,) = (tmp_path / "checkpoints").glob("*/latest.json")
+    checkpoints = pointer.parent
+    shard = checkpoints / "step00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     assert shard.exists()  # rank 1 died in the middle of writing its shard
     with pytest.raises(RuntimeError):
         torch.load(shard, weights_only=False)
-    assert json.loads((checkpoints / "latest.json").read_text())["tag"] == "step00000004"
+    assert json.loads(pointer.read_text())["tag"] == "step00000002"
     monkeypatch.delenv(KILL_DURING_SAVE)
     with _timed("resumed"):
         resumed = run(data, tmp_path, world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
-    assert resumed["resumed_from_step"] == 4 and _steps(tmp_path) == list(range(1, 9))
+    assert resumed["resumed_from_step"] == 2 and _steps(tmp_path) == list(range(1, 5))
     assert resumed["losses"] == lone["losses"]
     _same_weights(resumed, lone)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, SNAKEMAKE
+from harness.workflow import REPO, SNAKEMAKE
 
 BIN = Path(sys.executable).parent
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, SNAKEMAKE, edit_config, small_grpo, small_run, snakemake
-from pretrain_harness import build_comm_op, run, write_job
+from harness.configs import edit_config, small_grpo, small_run
+from harness.training import build_comm_op, run, write_job
+from harness.workflow import REPO, SNAKEMAKE, snakemake
 from test_pretrain_dist import _same_losses, _same_params
 
 from stagetrain.training.launch import node_torchrun, rank_environment

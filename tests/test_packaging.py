@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SNAKEMAKE
+from harness.workflow import REPO, SNAKEMAKE
 
 pytestmark = pytest.mark.slow
 

@@ -9,14 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, default_config
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-from harness.planning import cpu_hardware as _cpu_hardware
-from harness.planning import plan_for as _plan
+from harness.planning import cpu_hardware, plan_for, preset_config
+from harness.workflow import default_config
 from transformers import AutoModelForCausalLM
 
-from stagetrain import config as stconfig
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.hardware.detect import describe
@@ -48,13 +46,6 @@ def _layout(**changes: Any) -> Layout:
         num_heads=32, num_kv_heads=8,
     )  # fmt: skip
     return Layout(**{**base, **changes})
-
-
-def _preset(name: str, **sections: dict[str, Any]) -> dict[str, Any]:
-    cfg = stconfig.load(REPO / "config" / "presets" / f"{name}.yaml")
-    for section, changes in sections.items():
-        cfg[section] = {**cfg[section], **changes}
-    return cfg
 
 
 # --- parameter counts ---------------------------------------------------------
@@ -186,7 +177,7 @@ def test_layout_errors_print_every_factor(changes: dict[str, Any], message: str)
 
 def test_cpu_plan_uses_cpu_ranks_with_tp_1() -> None:
     cfg = default_config()
-    plan = _plan(cfg, _cpu_hardware(ranks=2))
+    plan = plan_for(cfg, cpu_hardware(ranks=2))
     assert (plan["world"], plan["backend"], plan["device"], plan["source"]) == (
         2,
         "gloo",
@@ -204,7 +195,7 @@ def test_cpu_plan_uses_cpu_ranks_with_tp_1() -> None:
 
 @pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100"])
 def test_presets_plan_within_memory(preset: str) -> None:
-    plan = _plan(_preset(preset))
+    plan = plan_for(preset_config(preset))
     for stage in plan["stages"].values():
         assert stage["memory"]["fits"] and stage["memory"]["total"] <= stage["memory"]["usable"]
         assert stage["throughput"]["tokens_per_s"] > 0
@@ -221,13 +212,13 @@ def test_never_proposes_a_plan_that_does_not_fit() -> None:
     """Over a grid of models and devices, the chosen layout always fits its stated usable memory."""
     for gpu, per_node in [("A100-40GB", 8), ("L4", 4), ("H100", 8), ("H200", 1)]:
         for layers, hidden in [(16, 2048), (32, 4096)]:
-            cfg = _preset(
+            cfg = preset_config(
                 "mistral-7b-8xh100",
                 model={"num_layers": layers, "hidden_size": hidden},
                 hardware={"gpu": gpu, "gpus_per_node": per_node},
             )
             try:
-                plan = _plan(cfg)
+                plan = plan_for(cfg)
             except StageError as err:
                 assert "nothing fits" in str(err)
                 continue
@@ -236,10 +227,10 @@ def test_never_proposes_a_plan_that_does_not_fit() -> None:
 
 
 def test_offload_only_when_nothing_else_fits() -> None:
-    roomy = _plan(_preset("mistral-7b-8xh100"))
+    roomy = plan_for(preset_config("mistral-7b-8xh100"))
     assert all(s["layout"]["offload"] == "none" for s in roomy["stages"].values())
-    tight = _plan(
-        _preset(
+    tight = plan_for(
+        preset_config(
             "mistral-7b-8xh100",
             hardware={"gpu": "L40S", "gpus_per_node": 1},
             grpo={"max_prompt_len": 128, "max_new_tokens": 128},
@@ -252,13 +243,13 @@ def test_offload_only_when_nothing_else_fits() -> None:
 
 
 def test_nothing_fits_is_a_one_line_error() -> None:
-    cfg = _preset(
+    cfg = preset_config(
         "mistral-7b-8xh100", hardware={"gpu": "L4", "gpus_per_node": 1, "host_memory_gib": None}
     )
     with pytest.raises(
         StageError, match="pretrain: nothing fits; the smallest layout .* needs .* GiB per device"
     ):
-        _plan(cfg)
+        plan_for(cfg)
 
 
 def test_a_requested_layout_that_does_not_fit_is_kept_with_a_warning() -> None:
@@ -270,8 +261,8 @@ def test_a_requested_layout_that_does_not_fit_is_kept_with_a_warning() -> None:
         "activation_checkpointing": False,
         "offload": "none",
     }
-    cfg = _preset("mistral-7b-8xh100", parallelism=fixed)
-    plan = _plan(cfg)
+    cfg = preset_config("mistral-7b-8xh100", parallelism=fixed)
+    plan = plan_for(cfg)
     pretrain = plan["stages"]["pretrain"]
     assert (pretrain["layout"]["zero_stage"], pretrain["layout"]["micro_batch_size"]) == (0, 4)
     assert not pretrain["memory"]["fits"]
@@ -280,7 +271,7 @@ def test_a_requested_layout_that_does_not_fit_is_kept_with_a_warning() -> None:
 
 
 def test_config_values_fix_the_search_and_are_recorded() -> None:
-    plan = _plan(_preset("mistral-7b-8xh100", parallelism={"tp": 2, "zero_stage": 1}))
+    plan = plan_for(preset_config("mistral-7b-8xh100", parallelism={"tp": 2, "zero_stage": 1}))
     stage = plan["stages"]["pretrain"]
     assert (stage["layout"]["tp"], stage["layout"]["dp"], stage["layout"]["zero_stage"]) == (
         2,
@@ -293,8 +284,10 @@ def test_config_values_fix_the_search_and_are_recorded() -> None:
 def test_table_entry_is_used_below_config_values(tmp_path: Path) -> None:
     table = tmp_path / "parallelism_data.json"
     table.write_text(json.dumps({"H100": {"8": {"dp": 4, "tp": 2, "micro_batch_size": 1}}}))
-    plan = _plan(
-        _preset("mistral-7b-8xh100", parallelism={"table_path": str(table), "micro_batch_size": 2})
+    plan = plan_for(
+        preset_config(
+            "mistral-7b-8xh100", parallelism={"table_path": str(table), "micro_batch_size": 2}
+        )
     )
     stage = plan["stages"]["pretrain"]
     assert (stage["layout"]["dp"], stage["layout"]["tp"], stage["layout"]["micro_batch_size"]) == (
@@ -310,20 +303,20 @@ def test_table_entry_is_used_below_config_values(tmp_path: Path) -> None:
 def test_table_miss_falls_back_with_the_reason_or_fails(tmp_path: Path) -> None:
     table = tmp_path / "parallelism_data.json"
     table.write_text(json.dumps({"A100-80GB": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 1}}}))
-    plan = _plan(_preset("mistral-7b-8xh100", parallelism={"table_path": str(table)}))
+    plan = plan_for(preset_config("mistral-7b-8xh100", parallelism={"table_path": str(table)}))
     assert plan["table"]["status"] == "miss"
     assert "no entry for H100 x 8 (the table has A100-80GB: 8)" in plan["table"]["reason"]
     assert plan["source"] == "estimated"
     with pytest.raises(StageError, match="no entry for H100 x 8"):
-        _plan(
-            _preset(
+        plan_for(
+            preset_config(
                 "mistral-7b-8xh100",
                 parallelism={"table_path": str(table), "on_table_miss": "error"},
             )
         )
     with pytest.raises(StageError, match="missing.json: file not found"):
-        _plan(
-            _preset(
+        plan_for(
+            preset_config(
                 "mistral-7b-8xh100",
                 parallelism={
                     "table_path": str(tmp_path / "missing.json"),
@@ -348,26 +341,30 @@ def test_table_miss_falls_back_with_the_reason_or_fails(tmp_path: Path) -> None:
 )  # fmt: skip
 def test_bad_plans_are_one_line_errors(sections: dict[str, dict[str, Any]], message: str) -> None:
     with pytest.raises(StageError, match=message) as err:
-        _plan(_preset("mistral-7b-8xh100", **sections))
+        plan_for(preset_config("mistral-7b-8xh100", **sections))
     assert "\n" not in str(err.value)
 
 
 def test_unknown_detected_gpu_is_an_error_naming_the_catalog() -> None:
-    hardware = describe({**_preset("mistral-7b-8xh100")["hardware"]})
+    hardware = describe({**preset_config("mistral-7b-8xh100")["hardware"]})
     hardware["gpu"] = {**hardware["gpu"], "key": None, "name": "NVIDIA Z9000"}
     with pytest.raises(StageError, match="GPU 'NVIDIA Z9000' is not in the catalog"):
-        _plan(_preset("mistral-7b-8xh100"), hardware)
+        plan_for(preset_config("mistral-7b-8xh100"), hardware)
 
 
 def test_fp16_where_the_gpu_has_no_bf16() -> None:
-    plan = _plan(_preset("llama-1b-h200", hardware={"gpu": "V100-32GB", "gpus_per_node": 8}))
+    plan = plan_for(
+        preset_config("llama-1b-h200", hardware={"gpu": "V100-32GB", "gpus_per_node": 8})
+    )
     assert plan["precision"] == "fp16"
     assert gpu_spec("V100-32GB").peak_tflops == 125
 
 
 def test_multi_node_plan_keeps_tp_inside_a_node() -> None:
-    cfg = _preset("mistral-7b-8xh100", hardware={"nodes": 4}, pretrain={"global_batch_size": 512})
-    plan = _plan(cfg)
+    cfg = preset_config(
+        "mistral-7b-8xh100", hardware={"nodes": 4}, pretrain={"global_batch_size": 512}
+    )
+    plan = plan_for(cfg)
     assert plan["world"] == 32
     for stage in plan["stages"].values():
         assert stage["layout"]["tp"] <= 8 and 8 % stage["layout"]["tp"] == 0
@@ -377,11 +374,11 @@ def test_multi_node_plan_keeps_tp_inside_a_node() -> None:
 def test_gpu_check_preset_fits_one_h200_and_its_pretraining_fits_the_check_time() -> None:
     """tools/gpu/check.sh has under 8 minutes for the whole pipeline on one H200: the
     preset's pretraining must be planned to take well under a minute at the planned speed."""
-    cfg = _preset(
+    cfg = preset_config(
         "gpu-check-h200",
         hardware={"source": "describe", "gpu": "H200", "gpus_per_node": 1, "host_memory_gib": 128},
     )
-    plan = _plan(cfg)
+    plan = plan_for(cfg)
     assert 0.9e9 < plan["model"]["params"] < 1.3e9  # a ~1B model
     for stage in plan["stages"].values():
         assert stage["memory"]["fits"] and stage["layout"]["precision"] == "bf16"

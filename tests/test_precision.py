@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import default_config
-from test_planning import _cpu_hardware, _plan, _preset
+from harness.planning import cpu_hardware, plan_for, preset_config
+from harness.workflow import default_config
 
 from stagetrain.hardware import speed
 from stagetrain.hardware.catalog import gpu_spec
@@ -29,7 +29,7 @@ AVX512_BF16 = {"device": "cpu", "threads": 1, "size": 512, "capability": "AVX512
 
 
 def _cpu(measured: dict[str, Any] | None) -> dict[str, Any]:
-    return {**_cpu_hardware(), "speed": measured}
+    return {**cpu_hardware(), "speed": measured}
 
 
 def test_auto_is_fp32_where_bf16_is_emulated() -> None:
@@ -69,13 +69,13 @@ def test_gpus_follow_the_catalog() -> None:
 
 def test_plan_of_the_default_config_on_each_kind_of_cpu() -> None:
     cfg = default_config()
-    slow = _plan(cfg, _cpu(AVX2))
-    fast = _plan(cfg, _cpu(AVX512_BF16))
+    slow = plan_for(cfg, _cpu(AVX2))
+    fast = plan_for(cfg, _cpu(AVX512_BF16))
     assert (slow["precision"], fast["precision"]) == ("fp32", "bf16")
     assert slow["precision_reason"].startswith("auto: bf16 runs 0.01x fp32")
     for plan in (slow, fast):
         assert plan["stages"]["pretrain"]["layout"]["precision"] == plan["precision"]
-    forced = _plan({**cfg, "deepspeed": {**cfg["deepspeed"], "precision": "bf16"}}, _cpu(AVX2))
+    forced = plan_for({**cfg, "deepspeed": {**cfg["deepspeed"], "precision": "bf16"}}, _cpu(AVX2))
     assert forced["precision"] == "bf16"
     assert any("68.2x slower than fp32" in w for w in forced["warnings"])
 
@@ -85,19 +85,19 @@ def test_cpu_plans_predict_tokens_per_s_from_the_measured_rate() -> None:
 
     def tokens_per_s(measured: dict[str, Any], precision: str = "auto") -> float:
         cfg["deepspeed"] = {**cfg["deepspeed"], "precision": precision}
-        return _plan(cfg, _cpu(measured))["stages"]["pretrain"]["throughput"]["tokens_per_s"]
+        return plan_for(cfg, _cpu(measured))["stages"]["pretrain"]["throughput"]["tokens_per_s"]
 
     twice = {**AVX2, "gflops": {k: 2 * v for k, v in AVX2["gflops"].items()}}
     assert tokens_per_s(twice) / tokens_per_s(AVX2) == pytest.approx(2, rel=0.01)
     # bf16 products 2.05x fp32's: faster training, but not 2.05x (the other work stays fp32).
     gain = tokens_per_s(AVX512_BF16, "bf16") / tokens_per_s(AVX512_BF16, "fp32")
     assert 1.2 < gain < 204.9 / 99.8
-    unmeasured = _plan(cfg, _cpu(None))["stages"]["pretrain"]["throughput"]
+    unmeasured = plan_for(cfg, _cpu(None))["stages"]["pretrain"]["throughput"]
     assert "no measured speed" in unmeasured["reason"]
 
 
 def test_cpu_plans_rank_candidates_by_predicted_speed() -> None:
-    plan = _plan(default_config(), _cpu(AVX2))["stages"]["pretrain"]
+    plan = plan_for(default_config(), _cpu(AVX2))["stages"]["pretrain"]
     assert (
         plan["layout"]["micro_batch_size"] == 16
     )  # the whole per-rank batch: fewest, largest products
@@ -154,7 +154,7 @@ def test_rollouts_generate_the_batch_the_plan_counted(prompts_per_step: int) -> 
 
     cfg = default_config()
     cfg["grpo"] = {**cfg["grpo"], "prompts_per_step": prompts_per_step, "max_new_tokens": 2}
-    stage = _plan(cfg, _cpu(AVX2))["stages"]["grpo"]
+    stage = plan_for(cfg, _cpu(AVX2))["stages"]["grpo"]
     planned, dp = stage["generation"]["batch"], stage["layout"]["dp"]
     model = _Recording()
     prompts = [[3, 4, 5]] * (
@@ -198,9 +198,9 @@ def test_tree_rollouts_expand_every_trees_node_in_calls_of_at_most_the_planned_b
 
 def test_grpo_memory_counts_the_kv_cache_of_the_whole_generation_batch() -> None:
     def extra(prompts: int) -> int:
-        cfg = _preset("llama-1b-h200")
+        cfg = preset_config("llama-1b-h200")
         cfg["grpo"] = {**cfg["grpo"], "prompts_per_step": prompts}
-        return _plan(cfg)["stages"]["grpo"]["memory"]["extra"]
+        return plan_for(cfg)["stages"]["grpo"]["memory"]["extra"]
 
-    base = _preset("llama-1b-h200")["grpo"]["prompts_per_step"]
+    base = preset_config("llama-1b-h200")["grpo"]["prompts_per_step"]
     assert extra(2 * base) > extra(base)

@@ -16,7 +16,17 @@ from typing import Any
 
 import pytest
 import torch
-from pretrain_harness import final_params, launch, model_config, run, small_config
+from harness.training import (
+    SharedRuns,
+    dp2,
+    final_params,
+    launch,
+    model_config,
+    run,
+    small_config,
+    torchrun,
+    write_job,
+)
 from test_checkpoint_integrity import truncate
 
 pytestmark = pytest.mark.slow
@@ -25,14 +35,9 @@ PARAM_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def baseline(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two data-parallel ranks, ZeRO 0, micro batch 2, accumulation 2."""
-    return run(
-        data,
-        tmp_path_factory.mktemp("dp2"),
-        world=2,
-        layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0},
-    )
+def baseline(shared_runs: SharedRuns) -> dict[str, Any]:
+    """Two data-parallel ranks, ZeRO 0, micro batch 2, accumulation 2 (the session's shared run)."""
+    return shared_runs["zero0"]
 
 
 def _losses(summary: dict[str, Any]) -> list[float]:
@@ -68,15 +73,8 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_stages_agree(
-    data: dict[str, str], baseline: dict[str, Any], tmp_path: Path, zero: int
-) -> None:
-    summary = run(
-        data,
-        tmp_path,
-        world=2,
-        layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": zero},
-    )
+def test_zero_stages_agree(shared_runs: SharedRuns, baseline: dict[str, Any], zero: int) -> None:
+    summary = shared_runs[f"zero{zero}"]
     _same_losses(baseline, summary)
     _same_params(baseline, summary)
     local, total = summary["local_param_elements_per_rank"], summary["param_elements"]
@@ -88,19 +86,24 @@ def test_zero_stages_agree(
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_tensor_parallel_matches_one_rank(data: dict[str, str], tmp_path: Path, tied: bool) -> None:
-    config = model_config(tmp_path, tie_word_embeddings=tied)
+def test_tensor_parallel_matches_one_rank(
+    data: dict[str, str], shared_runs: SharedRuns, tmp_path: Path, tied: bool
+) -> None:
+    """Tied: the shared data's model (tied, as the default config) and the session's shared tp=2 run."""
+    config = data["model_config"] if tied else model_config(tmp_path, tie_word_embeddings=False)
     layout = {"dp": 1, "micro_batch_size": 4, "zero_stage": 1}
     single = run(data, tmp_path / "tp1", world=1, layout={**layout, "tp": 1}, model_config=config)
-    tp2 = run(data, tmp_path / "tp2", world=2, layout={**layout, "tp": 2}, model_config=config)
+    tp2 = (
+        shared_runs["tp2"]
+        if tied
+        else run(data, tmp_path / "tp2", world=2, layout={**layout, "tp": 2}, model_config=config)
+    )
     assert tp2["layout"]["tp"] == 2
     _same_losses(single, tp2)
 
 
-def test_moe_trains_under_zero3(data: dict[str, str], tmp_path: Path) -> None:
-    summary = run(data, tmp_path, world=2, layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 3},
-                  model_config=model_config(tmp_path, architecture="mixtral", num_experts=4,
-                                            experts_per_token=2, intermediate_size=128))  # fmt: skip
+def test_moe_trains_under_zero3(shared_runs: SharedRuns) -> None:
+    summary = shared_runs["moe"]
     losses = _losses(summary)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert all(
@@ -112,24 +115,11 @@ def test_moe_trains_under_zero3(data: dict[str, str], tmp_path: Path) -> None:
 def test_a_world_that_differs_from_the_plan_fails_at_start(
     data: dict[str, str], tmp_path: Path
 ) -> None:
-    import json
-
-    proc = launch(
-        data, tmp_path, world=2, layout={"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": 0}
-    )
-    assert proc.returncode == 0
+    spec = write_job(data, tmp_path, world=2, layout=dp2(0))
     plan = json.loads((tmp_path / "plan.json").read_text())
     plan["world"] = 4
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    import os
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "stagetrain.pretrain.train", "--spec", str(tmp_path / "job.json")]  # fmt: skip
-    proc = subprocess.run(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
-    )
+    proc = torchrun("stagetrain.pretrain.train", spec, 2)
     assert proc.returncode != 0
     assert "error: plan.json: world size 4, but 2 processes started" in proc.stderr
 

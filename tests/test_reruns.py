@@ -25,12 +25,13 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, snakemake
+from harness.workflow import REPO, SNAKEMAKE, snakemake
 
 from stagetrain import config as stconfig
 
@@ -205,11 +206,12 @@ def local_files(root: Path) -> dict[str, dict[str, Any]]:
 
 
 def dry_run(workdir: Path, config: dict[str, Any] | None, *, env: dict[str, str] | None = None,
-            check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    """`snakemake -n` in `workdir`, with `config` as its only --configfile (when given)."""
+            check: bool = True, tag: str = "") -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`snakemake -n` in `workdir`, with `config` as its only --configfile (when given; written to
+    a file named with `tag`, so that dry runs can run side by side)."""
     args = [SNAKEMAKE, "--cores", "2", "-n"]
     if config is not None:
-        path = workdir / ".rerun_config.yaml"
+        path = workdir / f".rerun_config{tag}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         args += ["--configfile", str(path)]
     proc = subprocess.run(args, cwd=workdir, capture_output=True, text=True, timeout=300,
@@ -251,12 +253,19 @@ def test_rerun_matrix_over_every_config_key(finished_small_run: Path, tmp_path: 
         groups.setdefault(name, {"keys": [], "changes": {}, "expected": expected})
         groups[name]["keys"].append(key)
         groups[name]["changes"].update(changed(key, node, get(base, key), files))
-    lines, wrong = [], []
-    for group in groups.values():
+
+    def jobs_after(index: int, group: dict[str, Any]) -> set[str]:
         config = copy.deepcopy(base)
         for key, value in group["changes"].items():
             put(config, key, value)
-        got = set(scheduled(dry_run(workdir, config).stdout))
+        return set(scheduled(dry_run(workdir, config, tag=f"-{index}").stdout))
+
+    # Two dry runs at a time: each is a mostly single-threaded Snakemake process, and a dry
+    # run neither locks the folder nor writes to it.
+    with ThreadPoolExecutor(2) as pool:
+        found = list(pool.map(jobs_after, range(len(groups)), groups.values()))
+    lines, wrong = [], []
+    for group, got in zip(groups.values(), found, strict=True):
         mark = "ok" if got == group["expected"] else "WRONG"
         lines.append(
             f"{mark:5} {', '.join(group['keys'])}\n      -> {', '.join(j for j in JOBS if j in got) or 'nothing'}"

@@ -7,7 +7,7 @@ import typing
 from typing import Any
 
 import pytest
-from conftest import default_config
+from harness.workflow import default_config
 
 from stagetrain import config as stconfig
 from stagetrain.errors import StageError

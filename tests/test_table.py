@@ -1,9 +1,9 @@
 """parallelism_data.json tables: local files, and hub downloads with the real client.
 
 Hub tests run the real `huggingface_hub` client against the loopback hub of
-`hub_server.py`. The client reads HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its cache
+`harness/hub.py`. The client reads HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its cache
 location when it is imported, so every hub call runs in a fresh Python process with
-its own environment (`hub_server.hub_call`), which prints a JSON result for the test.
+its own environment (`harness.hub.hub_call`), which prints a JSON result for the test.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hub_server import (
+from harness.hub import (
     DEFAULT_TOKEN,
     NO_BACKOFF_SLEEP,
     HubServer,
@@ -561,7 +561,7 @@ MISFITS = [
 def test_an_entry_that_does_not_fit_the_run_is_a_miss(
     tmp_path: Path, entry: dict[str, int], sections: dict[str, dict[str, Any]], why: str
 ) -> None:
-    from test_planning import _plan, _preset
+    from harness.planning import plan_for, preset_config
 
     nodes = sections.get("hardware", {}).get("nodes", 1)
     table = tmp_path / "parallelism_data.json"
@@ -571,8 +571,8 @@ def test_an_entry_that_does_not_fit_the_run_is_a_miss(
         f"file:{table}: the entry for H100 x {8 * nodes} ({values}) does not fit this run: {why}"
     )
     parallelism = {**sections.get("parallelism", {}), "table_path": str(table)}
-    cfg = _preset("mistral-7b-8xh100", **{**sections, "parallelism": parallelism})
-    plan = _plan(cfg)
+    cfg = preset_config("mistral-7b-8xh100", **{**sections, "parallelism": parallelism})
+    plan = plan_for(cfg)
     assert plan["table"] == {"status": "miss", "reason": f"{reason}; falling back to the planner"}
     assert plan["source"] == "estimated"
     config_keys = set(sections.get("parallelism", {}))
@@ -583,12 +583,12 @@ def test_an_entry_that_does_not_fit_the_run_is_a_miss(
         assert layout["dp"] * layout["tp"] == plan["world"]
     cfg["parallelism"]["on_table_miss"] = "error"
     with pytest.raises(StageError) as err:
-        _plan(cfg)
+        plan_for(cfg)
     assert str(err.value) == reason
 
 
 def test_config_values_that_cannot_fit_stay_errors_about_the_config(tmp_path: Path) -> None:
-    from test_planning import _plan, _preset
+    from harness.planning import plan_for, preset_config
 
     table = tmp_path / "parallelism_data.json"
     table.write_text(json.dumps({"H100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 1}}}))
@@ -596,6 +596,6 @@ def test_config_values_that_cannot_fit_stay_errors_about_the_config(tmp_path: Pa
         ("tp", 3, "parallelism.tp: must divide the attention and KV heads (dp=None, tp=3, world=8"),
         ("dp", 3, "parallelism.dp: dp * tp must equal the world size (dp=3, tp=None, world=8"),
     ]:
-        cfg = _preset("mistral-7b-8xh100", parallelism={"table_path": str(table), key: value})
+        cfg = preset_config("mistral-7b-8xh100", parallelism={"table_path": str(table), key: value})
         with pytest.raises(StageError, match=re.escape(message)):
-            _plan(cfg)
+            plan_for(cfg)

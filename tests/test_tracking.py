@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import default_config
+from harness.workflow import default_config
 
 from stagetrain.errors import StageError
 from stagetrain.grpo.metrics import METRICS

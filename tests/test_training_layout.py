@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import default_config
 from harness.planning import cpu_hardware, plan_for
+from harness.workflow import default_config
 
 from stagetrain.errors import StageError
 from stagetrain.planning.plan import Layout

@@ -1,12 +1,16 @@
-"""Plans without a detect_hardware run: a described CPU machine and the planner called as the stage calls it."""
+"""Plans without a detect_hardware run: a described CPU machine, the presets, and the planner
+called as the stage calls it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from stagetrain import config as stconfig
 from stagetrain.hardware.detect import describe
 from stagetrain.planning.resolve import resolve
+
+from .workflow import REPO
 
 GIB = 2**30
 
@@ -26,3 +30,11 @@ def cpu_hardware(ranks: int = 2, memory_gib: float = 24, nodes: int = 1) -> dict
         "gpu": None, "nodes": nodes, "cpu_ranks": ranks, "gpus_per_node": 0,
         "cpu": {"cores": 2, "memory_bytes": int(memory_gib * GIB)},
     }  # fmt: skip
+
+
+def preset_config(name: str, **sections: dict[str, Any]) -> dict[str, Any]:
+    """config/presets/<name>.yaml, validated, with `sections` (section -> keys) changed on top."""
+    cfg = stconfig.load(REPO / "config" / "presets" / f"{name}.yaml")
+    for section, changes in sections.items():
+        cfg[section] = {**cfg[section], **changes}
+    return cfg

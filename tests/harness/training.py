@@ -1,9 +1,12 @@
-"""Running the real pretrain entry point under torchrun with a chosen layout, for the distributed tests.
+"""Running the real training entry points under torchrun with a chosen layout, for the multi-rank tests.
 
-One small corpus and tokenizer are prepared per test session; each run gets
-its own plan (layout fixed through the config's parallelism section, so the
-planner's own validation applies), its DeepSpeed config from the renderer, and
-its own checkpoint folder.
+One small corpus and tokenizer are prepared per test session (`prepare_data`);
+each run gets its own plan (layout fixed through the config's parallelism
+section, so the planner's own validation applies), its DeepSpeed config from
+the renderer, and its own checkpoint folder. The config is the default one
+with the named tiny configs tiny.yaml and tiny-ranks.yaml on top (fp32, so
+that runs can be compared exactly). `SharedRuns` keeps the two-rank runs that
+several test modules read, so that each is made once per session.
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import default_config
-from harness.planning import cpu_hardware, plan_for
 
 from stagetrain.deepspeed_config import render
 from stagetrain.io import atomic_write_json
@@ -30,22 +31,17 @@ from stagetrain.settings import training_settings
 from stagetrain.training.integrity import load_file, weights_only_loads
 from stagetrain.training.launch import job_spec
 
-SEQ_LEN = 32
-GLOBAL_BATCH = 8
+from .configs import merge, named_config
+from .planning import cpu_hardware, plan_for
+
+FIXED = {"activation_checkpointing": False, "offload": "none"}
+"""What every harness run fixes beside the layout a test asks for."""
 
 
-def small_config() -> dict[str, Any]:
-    """The default config shrunk for multi-rank tests: fp32 (exact comparisons), short sequences."""
-    cfg = default_config()
-    cfg["data"].update(train_tokens=30_000, val_tokens=3_000)
-    cfg["tokenizer"]["training_sample_mb"] = 0.2
-    cfg["deepspeed"]["precision"] = "fp32"
-    cfg["pretrain"].update(
-        seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, steps=4, log_every=1, eval_every=4,
-        checkpoint_every=4, eval_batches=2,
-        optimizer={**cfg["pretrain"]["optimizer"], "lr": 3e-3, "warmup_steps": 1},
-    )  # fmt: skip
-    return cfg
+def small_config(**sections: dict[str, Any]) -> dict[str, Any]:
+    """The config of the multi-rank runs: tests/configs/tiny.yaml and tiny-ranks.yaml on the
+    default config (fp32, short sequences), with `sections` (section -> keys) changed on top."""
+    return named_config("tiny", "tiny-ranks", **sections)
 
 
 def prepare_data(out: Path) -> dict[str, str]:
@@ -69,8 +65,9 @@ def build_comm_op() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=900)
 
 
-def _torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> Any:
-    """`module --spec spec` on `world` CPU ranks: a CompletedProcess, or a Popen if `popen`."""
+def torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> Any:
+    """`module --spec spec` on `world` CPU ranks of one thread each: a CompletedProcess (not
+    checked), or a Popen if `popen`."""
     build_comm_op()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            "-m", module, "--spec", str(spec)]  # fmt: skip
@@ -79,15 +76,6 @@ def _torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> An
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-
-
-def launch(
-    data: dict[str, str], out: Path, *, world: int, **kwargs: Any
-) -> subprocess.CompletedProcess[str]:
-    """Run the pretrain entry point on `world` CPU ranks (`write_job`'s arguments); don't check the exit."""
-    return _torchrun(
-        "stagetrain.pretrain.train", write_job(data, out, world=world, **kwargs), world
-    )
 
 
 def write_job(
@@ -101,12 +89,9 @@ def write_job(
     model_config: str | None = None,
     checkpoints: Path | None = None,
 ) -> Path:
-    """Plan, DeepSpeed config and job.json of a pretrain run of `world` CPU ranks on `nodes`
-    nodes with `layout` fixed; the job.json's path."""
-    cfg = small_config()
-    for section, changes in (config_changes or {}).items():
-        cfg[section] = {**cfg[section], **changes}
-    cfg["parallelism"].update({"activation_checkpointing": False, "offload": "none", **layout})
+    """Write a pretrain run's plan (`world` CPU ranks on `nodes` nodes, `layout` fixed), DeepSpeed
+    config and job spec into `out`, as the stage's rule would; the spec's path."""
+    cfg = small_config(**(config_changes or {}), parallelism={**FIXED, **layout})
     plan = plan_for(cfg, cpu_hardware(ranks=world // nodes, nodes=nodes))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
@@ -123,6 +108,13 @@ def write_job(
     )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return out / "job.json"
+
+
+def launch(
+    data: dict[str, str], out: Path, *, world: int, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run the pretrain entry point on `world` CPU ranks (`write_job`'s arguments); don't check the exit."""
+    return torchrun("stagetrain.pretrain.train", write_job(data, out, world=world, **kwargs), world)
 
 
 def run(data: dict[str, str], out: Path, **kwargs: Any) -> dict[str, Any]:
@@ -159,17 +151,12 @@ def model_config(out: Path, **changes: Any) -> str:
 
 
 def grpo_config(**changes: Any) -> dict[str, Any]:
-    """The small config with a short GRPO stage; `changes` override grpo keys."""
-    cfg = small_config()
-    cfg["grpo"].update(
-        {
-            "prompts_per_step": 4, "group_size": 4, "max_prompt_len": 32, "max_new_tokens": 8, "steps": 3,
-            "eval_problems": 8, "eval_every": 3, "checkpoint_every": 3, "eval_batches": 1, "log_every": 1,
-            "optimizer": {**cfg["grpo"]["optimizer"], "lr": 1e-4, "warmup_steps": 1},
-            **changes,
-        }
-    )  # fmt: skip
-    return cfg
+    """The multi-rank config with tests/configs/tiny-grpo.yaml, three steps of prompts at most 32
+    tokens long; `changes` override grpo keys (nested mappings merged)."""
+    grpo = {"max_prompt_len": 32, "steps": 3, "eval_every": 3, "checkpoint_every": 3, "log_every": 1,
+            "optimizer": {"lr": 1e-4}}  # fmt: skip
+    cfg = named_config("tiny", "tiny-ranks", "tiny-grpo", grpo=grpo)
+    return merge(cfg, {"grpo": changes})
 
 
 def launch_grpo(
@@ -177,7 +164,7 @@ def launch_grpo(
     checkpoints: Path | None = None, popen: bool = False,
 ) -> Any:  # fmt: skip
     """Run the GRPO entry point on `world` CPU ranks; a CompletedProcess, or a Popen if `popen`."""
-    cfg["parallelism"].update({"activation_checkpointing": False, "offload": "none", **layout})
+    cfg = merge(copy.deepcopy(cfg), {"parallelism": {**FIXED, **layout}})
     plan = plan_for(cfg, cpu_hardware(ranks=world))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
@@ -196,7 +183,7 @@ def launch_grpo(
         extra={"grpo": cfg["grpo"], "seed": cfg["run"]["seed"]},
     )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
-    return _torchrun("stagetrain.grpo.train", out / "job.json", world, popen=popen)
+    return torchrun("stagetrain.grpo.train", out / "job.json", world, popen=popen)
 
 
 def run_grpo(data: dict[str, str], model_dir: str, out: Path, **kwargs: Any) -> dict[str, Any]:
@@ -206,3 +193,42 @@ def run_grpo(data: dict[str, str], model_dir: str, out: Path, **kwargs: Any) -> 
         f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     )
     return json.loads((out / "summary.json").read_text())
+
+
+def dp2(zero_stage: int) -> dict[str, Any]:
+    """Two data-parallel ranks, micro batch 2 (accumulation 2 at the tiny global batch)."""
+    return {"dp": 2, "tp": 1, "micro_batch_size": 2, "zero_stage": zero_stage}
+
+
+MOE = {
+    "architecture": "mixtral",
+    "num_experts": 4,
+    "experts_per_token": 2,
+    "intermediate_size": 128,
+}
+"""The tiny model as a Mixtral: its sparse blocks are ZeRO-3 leaf modules."""
+
+SHARED = {
+    "zero0": (dp2(0), None), "zero1": (dp2(1), None), "zero2": (dp2(2), None), "zero3": (dp2(3), None),
+    "tp2": ({"dp": 1, "tp": 2, "micro_batch_size": 4, "zero_stage": 1}, None), "moe": (dp2(3), MOE),
+}  # fmt: skip
+"""The two-rank runs (4 steps of the tiny config) that several test modules read: layout and the
+model's changes (None: the shared data's model config)."""
+
+
+class SharedRuns:
+    """The runs of SHARED, each made on first use and kept: tests read them and copy before they
+    damage anything. A run's summary gains `model_config`, the file it trained."""
+
+    def __init__(self, data: dict[str, str], root: Path) -> None:
+        self.data, self.root = data, root
+        self._made: dict[str, dict[str, Any]] = {}
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if name not in self._made:
+            layout, model = SHARED[name]
+            out = self.root / name
+            config = model_config(out / "model", **model) if model else self.data["model_config"]
+            summary = run(self.data, out, world=2, layout=layout, model_config=config)
+            self._made[name] = {**summary, "model_config": config}
+        return self._made[name]

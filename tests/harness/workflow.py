@@ -1,0 +1,74 @@
+"""The workflow run by the real Snakemake in a scratch copy: the default config, the copy, the run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from stagetrain import config as stconfig
+
+REPO = Path(__file__).resolve().parents[2]
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles")
+
+
+def default_config() -> dict[str, Any]:
+    """The embedded default config, validated, defaults filled."""
+    return stconfig.load(REPO / "config" / "config.yaml")
+
+
+def copy_workflow(root: Path) -> Path:
+    """Copy the workflow into `root` (created), so runs and config edits stay there."""
+    root.mkdir(parents=True)
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, root / part)
+        else:
+            shutil.copy(src, root / part)
+    return root
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the real Snakemake in `workdir`; fail the test with its output if `check` and it fails."""
+    proc = subprocess.run(
+        [SNAKEMAKE, "--cores", "2", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"snakemake {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
+
+
+def kill_after_checkpoint(workdir: Path, stage: str, step: int, *targets: str) -> None:
+    """Start Snakemake on `targets`, SIGKILL it and every process under it once `stage` has a
+    complete checkpoint at or past `step`, and wait for it to die."""
+    proc = subprocess.Popen([SNAKEMAKE, "--cores", "2", *targets], cwd=workdir, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    pointer = workdir / f"results/tiny/checkpoints/{stage}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(
+        json.loads(p.read_text())["step"] >= step for p in pointer.glob("*/latest.json")
+    ):
+        time.sleep(0.2)
+    victims = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in victims:  # torchrun starts its ranks in sessions of their own: kill each one
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
