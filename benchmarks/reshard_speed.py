@@ -1,6 +1,6 @@
 """Benchmark: converting a checkpoint for a resume under another layout: time and disk against the checkpoint's size.
 
-    python benchmarks/reshard_speed.py --size 24m --work /tmp/reshard-24m
+    python -m benchmarks.reshard_speed --size 24m --work /tmp/reshard-24m   (from the repository root)
 
 Trains the model of `consolidate_speed.py`'s `--size` for one step on two CPU
 ranks (fp32; 24m: a 24M-parameter Llama under ZeRO-2, 300m: 309M under ZeRO-3)
@@ -25,12 +25,10 @@ import argparse
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from consolidate_speed import SIZES, drop_cache, prepare  # noqa: E402
+from benchmarks.consolidate_speed import SIZES, drop_cache, prepare
 
 
 def size_of(folder: Path, *, added: bool = False) -> int:
