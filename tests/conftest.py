@@ -62,7 +62,7 @@ def data(comm_op: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
 @pytest.fixture(scope="session")
 def shared_runs(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> SharedRuns:
     """Two-rank pretrain runs of each layout in harness.training.SHARED, made on first use and
-    shared by test_pretrain_dist, test_consolidate and test_grpo (read only)."""
+    shared by test_pretrain_dist, test_consolidate, test_grpo and test_lifecycle (read only)."""
     from harness.training import SharedRuns
 
     return SharedRuns(data, tmp_path_factory.mktemp("shared-runs"))

@@ -14,61 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from harness.checkpoints import ZERO2, Crafted, FakeEngine, saved, truncate
 
 from stagetrain.consolidate.weights import checkpoint_files
 from stagetrain.errors import StageError
-from stagetrain.training.checkpoints import Checkpoints, tag_of
-from stagetrain.training.integrity import expected_files
-
-ZERO2 = {"dp": 2, "tp": 1, "zero_stage": 2}
-
-
-class Crafted:
-    """Unpickling this runs code: it creates `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (str(self.marker), "w"))
-
-
-def fake_checkpoint(folder: Path, step: int, layout: dict[str, int]) -> Path:
-    """A tag folder with every file DeepSpeed writes under `layout`, each a small loadable dict."""
-    base = folder / tag_of(step)
-    base.mkdir(parents=True)
-    for path in expected_files(base, layout):
-        key = "optimizer_state_dict" if path.name.endswith("_optim_states.pt") else "module"
-        torch.save({key: {"w": torch.full((4,), float(step))}}, path)
-    return base
-
-
-class FakeEngine:
-    """engine.save_checkpoint as DeepSpeed's: every rank's files into folder/tag."""
-
-    def __init__(self, layout: dict[str, int]) -> None:
-        self.layout = layout
-
-    def save_checkpoint(
-        self, folder: str, *, tag: str, client_state: dict, save_latest: bool
-    ) -> None:
-        fake_checkpoint(Path(folder), int(tag.removeprefix("step")), self.layout)
-
-
-def _saved(tmp_path: Path, steps: list[int], keep: int = 2) -> Checkpoints:
-    ckpt = Checkpoints(tmp_path, {"seed": 1}, ZERO2, keep=keep)
-    for step in steps:
-        ckpt.save(FakeEngine(ZERO2), step, {"step": step})
-    return ckpt
-
-
-def truncate(path: Path) -> None:
-    """Cut the file to half its size, as a write stopped by a full disk or a kill."""
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+from stagetrain.training.checkpoints import tag_of
 
 
 def test_save_lists_the_complete_checkpoints_kept_and_prunes_the_rest(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path, [2, 4, 6])
+    ckpt = saved(tmp_path, [2, 4, 6])
     pointer = json.loads((ckpt.folder / "latest.json").read_text())
     assert pointer == {"tag": "step00000006", "step": 6, "layout": ZERO2, "complete": ["step00000006", "step00000004"],
                        "layouts": {"step00000006": ZERO2, "step00000004": ZERO2}}  # fmt: skip
@@ -89,7 +43,7 @@ def test_save_lists_the_complete_checkpoints_kept_and_prunes_the_rest(tmp_path: 
 def test_a_damaged_newest_checkpoint_falls_back_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, message: str
 ) -> None:
-    ckpt = _saved(tmp_path, [4, 6])
+    ckpt = saved(tmp_path, [4, 6])
     base = ckpt.folder / "step00000006"
     if damage == "folder":
         for path in base.iterdir():
@@ -118,7 +72,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_says_so(
 
 
 def test_with_no_earlier_checkpoint_kept_the_damage_is_one_line(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path, [4, 6], keep=1)
+    ckpt = saved(tmp_path, [4, 6], keep=1)
     truncate(ckpt.folder / "step00000006" / "mp_rank_00_model_states.pt")
     with pytest.raises(StageError) as err:
         ckpt.latest()
@@ -128,7 +82,7 @@ def test_with_no_earlier_checkpoint_kept_the_damage_is_one_line(tmp_path: Path) 
 
 
 def test_every_kept_checkpoint_damaged_is_one_line(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path, [4, 6])
+    ckpt = saved(tmp_path, [4, 6])
     for step in (4, 6):
         (ckpt.folder / tag_of(step) / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(StageError, match=r"step00000006/mp_rank_00_model_states.pt: missing .* the 1 earlier kept checkpoint\(s\) are damaged too"):  # fmt: skip
@@ -152,7 +106,7 @@ def test_every_kept_checkpoint_damaged_is_one_line(tmp_path: Path) -> None:
 def test_a_pointer_of_the_wrong_shape_is_one_line(
     tmp_path: Path, pointer: Any, message: str
 ) -> None:
-    ckpt = _saved(tmp_path, [4])
+    ckpt = saved(tmp_path, [4])
     (ckpt.folder / "latest.json").write_text(json.dumps(pointer))
     for read in (ckpt.latest, lambda: checkpoint_files(ckpt.folder, "step00000004", ZERO2)):
         with pytest.raises(StageError, match=message) as err:
@@ -163,7 +117,7 @@ def test_a_pointer_of_the_wrong_shape_is_one_line(
 
 
 def test_a_pointer_from_before_the_complete_list_still_resumes(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path, [4])
+    ckpt = saved(tmp_path, [4])
     (ckpt.folder / "latest.json").write_text(
         json.dumps({"tag": "step00000004", "step": 4, "layout": ZERO2})
     )
@@ -173,7 +127,7 @@ def test_a_pointer_from_before_the_complete_list_still_resumes(tmp_path: Path) -
 
 
 def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path, [4], keep=1)
+    ckpt = saved(tmp_path, [4], keep=1)
     marker = tmp_path / "MARKER"
     torch.save(
         {"module": Crafted(marker)}, ckpt.folder / "step00000004" / "mp_rank_00_model_states.pt"

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from harness.checkpoints import Crafted, truncate
 from harness.training import SharedRuns, final_params
 from safetensors.torch import load_file, save_file
-from test_checkpoint_integrity import Crafted, truncate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain.consolidate.folder import DTYPES, MANIFEST, _tied_names, consolidate, eval_loss

@@ -9,8 +9,9 @@ run: losses of steps 3-4 to 1e-4 relative, final fp32 weights to 1e-4 absolute
 (the tolerances of test_pretrain_dist.py), and the windows it read (the
 STAGETRAIN_WINDOW_LOG debug log) must be the uninterrupted run's, each once.
 One uninterrupted run per source layout is shared by the drills that start from it.
-The drills through Snakemake (SIGKILL of the real run, `--rerun-incomplete`
-with other `hardware.cpu_ranks`) are in test_workflow.py.
+The drill through Snakemake (SIGKILL of the real 2-rank ZeRO-2 run, `--rerun-incomplete`
+with `hardware.cpu_ranks: 1`) is the last test here; test_workflow.py's killed-run test
+ends with a ZeRO-0 checkpoint resumed on one rank as it is.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any
 
 import pytest
 import torch
+from harness.checkpoints import killed_after_step_2
+from harness.compare import LOSS_RTOL, PARAM_ATOL
 from harness.training import final_params, launch, run
-from test_pretrain_dist import LOSS_RTOL, PARAM_ATOL
 
 from stagetrain.consolidate.stored import Reader
 from stagetrain.consolidate.weights import read_weights
-from stagetrain.training.checkpoints import tag_of
 
 pytestmark = pytest.mark.slow
 CHANGES = {"pretrain": {"checkpoint_every": 2, "keep_checkpoints": 2}}
@@ -52,22 +53,6 @@ def zero2_dp2(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STAGETRAIN_WINDOW_LOG", "1")
         return _uninterrupted(data, tmp_path_factory.mktemp("z2dp2"), ZERO2_DP2)
-
-
-def killed_after_step_2(summary: dict[str, Any], out: Path) -> Path:
-    """A copy of the run's checkpoint root as a SIGKILL after step 2's checkpoint leaves it: the
-    pointer at step 2, the later tags never written; the logs beyond step 2 as they were."""
-    source = Path(summary["checkpoint"]["folder"])
-    root = out / "checkpoints"
-    shutil.copytree(source.parent, root)
-    folder = root / source.name
-    for later in folder.glob("step*"):
-        if int(later.name.removeprefix("step")) > 2:
-            shutil.rmtree(later)
-    layout = json.loads((folder / "latest.json").read_text())["layouts"][tag_of(2)]
-    (folder / "latest.json").write_text(json.dumps({"tag": tag_of(2), "step": 2, "layout": layout,
-                                                    "complete": [tag_of(2)], "layouts": {tag_of(2): layout}}))  # fmt: skip
-    return root
 
 
 def windows_of(folder: Path, steps: int) -> list[list[int]]:

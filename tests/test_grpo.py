@@ -157,7 +157,7 @@ def test_grpo_on_two_ranks_resumes_on_one(
     Rewards and losses after the resume are not compared: completions are sampled by each rank's
     generator over its own prompts, so another dp samples other completions (docs/architecture.md,
     Known limits)."""
-    from test_elastic import killed_after_step_2
+    from harness.checkpoints import killed_after_step_2
 
     monkeypatch.setenv("STAGETRAIN_WINDOW_LOG", "1")
     data, model = start

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.compare import same_losses, same_params
 from harness.configs import edit_config, small_grpo, small_run
 from harness.training import build_comm_op, run, write_job
 from harness.workflow import REPO, SNAKEMAKE, snakemake
-from test_pretrain_dist import _same_losses, _same_params
 
 from stagetrain.training.launch import node_torchrun, rank_environment
 
@@ -105,8 +105,8 @@ def test_two_hosts_train_what_one_host_trains(
     assert summary["layout"]["world"] == world and summary["layout"]["dp"] == world
     first, *others = summary["param_checksum_per_rank"]
     assert len(others) == world - 1 and all(c == first for c in others)  # one model on both hosts
-    _same_losses(summary, one_host)
-    _same_params(summary, one_host)
+    same_losses(summary, one_host)
+    same_params(summary, one_host)
 
 
 def rank_pids(host: str, module: str) -> list[int]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from harness.checkpoints import truncate
+from harness.compare import losses, same_losses, same_params
 from harness.training import (
     SharedRuns,
     dp2,
@@ -27,11 +29,8 @@ from harness.training import (
     torchrun,
     write_job,
 )
-from test_checkpoint_integrity import truncate
 
 pytestmark = pytest.mark.slow
-LOSS_RTOL = 1e-4
-PARAM_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -40,25 +39,10 @@ def baseline(shared_runs: SharedRuns) -> dict[str, Any]:
     return shared_runs["zero0"]
 
 
-def _losses(summary: dict[str, Any]) -> list[float]:
-    return [summary["losses"][str(step)] for step in range(1, 5)]
-
-
-def _same_losses(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert _losses(a) == pytest.approx(_losses(b), rel=LOSS_RTOL)
-
-
-def _same_params(a: dict[str, Any], b: dict[str, Any]) -> None:
-    pa, pb = final_params(a), final_params(b)
-    assert pa.keys() == pb.keys()
-    worst = max((pa[k] - pb[k]).abs().max().item() for k in pa)
-    assert worst < PARAM_ATOL, worst
-
-
 def test_data_parallel_ranks_hold_identical_parameters(baseline: dict[str, Any]) -> None:
     first, second = baseline["param_checksum_per_rank"]
     assert first == second
-    assert _losses(baseline)[-1] < _losses(baseline)[0]  # it learns
+    assert losses(baseline)[-1] < losses(baseline)[0]  # it learns
 
 
 def test_two_ranks_match_one_rank_with_the_same_global_batch(
@@ -68,15 +52,15 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(
         data, tmp_path, world=1, layout={"dp": 1, "tp": 1, "micro_batch_size": 4, "zero_stage": 0}
     )
     assert single["layout"]["grad_accum"] == 2 and baseline["layout"]["grad_accum"] == 2
-    _same_losses(baseline, single)
-    _same_params(baseline, single)
+    same_losses(baseline, single)
+    same_params(baseline, single)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_stages_agree(shared_runs: SharedRuns, baseline: dict[str, Any], zero: int) -> None:
     summary = shared_runs[f"zero{zero}"]
-    _same_losses(baseline, summary)
-    _same_params(baseline, summary)
+    same_losses(baseline, summary)
+    same_params(baseline, summary)
     local, total = summary["local_param_elements_per_rank"], summary["param_elements"]
     if zero == 3:  # built inside zero.Init: no rank ever held the whole model
         assert all(abs(n / total - 0.5) < 0.02 for n in local), (local, total)
@@ -99,13 +83,13 @@ def test_tensor_parallel_matches_one_rank(
         else run(data, tmp_path / "tp2", world=2, layout={**layout, "tp": 2}, model_config=config)
     )
     assert tp2["layout"]["tp"] == 2
-    _same_losses(single, tp2)
+    same_losses(single, tp2)
 
 
 def test_moe_trains_under_zero3(shared_runs: SharedRuns) -> None:
     summary = shared_runs["moe"]
-    losses = _losses(summary)
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    got = losses(summary)
+    assert all(torch.isfinite(torch.tensor(got))) and got[-1] < got[0]
     assert all(
         abs(n / summary["param_elements"] - 0.5) < 0.02
         for n in summary["local_param_elements_per_rank"]
@@ -136,8 +120,8 @@ def test_activation_checkpointing_changes_memory_not_maths(
     }
     summary = run(data, tmp_path, world=2, layout=layout)
     assert summary["layout"]["activation_checkpointing"] is True
-    _same_losses(baseline, summary)
-    _same_params(baseline, summary)
+    same_losses(baseline, summary)
+    same_params(baseline, summary)
 
 
 def test_init_from_loads_partitioned_and_grows_the_embeddings(
@@ -160,7 +144,7 @@ def test_init_from_loads_partitioned_and_grows_the_embeddings(
     assert total == sum(p.numel() for p in start.parameters())  # before the resize
     weights = final_params(summary)
     assert weights["model.embed_tokens.weight"].shape[0] == 512
-    assert _losses(summary)[-1] < _losses(summary)[0]
+    assert losses(summary)[-1] < losses(summary)[0]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_checkpoint_integrity import fake_checkpoint
+from harness.checkpoints import fake_checkpoint
 
 from stagetrain.errors import StageError
 from stagetrain.pretrain.metrics import METRICS

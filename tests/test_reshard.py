@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from test_checkpoint_integrity import ZERO2, FakeEngine
+from harness.checkpoints import ZERO2, FakeEngine, saved
 
 from stagetrain.errors import StageError
 from stagetrain.training import reshard
@@ -52,17 +52,10 @@ def test_a_change_the_formats_cannot_carry_is_one_line(old: dict, new: dict) -> 
     assert "\n" not in str(err.value)
 
 
-def _saved(root: Path, layout: dict, steps: list[int]) -> Checkpoints:
-    ckpt = Checkpoints(root, {"seed": 1}, layout, keep=2)
-    for step in steps:
-        ckpt.save(FakeEngine(layout), step, {"step": step})
-    return ckpt
-
-
 def test_a_checkpoint_that_cannot_be_converted_is_one_line_and_changes_nothing(
     tmp_path: Path,
 ) -> None:
-    ckpt = _saved(tmp_path, ZERO2, [2, 4])
+    ckpt = saved(tmp_path, [2, 4], ZERO2)
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     pointer = (ckpt.folder / "latest.json").read_text()
     with pytest.raises(StageError) as err:
@@ -79,7 +72,7 @@ def test_a_checkpoint_that_cannot_be_converted_is_one_line_and_changes_nothing(
 def test_the_pointer_keeps_each_tags_layout_and_prunes_a_universal_copy_with_its_tag(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    old = _saved(tmp_path, ZERO2, [2])
+    old = saved(tmp_path, [2], ZERO2)
     (old.folder / "step00000002.universal").mkdir()  # as a conversion leaves it
     new = Checkpoints(tmp_path, {"seed": 1}, ZERO2_DP1, keep=2)
     with caplog.at_level(logging.INFO, logger="stagetrain"):

@@ -151,10 +151,13 @@ class Row(NamedTuple):
     """The problem's identity (for the debug prompt log)."""
 
 
-def _gather(values: list[Any]) -> list[Any]:
+def _gather(values: list[Any], dp_rank: int) -> list[Any]:
+    """Every data-parallel rank's `values`, in dp order. The ranks of one tensor-parallel group
+    draw the same prompts and sample the same completions, so each dp rank counts once."""
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, values)
-    return [v for part in out for v in part]
+    dist.all_gather_object(out, (dp_rank, values))
+    by_dp = dict(out)
+    return [v for rank in sorted(by_dp) for v in by_dp[rank]]
 
 
 def _rollouts(
@@ -203,7 +206,7 @@ def step(
             flat=g.flat_tokens, nodes=g.nodes, lengths=[len(c) for c in g.completions],
             trained=sum(len(g.prompt) + len(c) for c in g.completions), key=p.key)
         for g, p in zip(groups, batch, strict=True)
-    ])  # fmt: skip
+    ], run.dp_rank)  # fmt: skip
 
     rewards = [r for row in rows for r in row.rewards]
     levels = curriculum.levels()  # those the step's prompts were drawn at

@@ -35,6 +35,7 @@ import os
 import shutil
 import signal
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,10 @@ from stagetrain.training.integrity import (
 from stagetrain.training.lock import StageLock
 
 log = logging.getLogger("stagetrain")
+RESUME_DECISION_TIMEOUT = timedelta(hours=6)
+"""How long the other ranks wait for rank 0's resume decision: the integrity check and, under
+another layout, the conversion, which runs at tens of MB/s (docs/benchmarks.md): a 7B model's
+~100 GB checkpoint takes about half an hour, past the collective timeout of training/engine.py."""
 KILL_DURING_SAVE = "STAGETRAIN_KILL_DURING_SAVE"
 
 
@@ -127,14 +132,19 @@ class Checkpoints:
         stop with the same line.
         """
         outcome: tuple[str, Any] = ("ok", None)
+        wide = dist.is_initialized() and dist.get_world_size() > 1
+        # The others wait while rank 0 converts (minutes for a large checkpoint): longer than the
+        # collective timeout allows, so the decision travels on a group of its own.
+        group = dist.new_group(backend="gloo", timeout=RESUME_DECISION_TIMEOUT) if wide else None
         if self.rank == 0:
             try:
                 outcome = ("ok", self._loadable(resume_point(self.folder)))
             except StageError as err:
                 outcome = ("error", str(err))
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if wide:
             box = [outcome]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=group)
+            dist.destroy_process_group(group)
             outcome = box[0]
         if outcome[0] == "error":
             raise StageError(outcome[1])

@@ -52,7 +52,9 @@ others before it fails, unless STAGETRAIN_COLLECTIVE_TIMEOUT_S says otherwise.
 A peer whose process died closes its connections and fails the others at once;
 this bounds the case where nothing closes them (a node whose link went down, a
 rank hung in a kernel): without it gloo and DeepSpeed wait 30 minutes. 10 minutes
-covers the longest barrier of a run, the one after every rank's checkpoint save."""
+covers the longest barrier of training, the one after every rank's checkpoint save;
+the wait for a checkpoint's conversion at resume has a group and timeout of its own
+(training/checkpoints.py, RESUME_DECISION_TIMEOUT)."""
 
 
 def collective_timeout(env: Mapping[str, str]) -> timedelta:

@@ -15,13 +15,12 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
-from stagetrain.io import atomic_write_json
+from stagetrain.io import atomic_write_bytes, atomic_write_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import TrainingSettings
 from stagetrain.training.checkpoints import Checkpoints, tag_of
@@ -126,8 +125,8 @@ class StageLoop:
         self, summary: Mapping[str, Any], plot: Callable[[Mapping[str, Any], str], None], key: str
     ) -> None:
         """The stage's declared outputs (rank 0): metrics, the plot at spec[`key`], summary last."""
-        Path(self.spec["metrics"]).write_bytes(
-            (self.checkpoints.folder / "metrics.jsonl").read_bytes()
+        atomic_write_bytes(
+            self.spec["metrics"], (self.checkpoints.folder / "metrics.jsonl").read_bytes()
         )
         plot(summary, self.spec[key])
         atomic_write_json(self.spec["summary"], summary)
