@@ -415,3 +415,15 @@ def test_segments_of_a_search_cover_every_leaf_path() -> None:
 def test_config_errors_name_the_key(key: str, value: Any) -> None:
     with pytest.raises(StageError, match=rf"^grpo\.tree\.{key}: expected"):
         _cfg(**{key: value})
+
+
+def test_the_prefix_cache_switch_resumes_but_a_search_setting_retrains() -> None:
+    """The checkpoint fingerprint leaves out grpo.tree.prefix_cache (same tokens, other speed)
+    and keeps what changes the samples."""
+    from stagetrain.grpo.train import fingerprinted
+
+    grpo = {"steps": 3, "log_every": 1, "tree": {"branching": 2, "prefix_cache": True}}
+    base = fingerprinted(grpo)
+    assert fingerprinted({**grpo, "tree": {"branching": 2, "prefix_cache": False}}) == base
+    assert fingerprinted({**grpo, "tree": {"branching": 4, "prefix_cache": True}}) != base
+    assert fingerprinted({**grpo, "log_every": 5}) == base

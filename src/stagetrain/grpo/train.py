@@ -56,6 +56,9 @@ NOT_MATHS = (
     "checkpoint_every",
     "keep_checkpoints",
 )
+NOT_MATHS_TREE = ("prefix_cache",)
+"""grpo.tree keys that change how fast a tree is sampled, not what it samples (the cached and
+uncached trees give the same tokens): toggling one resumes the checkpoint instead of retraining."""
 
 
 @dataclass(kw_only=True)
@@ -93,6 +96,14 @@ def _reference(
     return model.to(device=device, dtype=dtype).eval()
 
 
+def fingerprinted(grpo: dict[str, Any]) -> dict[str, Any]:
+    """The grpo keys that decide what training computes: the checkpoint fingerprint's part."""
+    out = {k: v for k, v in grpo.items() if k not in NOT_MATHS}
+    if isinstance(out.get("tree"), dict):
+        out["tree"] = {k: v for k, v in out["tree"].items() if k not in NOT_MATHS_TREE}
+    return out
+
+
 def setup(spec: dict[str, Any]) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
@@ -102,7 +113,7 @@ def setup(spec: dict[str, Any]) -> Run:
     components = {  # the start model by content: a resharded folder of the same weights resumes
         "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
         "tokenizer": meta["tokenizer_sha256"],
-        "training": {k: v for k, v in spec["grpo"].items() if k not in NOT_MATHS},
+        "training": fingerprinted(spec["grpo"]),
         "precision": layout.precision, "seed": spec["seed"],
     }  # fmt: skip
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components,

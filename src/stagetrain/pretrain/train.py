@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,7 +33,13 @@ from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
-from stagetrain.training.metrics import WINDOW_LOG, MetricsLog, Progress, check_finite, max_rss_gib
+from stagetrain.training.metrics import (
+    MetricsLog,
+    Progress,
+    check_finite,
+    max_rss_gib,
+    window_log_on,
+)
 from stagetrain.training.rank import rank_main
 
 log = logging.getLogger("stagetrain")
@@ -138,7 +143,7 @@ def evaluate(run: Run) -> float:
 def train_step(run: Run, step: int, windows: MetricsLog | None = None) -> float:
     """One optimizer step over this rank's micro batches; the loss averaged over all ranks.
 
-    With the window log on (`WINDOW_LOG`), the windows every rank read are
+    With the window log on (`window_log_on`), the windows every rank read are
     gathered and rank 0 appends them to `windows`.
     """
     losses, read = [], []
@@ -150,7 +155,7 @@ def train_step(run: Run, step: int, windows: MetricsLog | None = None) -> float:
         read.extend(int(i) for i in micro)
     mean = torch.stack(losses).mean()
     dist.all_reduce(mean, op=dist.ReduceOp.SUM)
-    if os.environ.get(WINDOW_LOG) == "1":
+    if window_log_on():
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, (run.dp_rank, read))
         if windows:  # ranks of one tp group read the same windows: one entry per dp rank

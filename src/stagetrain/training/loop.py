@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +23,7 @@ from stagetrain.io import atomic_write_bytes, atomic_write_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import TrainingSettings
 from stagetrain.training.checkpoints import Checkpoints, tag_of
-from stagetrain.training.metrics import WINDOW_LOG, MetricsLog, tensorboard_dir
+from stagetrain.training.metrics import MetricsLog, tensorboard_dir, window_log_on
 
 log = logging.getLogger("stagetrain")
 
@@ -74,7 +73,7 @@ class StageLoop:
     def debug_log(self, name: str, registry: dict[str, str]) -> MetricsLog | None:
         """Rank 0's `name` log beside metrics.jsonl when the WINDOW_LOG debug option is on (after
         `resume`: cut back to the resumed step as metrics.jsonl is); None otherwise."""
-        if dist.get_rank() != 0 or os.environ.get(WINDOW_LOG) != "1":
+        if dist.get_rank() != 0 or not window_log_on():
             return None
         return MetricsLog(self.checkpoints.folder / name, self.start, registry)
 

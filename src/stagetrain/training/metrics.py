@@ -33,6 +33,11 @@ resumed step on a restart as metrics.jsonl is: the proof that a resume under ano
 reads every window (prompt) once and in the uninterrupted run's order."""
 
 
+def window_log_on() -> bool:
+    """Whether the WINDOW_LOG debug option is set (the same on every rank: one environment)."""
+    return os.environ.get(WINDOW_LOG) == "1"
+
+
 def max_rss_gib() -> float:
     """Peak resident memory of this process, GiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
