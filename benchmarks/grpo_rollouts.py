@@ -118,6 +118,7 @@ def _compare(
     """Flat sampling, then each tree shape with flat's tokens per prompt as its budget."""
     ids = [prompt_ids(tok, p, grpo["max_prompt_len"]) for p in problems]
     common = {
+        "keys": [(seed, i) for i in range(len(ids))],
         "temperature": grpo["temperature"],
         "top_p": grpo["top_p"],
         "pad_id": tok.pad_token_id,
@@ -128,7 +129,6 @@ def _compare(
         return score(tok.decode(completion, skip_special_tokens=False), problems[i])
 
     fed = _Fed(model)
-    torch.manual_seed(seed)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         flat = flat_groups(
@@ -158,7 +158,6 @@ def _compare(
             branch_entropy=extra.get("branch_entropy", 0.0),
             prefix_cache=extra.get("prefix_cache", True),
         )
-        torch.manual_seed(seed)
         start, cpu = time.perf_counter(), time.process_time()
         with torch.no_grad():
             trees = tree_groups(

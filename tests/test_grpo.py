@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from harness.compare import LOSS_RTOL, PARAM_ATOL
 from harness.training import SharedRuns, final_params, grpo_config, launch_grpo, run_grpo
 from harness.workflow import default_config
 from safetensors.torch import load_file
@@ -152,11 +153,9 @@ def test_grpo_on_two_ranks_resumes_on_one(
     start: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GRPO drill, 2 ranks ZeRO-1 -> 1 rank: the step-2 checkpoint is converted and loaded, the
-    curriculum state carries over, and the prompt stream goes on where the uninterrupted run's did.
-
-    Rewards and losses after the resume are not compared: completions are sampled by each rank's
-    generator over its own prompts, so another dp samples other completions (docs/architecture.md,
-    Known limits)."""
+    curriculum state carries over, the prompt stream goes on where the uninterrupted run's did,
+    each prompt samples the completions it sampled there (per-prompt streams), and the loss,
+    normalised over the global batch, and the weights follow the uninterrupted run's."""
     from harness.checkpoints import killed_after_step_2
 
     monkeypatch.setenv("STAGETRAIN_WINDOW_LOG", "1")
@@ -185,7 +184,11 @@ def test_grpo_on_two_ranks_resumes_on_one(
 
     got, want = prompts(resumed), prompts(straight)
     assert len(got) == 4 and len(want[2]) == 4
-    assert got[:3] == want[:3]  # step 3 drawn at dp=1 is the step the 2 ranks would have drawn
+    assert got == want  # steps 3-4 drawn at dp=1 are the steps the 2 ranks drew
+    assert resumed["rewards"] == straight["rewards"]  # the same completions, so the same rewards
+    assert resumed["losses"] == pytest.approx(straight["losses"], rel=LOSS_RTOL, abs=1e-7)
+    a, b = final_params(resumed), final_params(straight)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < PARAM_ATOL
 
 
 def test_evaluation_script_reports_accuracy_per_family_and_level(

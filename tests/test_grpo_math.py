@@ -238,6 +238,53 @@ def test_aggregations_match_a_loop(loss_type: str, beta: float, per_token_adv: b
         assert stats.tokens == int(batch["mask"].sum())
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batch_losses_weighted_by_their_global_share_are_the_global_batchs_loss(
+    loss_type: str,
+) -> None:
+    """The GRPO stage's normaliser (grpo.steps.normaliser_sizes): split 12 rows over 2 ranks x 2
+    micro batches or 1 rank x 3, each micro batch's loss times its size over the global sum adds
+    up to the loss of all rows at once, so the update does not depend on dp or grad_accum (what
+    a resume under another dp needs). Normalising per rank, as before, does not."""
+    import numpy as np
+
+    from stagetrain.grpo.steps import normaliser_sizes
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 6, 3, 0, 2, 4, 6, 1, 5, 3, 2]
+    keep = [True] * 3 + [False] * 3 + [True] * 6  # rank 0 of two keeps half as much as rank 1
+    items = [([0], [7] * n) for n in lengths]
+    mask = torch.tensor(
+        [[float(t < n and k) for t in range(6)] for n, k in zip(lengths, keep, strict=True)]
+    )
+    batch = {
+        "logprobs": -torch.rand(12, 6, generator=g) * 3,
+        "advantages": torch.randn(12, generator=g),
+    }
+    batch["old_logprobs"] = batch["logprobs"] + (torch.rand(12, 6, generator=g) - 0.5) * 0.6
+
+    def loss(rows: np.ndarray) -> float:
+        part = {k: v[torch.as_tensor(rows)] for k, v in batch.items()}
+        return grpo_loss(**part, ref_logprobs=None, mask=mask[torch.as_tensor(rows)], eps_low=0.2,
+                         eps_high=0.28, beta=0.0, loss_type=loss_type, max_length=6)[0].item()  # fmt: skip
+
+    whole = loss(np.arange(12))
+    two_ranks = [np.array_split(np.arange(6), 2), np.array_split(np.arange(6, 12), 2)]
+    for ranks in (two_ranks, [np.array_split(np.arange(12), 3)]):
+        chunks = [c for rank in ranks for c in rank]
+        sizes = normaliser_sizes(chunks, keep, items, loss_type)
+        shares = [n / sum(sizes) for n in sizes]
+        assert sum(loss(c) * w for c, w in zip(chunks, shares, strict=True)) == pytest.approx(whole)
+
+    def rank_normalised(chunks: list[np.ndarray]) -> float:
+        sizes = normaliser_sizes(chunks, keep, items, loss_type)
+        return sum(loss(c) * n / sum(sizes) for c, n in zip(chunks, sizes, strict=True))
+
+    old = np.mean([rank_normalised(rank) for rank in two_ranks])  # DeepSpeed averages over dp
+    if loss_type != "dr_grpo":  # rows: every rank holds as many
+        assert old != pytest.approx(whole)
+
+
 def test_ratio_one_is_the_policy_gradient() -> None:
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
     adv, mask = torch.tensor([0.5, -2.0]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])

@@ -41,9 +41,8 @@ def _groups(
 ) -> list[Group]:
     cfg = TreeConfig(branching=2, segment_tokens=3, max_leaves=8, max_tokens=60, max_new_tokens=12,
                      uct_c=1.0, eos_id=1, branch_entropy=entropy, prefix_cache=reuse_cache)  # fmt: skip
-    torch.manual_seed(5)
     with torch.no_grad():
-        return tree_groups(model, PROMPTS, lambda i, c: float(sum(c) % 2), cfg, temperature=1.0,
+        return tree_groups(model, PROMPTS, lambda i, c: float(sum(c) % 2), cfg, keys=range(len(PROMPTS)), temperature=1.0,
                            top_p=0.9, pad_id=0, max_batch=6, greedy=greedy)  # fmt: skip
 
 

@@ -161,7 +161,7 @@ def test_rollouts_generate_the_batch_the_plan_counted(prompts_per_step: int) -> 
         prompts_per_step // dp
     )  # what one rank draws (grpo.steps.draw_problems)
     with torch.no_grad():
-        flat_groups(model, prompts, lambda i, c: 0.0, group_size=cfg["grpo"]["group_size"],
+        flat_groups(model, prompts, lambda i, c: 0.0, keys=range(len(prompts)), group_size=cfg["grpo"]["group_size"],
                     max_new_tokens=2, temperature=1.0, top_p=1.0, eos_id=1, pad_id=0, max_batch=planned)  # fmt: skip
     assert max(model.batches) == planned
     assert sum(model.batches) == len(prompts) * cfg["grpo"]["group_size"]
@@ -172,7 +172,7 @@ def test_generation_batch_below_the_ranks_rollouts_is_generated_in_chunks() -> N
 
     model = _Recording()
     with torch.no_grad():
-        groups = flat_groups(model, [[3, 4], [5, 6, 7], [8]], lambda i, c: float(i), group_size=4,
+        groups = flat_groups(model, [[3, 4], [5, 6, 7], [8]], lambda i, c: float(i), keys=range(3), group_size=4,
                              max_new_tokens=2, temperature=1.0, top_p=1.0, eos_id=1, pad_id=0, max_batch=8)  # fmt: skip
     assert model.batches == [8, 4]
     assert [g.rewards for g in groups] == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
@@ -185,10 +185,9 @@ def test_tree_rollouts_expand_every_trees_node_in_calls_of_at_most_the_planned_b
     cfg = TreeConfig(branching=2, segment_tokens=2, max_leaves=6, max_tokens=100, max_new_tokens=6,
                      uct_c=1.0, eos_id=1)  # fmt: skip
     model = _Recording()
-    torch.manual_seed(0)
     with torch.no_grad():
         groups = tree_groups(model, [[3, 4], [5, 6, 7], [8], [9, 10]], lambda i, c: float(i % 2), cfg,
-                             temperature=1.0, top_p=1.0, pad_id=0, max_batch=6)  # fmt: skip
+                             keys=range(4), temperature=1.0, top_p=1.0, pad_id=0, max_batch=6)  # fmt: skip
     expanded = sum(g.nodes for g in groups) // cfg.branching
     assert max(model.batches) == 6  # 3 nodes x B: the cap, not one node per call
     assert sum(model.batches) == expanded * cfg.branching

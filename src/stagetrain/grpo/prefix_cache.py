@@ -48,6 +48,7 @@ class PrefixCache:
         keep: Sequence[int],
         generation: dict,
         branch_entropy: float = 0.0,
+        seeds: Sequence[int] = (),
     ) -> list[list[int]]:
         """n continuations of each sequence in one `generate` call (`sampling.generate`), and
         the cache of each sequence plus its first `keep[i]` continuation tokens kept for later
@@ -67,6 +68,7 @@ class PrefixCache:
             generation,
             branch_entropy=branch_entropy,
             cache=cache,
+            seeds=seeds,
         )
         for j, row in enumerate(rows):
             sequence, kept = sequences[j // n], row[: keep[j // n]]

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from stagetrain.grpo.advantages import group_advantages, tree_token_advantages
 from stagetrain.grpo.prefix_cache import PrefixCache
-from stagetrain.grpo.sampling import generate, generation_kwargs
+from stagetrain.grpo.sampling import generate, generation_kwargs, stream_seed
 from stagetrain.grpo.tree import (
     Request,
     SearchTree,
@@ -60,6 +60,7 @@ class Group:
 def sample(
     model: PreTrainedModel,
     prefixes: Sequence[list[int]],
+    keys: Sequence[object],
     n: int,
     max_new_tokens: int,
     *,
@@ -68,9 +69,11 @@ def sample(
     eos_id: int,
     pad_id: int,
 ) -> list[list[int]]:
-    """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order."""
+    """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order;
+    continuation j of the prefix with key k is drawn from the generator `stream_seed(k, j)`."""
     generation = generation_kwargs(temperature, top_p, eos_id, pad_id)
-    return generate(model, prefixes, n, max_new_tokens, generation)
+    seeds = [stream_seed(key, j) for key in keys for j in range(n)]
+    return generate(model, prefixes, n, max_new_tokens, generation, seeds=seeds)
 
 
 def flat_groups(
@@ -78,6 +81,7 @@ def flat_groups(
     prompts: Sequence[list[int]],
     score: Callable[[int, list[int]], float],
     *,
+    keys: Sequence[object],
     group_size: int,
     max_new_tokens: int,
     temperature: float,
@@ -87,12 +91,13 @@ def flat_groups(
     max_batch: int,
 ) -> list[Group]:
     """group_size samples per prompt, at most `max_batch` sequences per `generate` call (the
-    plan's generation batch, whose KV cache it counted); group advantages on every token."""
+    plan's generation batch, whose KV cache it counted); group advantages on every token.
+    `keys` name the prompts' sampling streams (`sample`): the same key, the same completions."""
     per_call = max(1, max_batch // group_size)
     completions = [
         c
         for at in range(0, len(prompts), per_call)
-        for c in sample(model, prompts[at : at + per_call], group_size, max_new_tokens,
+        for c in sample(model, prompts[at : at + per_call], keys[at : at + per_call], group_size, max_new_tokens,
                         temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
     ]  # fmt: skip
     groups = []
@@ -114,6 +119,7 @@ def tree_groups(
     score: Callable[[int, list[int]], float],
     cfg: TreeConfig,
     *,
+    keys: Sequence[object],
     temperature: float,
     top_p: float,
     pad_id: int,
@@ -126,6 +132,8 @@ def tree_groups(
     sequences; each tree's finished leaves are its group. `budgets`, if given, replaces
     `cfg.max_tokens` per prompt (the benchmark gives each tree flat sampling's tokens).
     `cfg.prefix_cache` keeps the KV cache of each open node between rounds (`PrefixCache`).
+    `keys` name the prompts' sampling streams: a tree's e-th expansion samples continuation j
+    from `stream_seed(key, e, j)`, so a tree grows the same whatever shares its batch.
     `greedy` is for tests."""
     if budgets is None:
         cfgs = [cfg] * len(prompts)
@@ -133,15 +141,20 @@ def tree_groups(
         cfgs = [replace(cfg, max_tokens=max(1, b)) for b in budgets]
     generation = generation_kwargs(temperature, top_p, cfg.eos_id, pad_id, greedy)
     store = PrefixCache(model) if cfg.prefix_cache else None
+    expansions = [0] * len(prompts)
 
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
         sequences = [list(prompts[r.tree]) + r.prefix for r in requests]
+        seeds = []
+        for r in requests:
+            seeds += [stream_seed(keys[r.tree], expansions[r.tree], j) for j in range(n)]
+            expansions[r.tree] += 1
         if store is None:
-            out = generate(model, sequences, n, k, generation, branch_entropy=cfg.branch_entropy)
+            out = generate(model, sequences, n, k, generation, branch_entropy=cfg.branch_entropy,
+                           seeds=seeds)  # fmt: skip
         else:
-            out = store.sample(
-                sequences, n, k, [r.limit for r in requests], generation, cfg.branch_entropy
-            )
+            out = store.sample(sequences, n, k, [r.limit for r in requests], generation,
+                               cfg.branch_entropy, seeds)  # fmt: skip
         # A sampled pad token ends a completion as flat sampling's cut does; a segment needs a
         # token, so one that starts with pad is an eos (the completion ends there).
         return [c or [cfg.eos_id] for c in out]

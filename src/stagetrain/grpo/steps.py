@@ -45,12 +45,13 @@ def step_prompts(
     ]
 
 
-def draw_problems(run: Run, curriculum: Curriculum, step_no: int) -> list[Problem]:
-    """This data-parallel rank's contiguous share of the step's global prompt batch."""
+def draw_problems(run: Run, curriculum: Curriculum, step_no: int) -> tuple[list[Problem], int]:
+    """This data-parallel rank's contiguous share of the step's global prompt batch, and the
+    global index of its first prompt."""
     every = step_prompts(curriculum, run.curriculum, prompts=run.cfg.prompts_per_step,
                          seed=run.spec["seed"], step=step_no)  # fmt: skip
     n = len(every) // run.layout.dp
-    return every[run.dp_rank * n : (run.dp_rank + 1) * n]
+    return every[run.dp_rank * n : (run.dp_rank + 1) * n], run.dp_rank * n
 
 
 def token_logprobs(
@@ -79,7 +80,9 @@ def _advantage_rows(
 
 
 def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | None]]:
-    """`passes` optimizer steps on the rollouts: exactly grad_accum micro batches each, through the engine."""
+    """`passes` optimizer steps on the rollouts: exactly grad_accum micro batches each, through the
+    engine. The loss is normalised over the global batch (`_weights`), so the update and the
+    logged loss (the last pass's, over the global batch) do not depend on dp or grad_accum."""
     cfg, engine = run.cfg, run.engine
     items = [(g.prompt, c) for g in groups for c in g.completions]
     keep = [g.varies for g in groups for _ in g.completions]  # groups without signal are dropped
@@ -96,8 +99,10 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             else None
         )
     advs = [a for g in groups for a in g.advantages]
+    weights = _weights(run, chunks, keep, items)
     loss_value, stats = 0.0, None
     for _ in range(cfg.passes):
+        loss_value = 0.0
         for k, chunk in enumerate(chunks):
             logprobs, mask = token_logprobs(engine, [items[i] for i in chunk], run.device, pad)
             mask = mask * torch.tensor(
@@ -109,17 +114,30 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             loss, stats = grpo_loss(logprobs, old[k], ref[k] if ref else None, adv, mask,
                                     eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, beta=cfg.kl_coef,
                                     loss_type=cfg.loss_type, max_length=cfg.max_new_tokens)  # fmt: skip
-            weight = _weights_for(chunk, chunks, keep, items, cfg.loss_type)
-            engine.backward(loss * weight * ga)
+            # DeepSpeed divides by grad_accum and averages over dp: both undone, so the
+            # gradient is that of the global batch's loss.
+            engine.backward(loss * weights[k] * ga * run.layout.dp)
             engine.step()
-            loss_value = float(loss.detach())
-    return loss_value, {"clip_ratio/low_mean": stats.clip_ratio_low, "clip_ratio/high_mean": stats.clip_ratio_high,
-                        "kl": stats.kl_mean}  # fmt: skip
+            loss_value += float(loss.detach()) * weights[k]
+    return _dp_sum(run, loss_value), {"clip_ratio/low_mean": stats.clip_ratio_low,
+                                      "clip_ratio/high_mean": stats.clip_ratio_high, "kl": stats.kl_mean}  # fmt: skip
 
 
-def _weights_for(chunk: np.ndarray, chunks: list[np.ndarray], keep: list[bool],
-                 items: Sequence[tuple[list[int], list[int]]], loss_type: str) -> float:  # fmt: skip
-    """This micro batch's share of the rank batch's normaliser (tokens, sequences or rows by loss type)."""
+def _weights(run: Run, chunks: list[np.ndarray], keep: list[bool],
+             items: Sequence[tuple[list[int], list[int]]]) -> list[float]:  # fmt: skip
+    """Each micro batch's share of the global batch's normaliser (`normaliser_sizes`, summed over
+    all dp ranks)."""
+    sizes = normaliser_sizes(chunks, keep, items, run.cfg.loss_type)
+    total = _dp_sum(run, sum(sizes))
+    return [s / total if total else 0.0 for s in sizes]
+
+
+def normaliser_sizes(chunks: Sequence[np.ndarray], keep: Sequence[bool],
+                     items: Sequence[tuple[list[int], list[int]]], loss_type: str) -> list[float]:  # fmt: skip
+    """What each micro batch adds to its loss type's normaliser: kept completion tokens
+    ("dapo"), kept non-empty completions ("grpo") or rows ("dr_grpo"). A micro batch's loss
+    times its size over the global sum, summed over every micro batch of every rank, is the
+    loss of the global batch in one piece, however the batch is split."""
 
     def size(c: np.ndarray) -> float:
         kept = [i for i in c if keep[i]]
@@ -129,8 +147,7 @@ def _weights_for(chunk: np.ndarray, chunks: list[np.ndarray], keep: list[bool],
             return float(sum(1 for i in kept if items[i][1]))
         return float(len(c))
 
-    total = sum(size(c) for c in chunks)
-    return size(chunk) / total if total else 0.0
+    return [size(c) for c in chunks]
 
 
 class Row(NamedTuple):
@@ -164,13 +181,17 @@ def _rollouts(
     run: Run,
     prompts: list[list[int]],
     reward: Callable[[int, list[int]], float],
+    keys: list[tuple[int, int, int]],
 ) -> list[Group]:
     """This rank's groups of the step, flat or tree, generated in eval mode with the policy
-    gathered (ZeRO-3); the engine is back in train mode after."""
+    gathered (ZeRO-3); the engine is back in train mode after. `keys` name each prompt's
+    sampling stream: (seed, step, the prompt's index in the global batch), so its completions
+    do not depend on which rank draws it."""
     cfg, tok = run.cfg, run.tokenizer
     run.engine.eval()
     with gathered(run.engine), torch.no_grad():
         common = {
+            "keys": keys,
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "pad_id": tok.pad_token_id,
@@ -193,13 +214,14 @@ def step(
 ) -> dict[str, Any]:
     """Rollouts, training and the curriculum update of one step; its metrics record."""
     cfg, tok = run.cfg, run.tokenizer
-    batch = draw_problems(run, curriculum, step_no)
+    batch, first = draw_problems(run, curriculum, step_no)
     prompts = [prompt_ids(tok, p, cfg.max_prompt_len) for p in batch]
+    keys = [(run.spec["seed"], step_no, first + i) for i in range(len(batch))]
 
     def reward(i: int, completion: list[int]) -> float:
         return score(tok.decode(completion, skip_special_tokens=False), batch[i])
 
-    groups = _rollouts(run, prompts, reward)
+    groups = _rollouts(run, prompts, reward, keys)
     loss, clip = train_on(run, groups)
     rows: list[Row] = _gather([
         Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,
@@ -215,7 +237,7 @@ def step(
     events = update_all(curriculum, run.curriculum, step_no, outcomes)
     decided = {e["family"]: e["success_rate"] for e in events}  # the window a change emptied
     record = {
-        "train/loss": _mean_over_ranks(loss), "train/lr": run.engine.get_lr()[0],
+        "train/loss": loss, "train/lr": run.engine.get_lr()[0],
         "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
@@ -244,10 +266,12 @@ def step(
     return record
 
 
-def _mean_over_ranks(value: float) -> float:
+def _dp_sum(run: Run, value: float) -> float:
+    """The sum of `value` over the data-parallel ranks (the ranks of a tensor-parallel group
+    hold the same rows, so each dp rank counts once)."""
     tensor = torch.tensor(value, dtype=torch.float64)
     dist.all_reduce(tensor)
-    return tensor.item() / dist.get_world_size()
+    return tensor.item() / run.layout.tp
 
 
 def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:

@@ -13,7 +13,6 @@ ranks so every rank updates the same per-family curriculum states.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -200,8 +199,6 @@ def loop(run: Run) -> dict[str, Any]:
     elif stage.start == 0:
         accuracy(run)
     for step in stage.steps():
-        # Sampling the completions: per rank (the prompts are global, steps.step_prompts).
-        torch.manual_seed(random.Random(f"{run.spec['seed']}:{step}:{run.dp_rank}").getrandbits(63))
         t0 = time.monotonic()
         record = grpo_steps.step(run, curriculum, step)
         check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
