@@ -92,3 +92,23 @@ def test_the_pointer_keeps_each_tags_layout_and_prunes_a_universal_copy_with_its
     new.save(FakeEngine(ZERO2_DP1), 4, {"step": 4})
     new.save(FakeEngine(ZERO2_DP1), 5, {"step": 5})
     assert sorted(p.name for p in new.folder.glob("*step*")) == ["step00000004", "step00000005"]
+
+
+def test_a_zero3_universal_copy_gets_what_the_zero12_loader_reads(tmp_path: Path) -> None:
+    """ds_to_universal from ZeRO-3 writes the Adam step into the global optimizer state and no
+    `ds_version`; the ZeRO 1-2 loader reads the step per parameter and asserts the version. The
+    global state, memory-mapped and holding the fp32 weights, is rewritten through a new file."""
+    import torch
+
+    zero = tmp_path / "zero"
+    (zero / "lm_head.weight").mkdir(parents=True)
+    torch.save({"param": torch.ones(3)}, zero / "lm_head.weight" / "fp32.pt")
+    step = torch.tensor(6.0)
+    torch.save({"optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": [{"lr": 1.0}]},
+                "param_groups": [{"lr": 1.0}], "fp32_flat_groups": [torch.arange(4096.0)]},
+               zero / "optimizer_state.pt")  # fmt: skip
+    reshard._optimizer_state_for_every_stage(zero)
+    state = torch.load(zero / "optimizer_state.pt", weights_only=False)
+    assert state["ds_version"] and torch.equal(state["fp32_flat_groups"][0], torch.arange(4096.0))
+    assert torch.equal(torch.load(zero / "lm_head.weight" / "step.pt"), step)
+    assert sorted(p.name for p in zero.iterdir()) == ["lm_head.weight", "optimizer_state.pt"]

@@ -29,7 +29,7 @@ from stagetrain.planning.derived import vocab_padding
 from stagetrain.prepare_tokenizer import prepare
 from stagetrain.settings import training_settings
 from stagetrain.training.integrity import load_file, weights_only_loads
-from stagetrain.training.launch import job_spec
+from stagetrain.training.launch import job_spec, torchrun_command
 
 from .configs import merge, named_config
 from .planning import cpu_hardware, plan_for
@@ -69,8 +69,8 @@ def torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> Any
     """`module --spec spec` on `world` CPU ranks of one thread each: a CompletedProcess (not
     checked), or a Popen if `popen`."""
     build_comm_op()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           "-m", module, "--spec", str(spec)]  # fmt: skip
+    cmd = torchrun_command(nodes=1, procs_per_node=world, module=module, args=["--spec", str(spec)],
+                           allocation=None)  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if popen:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -58,15 +58,24 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
 
 def kill_after_checkpoint(workdir: Path, stage: str, step: int, *targets: str) -> None:
     """Start Snakemake on `targets`, SIGKILL it and every process under it once `stage` has a
-    complete checkpoint at or past `step`, and wait for it to die."""
+    complete checkpoint at or past `step`, and wait for it to die. Fails the test, with the
+    stage's log, if Snakemake ends or 300 s pass first."""
     proc = subprocess.Popen([SNAKEMAKE, "--cores", "2", *targets], cwd=workdir, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     pointer = workdir / f"results/tiny/checkpoints/{stage}"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not any(
-        json.loads(p.read_text())["step"] >= step for p in pointer.glob("*/latest.json")
-    ):
+
+    def reached() -> bool:
+        return any(json.loads(p.read_text())["step"] >= step for p in pointer.glob("*/latest.json"))
+
+    while time.monotonic() < deadline and proc.poll() is None and not reached():
         time.sleep(0.2)
+    if not reached():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the ranks follow (PR_SET_PDEATHSIG)
+        log = workdir / f"results/tiny/logs/{stage}.log"
+        pytest.fail(f"{stage} never saved step {step} (snakemake exit {proc.wait()}):\n"
+                    f"{log.read_text()[-4000:] if log.exists() else 'no log'}")  # fmt: skip
     victims = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
     for pid in victims:  # torchrun starts its ranks in sessions of their own: kill each one
         with contextlib.suppress(ProcessLookupError):

@@ -192,6 +192,7 @@ def loop(run: Run) -> dict[str, Any]:
         except StageError as err:
             raise StageError(f"{run.loop.checkpoints.folder / stage.resumed_tag}: {err}") from None
         log.info("curriculum levels at step %d: %s", stage.start, _levels(curriculum.levels()))
+    run.eval_windows = stage.eval_set(run.eval_windows, client)
     prompts_log = stage.debug_log("prompts.jsonl", PROMPT_RECORD)  # pretrain's window log's twin
     began = time.monotonic()
     if stage.start == 0 and stage.metrics:

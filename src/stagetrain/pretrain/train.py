@@ -190,7 +190,8 @@ def record(
 def loop(run: Run) -> dict[str, Any]:
     """Train from the latest checkpoint (or step 0) to the configured steps; return the summary."""
     cfg, stage = run.cfg, run.loop
-    stage.resume(METRICS)
+    client = stage.resume(METRICS)
+    run.eval_windows = stage.eval_set(run.eval_windows, client)
     windows = stage.debug_log("windows.jsonl", WINDOW_RECORD)
     progress, began = Progress(cfg.steps, stage.start), time.monotonic()
     tokens_per_step = run.layout.global_batch * cfg.seq_len

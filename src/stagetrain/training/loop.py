@@ -44,6 +44,8 @@ class StageLoop:
         self.engine, self.checkpoints = engine, checkpoints
         self.start = 0
         self.resumed_tag: str | None = None
+        self.resumed_layout: dict[str, int] | None = None
+        self.eval_windows: np.ndarray | None = None
         self.metrics: MetricsLog | None = None
 
     def resume(self, registry: dict[str, str]) -> dict[str, Any] | None:
@@ -57,6 +59,7 @@ class StageLoop:
         if pointer:
             client = self.checkpoints.load(self.engine, pointer)
             self.start, self.resumed_tag = client["step"], pointer["tag"]
+            self.resumed_layout = pointer["layout"]
             log.info("resuming from %s at step %d", pointer["tag"], self.start)
         elif dist.get_rank() == 0 and (why := self.checkpoints.why_fresh()):
             log.info(why)
@@ -69,6 +72,22 @@ class StageLoop:
                 self.spec.get("wandb"),
             )
         return client
+
+    def eval_set(self, windows: np.ndarray, client: Mapping[str, Any] | None) -> np.ndarray:
+        """The run's validation windows: `windows` (this layout's: their count follows the micro
+        batch), or after a resume those the checkpoint recorded, unless `eval_batches` changed.
+
+        Fixed at the run's start, so that eval losses before and after a resume under another
+        layout compare, and consolidation verifies on the windows the last one was measured on.
+        """
+        if (
+            client
+            and client.get("eval_batches") == self.cfg.eval_batches
+            and "eval_windows" in client
+        ):
+            windows = np.arange(client["eval_windows"])
+        self.eval_windows = windows
+        return windows
 
     def debug_log(self, name: str, registry: dict[str, str]) -> MetricsLog | None:
         """Rank 0's `name` log beside metrics.jsonl when the WINDOW_LOG debug option is on (after
@@ -91,6 +110,9 @@ class StageLoop:
     def checkpoint(self, step: int, client_state: Mapping[str, Any]) -> None:
         """Save every `checkpoint_every` steps and at the last (all ranks take part)."""
         if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+            if self.eval_windows is not None:
+                client_state = {**client_state, "eval_windows": len(self.eval_windows),
+                                "eval_batches": self.cfg.eval_batches}  # fmt: skip
             self.checkpoints.save(self.engine, step, client_state)
 
     def records(self) -> list[dict[str, Any]]:
@@ -101,12 +123,18 @@ class StageLoop:
     def summary(
         self, result: Mapping[str, Any], *, layout: Layout, windows: np.ndarray
     ) -> dict[str, Any]:
-        """The summary keys every training stage writes: where its final checkpoint is, and
-        the validation windows its last loss was measured on (what consolidation re-checks)."""
+        """The summary keys every training stage writes: where its final checkpoint is and its
+        layout, and the validation windows its last loss was measured on (what consolidation
+        re-checks)."""
+        saved, written = layout.to_json(), self.resumed_layout
+        if self.start == result["final_step"] and written and written != layout.checkpoint_layout:
+            # Resumed at the last step under another layout, nothing trained: the final
+            # checkpoint is still in the layout it was written in, which consolidation reads.
+            saved |= {**written, "world": written["dp"] * written["tp"]}
         return {
             "stage": self.stage,
             **result,
-            "layout": layout.to_json(),
+            "layout": saved,
             "fingerprint": self.checkpoints.folder.name,
             "checkpoint": {
                 "folder": str(self.checkpoints.folder),

@@ -105,6 +105,7 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
         _ds_to_universal(folder / tag, work / tag)
         _model_states_for_every_stage(work / tag, folder / tag)
         _optimizer_state_for_every_stage(work / tag / "zero")
+        _param_files_for_every_stage(work / tag)
     except StageError:  # a converted file that does not read back: named already
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -178,8 +179,11 @@ def _optimizer_state_for_every_stage(zero: Path) -> None:
     parameter (`<param>/step.pt`), ZeRO-3 in the global `optimizer_state.pt`
     (`optimizer_state_dict.state[0].step`, with its `param_groups`). Without
     this a ZeRO-3 -> ZeRO-2 resume would restart Adam's bias correction at
-    step 0, and ZeRO-2 -> ZeRO-3 fails on the missing key.
+    step 0, and ZeRO-2 -> ZeRO-3 fails on the missing key. Likewise the ZeRO 1-2
+    loader asserts the global state's `ds_version`, which ZeRO-3's lacks (the
+    version that wrote the source: this install's, as the conversion just read it).
     """
+    import deepspeed
     import torch
 
     path = zero / "optimizer_state.pt"
@@ -192,15 +196,51 @@ def _optimizer_state_for_every_stage(zero: Path) -> None:
         step = load_file(steps[0])
     else:
         raise KeyError("no optimizer step in the converted checkpoint")
-    if inner is None:
-        state["optimizer_state_dict"] = {
-            "state": {0: {"step": step}},
-            "param_groups": state["param_groups"],
-        }
-        torch.save(state, path)
+    if inner is None or "ds_version" not in state:
+        state.setdefault("ds_version", deepspeed.__version__)
+        state.setdefault(
+            "optimizer_state_dict",
+            {"state": {0: {"step": step}}, "param_groups": state["param_groups"]},
+        )
+        # `state` is memory-mapped from `path` (ZeRO-3's holds the fp32 weights): saving over
+        # it in place would truncate the pages being read (SIGBUS); a new file, then rename.
+        torch.save(state, path.with_name(path.name + ".new"))
+        os.replace(path.with_name(path.name + ".new"), path)
     for folder in (p.parent for p in zero.glob("*/fp32.pt")):
         if not (folder / "step.pt").exists():
             torch.save(step, folder / "step.pt")
+
+
+def _param_files_for_every_stage(folder: Path) -> None:
+    """Give a universal copy made from ZeRO-3 the per-parameter files the ZeRO 1-2 loader reads.
+
+    From ZeRO-3, ds_to_universal writes each parameter's states (`fp32.pt`, the
+    Adam moments) as bare flat tensors, and only under the name of a tied
+    parameter's owner; the ZeRO 1-2 loader takes each file as {"param": tensor
+    of the parameter's shape, "cat_dim": ...} and looks for a folder under every
+    name (it fails on an IndexError otherwise). The ZeRO-3 loader reads both
+    forms, so the copy stays one for every target. Shapes and tied names come
+    from the model-states file; files are rewritten through a new file (the old
+    one is memory-mapped while it is read).
+    """
+    import torch
+
+    states = load_file(next(folder.glob("*model_states.pt")))
+    shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
+    zero = folder / "zero"
+    for name, shape in shapes.items():
+        for path in sorted((zero / name).glob("*.pt")):
+            value = load_file(path)
+            if path.name != "step.pt" and isinstance(value, torch.Tensor):
+                torch.save(
+                    {"param": value.view(shape), "cat_dim": 0}, path.with_name(path.name + ".new")
+                )
+                os.replace(path.with_name(path.name + ".new"), path)
+    for alias, owner in states.get("shared_params", {}).items():
+        if (zero / owner).is_dir() and not (zero / alias).exists():
+            shutil.copytree(
+                zero / owner, zero / alias, copy_function=lambda a, b: _link(Path(a), Path(b))
+            )
 
 
 def check_universal(folder: Path) -> None:
