@@ -244,6 +244,7 @@ def test_the_whole_pipeline_on_two_slurm_nodes_survives_losing_one(
     assert error and "on node node2 was killed by SIGKILL" in error.group(1), out[-4000:]
     assert "results/tiny/logs/pretrain.log" in out
     assert re.search(r"results/slurm_logs/rule_pretrain/\d+\.log", out)
+    the_first_run_was_on_both_nodes(run_dir)
     before = slurm_jobs(workdir)
     tokenizer_written = (run_dir / "data/train.bin").stat().st_mtime_ns
 
@@ -261,6 +262,19 @@ def test_the_whole_pipeline_on_two_slurm_nodes_survives_losing_one(
     assert node_state("node2") == "idle"
     the_rerun_resumed_on_one_node(workdir, before, after)
     assert (run_dir / "data/train.bin").stat().st_mtime_ns == tokenizer_written
+
+
+def the_first_run_was_on_both_nodes(run_dir: Path) -> None:
+    """Before the loss: detection inside a two-node allocation, a two-rank plan, and pretraining
+    started as one srun step of one torchrun per node meeting on node1."""
+    hardware = json.loads((run_dir / "hardware.json").read_text())
+    assert (hardware["nodes"], hardware["nodes_source"]) == (2, "slurm")
+    assert hardware["slurm"]["job_id"] and hardware["slurm"]["nodelist"] == "node1,node2"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert (plan["nodes"], plan["ranks_per_node"], plan["world"]) == (2, 1, 2)
+    assert re.search(r"launch: srun --nodes 2 --ntasks 2 --ntasks-per-node 1 .*torch\.distributed\.run "
+                     r"--nnodes 2 --nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint node1:",
+                     launch_line(run_dir, "pretrain"))  # fmt: skip
 
 
 def the_rerun_resumed_on_one_node(
