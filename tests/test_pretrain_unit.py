@@ -186,3 +186,46 @@ def test_the_collective_timeout_is_bounded_and_checked() -> None:
         StageError, match="STAGETRAIN_COLLECTIVE_TIMEOUT_S: expected a whole number"
     ):
         collective_timeout({"STAGETRAIN_COLLECTIVE_TIMEOUT_S": "1.5"})
+
+
+PEER = """
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from stagetrain.training.engine import bound_every_group
+bound_every_group(timedelta(seconds=3))
+dist.init_process_group("gloo", timeout=timedelta(seconds=3))
+group = dist.new_group([0, 1])  # as DeepSpeed makes its gradient-reduction group: no timeout
+if dist.get_rank() == 1:
+    time.sleep(60)  # alive, connections open, never reduces: a peer behind a dead link
+else:
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+    except RuntimeError:
+        print(f"gave up after {time.monotonic() - began:.1f} s", flush=True)
+"""
+
+
+def test_a_group_made_after_the_world_times_out_as_the_world_does(tmp_path: Path) -> None:
+    """Two gloo processes: rank 1 never joins rank 0's all-reduce on a group made without a
+    timeout (DeepSpeed's kind); rank 0 gives up after the collective timeout (3 s here), not
+    torch's 30-minute default (without `bound_every_group` it waited until rank 1 exited)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", PEER], env={**env, "RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for r in (0, 1)]  # fmt: skip
+    try:
+        out = procs[0].communicate(timeout=50)[0]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    seconds = float(out.split("gave up after ")[1].split()[0])
+    assert 2.5 < seconds < 20, out

@@ -67,6 +67,22 @@ def collective_timeout(env: Mapping[str, str]) -> timedelta:
     return timedelta(seconds=int(raw))
 
 
+def bound_every_group(timeout: timedelta) -> None:
+    """Make `timeout` the default of every process group made after this, not only the world's.
+
+    DeepSpeed reduces gradients on groups of its own (`torch.distributed.new_group`, no
+    timeout given), which take torch's module default, 30 minutes, not the timeout the world
+    was started with: with a link down, a rank waited in the gradient all-reduce past any
+    bound of ours. torch has no public setter; these two module defaults are what `new_group`
+    reads (`distributed_c10d._get_default_timeout`).
+    """
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    if isinstance(distributed_c10d.default_pg_nccl_timeout, timedelta):
+        distributed_c10d.default_pg_nccl_timeout = timeout
+
+
 def join_world(spec: Mapping[str, Any]) -> tuple[dict, dict, dict, torch.device]:
     """Start this rank's process group and check the world against the plan.
 
@@ -74,7 +90,9 @@ def join_world(spec: Mapping[str, Any]) -> tuple[dict, dict, dict, torch.device]
     the same start for every training stage.
     """
     plan, meta, ds_config = (read_json(spec[key]) for key in ("plan", "meta", "deepspeed_config"))
-    deepspeed.init_distributed(dist_backend=plan["backend"], timeout=collective_timeout(os.environ))
+    timeout = collective_timeout(os.environ)
+    bound_every_group(timeout)
+    deepspeed.init_distributed(dist_backend=plan["backend"], timeout=timeout)
     world = torch.distributed.get_world_size()
     if world != plan["world"]:
         raise StageError(f"plan.json: world size {plan['world']}, but {world} processes started")
