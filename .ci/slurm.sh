@@ -40,9 +40,18 @@ skip() { echo "slurm.sh: cannot start Slurm here: $*"; exit 3; }
 # linger as one here until the container's init reaps it).
 alive() { [[ -r /proc/$1/stat ]] && [[ $(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null) != Z ]]; }
 
+# Whether a process belongs to another Slurm on this machine (.ci/hosts.sh's
+# two-node cluster runs its daemons with SLURM_CONF set and munged on a socket
+# of its own); this one's never set either.
+foreign() {
+    tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -q '^SLURM_CONF=' ||
+        tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -q -- '--socket='
+}
+
 # Live pids of a daemon: the one in its pid file if that is alive and is the
 # named program (a stale file after a crash or a restored snapshot can name a
-# reused pid), else every live process with exactly that name.
+# reused pid), else every live process with exactly that name that is not
+# another Slurm's.
 daemon_pids() {
     local file=$1 name=$2 pid
     if [[ -r $file ]]; then
@@ -53,7 +62,7 @@ daemon_pids() {
         fi
     fi
     for pid in $(pgrep -x "$name"); do
-        if alive "$pid"; then echo "$pid"; fi
+        if alive "$pid" && ! foreign "$pid"; then echo "$pid"; fi
     done
 }
 
