@@ -30,11 +30,15 @@ def test_the_standard_error_is_the_binomial_one_and_the_default_size_meets_the_t
 
 
 def test_gains_per_family_and_level_and_their_mean_at_one_level() -> None:
-    start = {"comparison": {1: (0.30, 200), 2: (0.10, 200)}, "counting": {1: (0.80, 100)}}
-    end = {"comparison": {1: (0.60, 200), 2: (0.10, 200)}, "counting": {1: (0.70, 100)}}
+    start = {
+        "comparison": {1: (0.3, 200, 190), 2: (0.1, 200, 200)},
+        "counting": {1: (0.8, 100, 16)},
+    }
+    end = {"comparison": {1: (0.6, 200, 190), 2: (0.1, 200, 200)}, "counting": {1: (0.7, 100, 16)}}
     report = gains(start, end, level=1)
     cmp1 = report["by_family"]["comparison"]["1"]
     assert cmp1["gain"] == pytest.approx(0.30) and cmp1["problems"] == 200
+    assert cmp1["distinct"] == 190 and report["by_family"]["counting"]["1"]["distinct"] == 16
     assert cmp1["se"] == pytest.approx(math.sqrt(0.3 * 0.7 / 200 + 0.6 * 0.4 / 200))
     assert report["by_family"]["comparison"]["2"]["gain"] == pytest.approx(0.0)
     mean = report["mean"]
@@ -56,6 +60,8 @@ def test_the_grpo_summary_reads_each_familys_level_and_size_from_the_held_out_se
     assert all(
         e["problems"] == 10 for levels in report["by_family"].values() for e in levels.values()
     )
+    distinct = {f: len({p.key for p in eval_set if p.family == f}) for f in families}
+    assert {f: levels["1"]["distinct"] for f, levels in report["by_family"].items()} == distinct
     assert report["mean"]["gain"] == pytest.approx(0.2)
     assert held_out_gain(eval_set, None, end, level=1) is None
 
@@ -89,6 +95,7 @@ def test_evaluate_writes_the_gain_against_a_baseline_as_json(
     doc = json.loads(out.read_text())
     assert doc["problems"] == 6 and doc["baseline"] == str(model_folder)
     acc = doc["accuracy"]["comparison"]["1"]
+    assert acc["problems"] == 6 and 1 <= acc["distinct"] <= 6
     assert acc["se"] == pytest.approx(standard_error(acc["accuracy"], 6))
     entry = doc["gain"]["by_family"]["comparison"]["1"]
     assert entry["gain"] == 0.0 and entry["se"] == pytest.approx(math.sqrt(2) * acc["se"])

@@ -26,10 +26,11 @@ from stagetrain.io import atomic_write_json
 from stagetrain.tasks import FAMILIES, problems
 from stagetrain.training.evaluation import greedy_scores
 
+Scores = dict[tuple[str, int], tuple[float, int, int]]
+"""(family, level) -> (accuracy, problems scored, distinct problems among them)."""
 
-def accuracy(
-    folder: str, families: list[str], levels: list[int], n: int, seed: int
-) -> dict[tuple[str, int], float]:
+
+def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: int) -> Scores:
     """Accuracy by (family, level) on `n` held-out problems each."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -41,28 +42,23 @@ def accuracy(
                 scores = greedy_scores(
                     model, tokenizer, batch, max_prompt_len=64, max_new_tokens=32, chunk_size=64
                 )
-                out[(family, level)] = sum(scores) / len(scores)
+                out[(family, level)] = (sum(scores) / len(scores), n, len({p.key for p in batch}))
     return out
 
 
-def report(
-    results: dict[tuple[str, int], float],
-    baseline: dict[tuple[str, int], float] | None,
-    n: int,
-    level: int,
-) -> dict[str, Any]:
+def report(results: Scores, baseline: Scores | None, n: int, level: int) -> dict[str, Any]:
     """The --json document: accuracy (and the baseline's) by family and level, and the gain."""
 
-    def nested(values: dict[tuple[str, int], float]) -> dict[str, dict[str, dict[str, Any]]]:
+    def nested(values: Scores) -> dict[str, dict[str, dict[str, Any]]]:
         out: dict[str, dict[str, dict[str, Any]]] = {}
         for (family, lv), value in values.items():
-            out.setdefault(family, {})[str(lv)] = accuracy_entry(value, n)
+            out.setdefault(family, {})[str(lv)] = accuracy_entry(*value)
         return out
 
-    def measured(values: dict[tuple[str, int], float]) -> dict[str, dict[int, tuple[float, int]]]:
-        out: dict[str, dict[int, tuple[float, int]]] = {}
+    def measured(values: Scores) -> dict[str, dict[int, tuple[float, int, int]]]:
+        out: dict[str, dict[int, tuple[float, int, int]]] = {}
         for (family, lv), value in values.items():
-            out.setdefault(family, {})[lv] = (value, n)
+            out.setdefault(family, {})[lv] = value
         return out
 
     doc: dict[str, Any] = {"problems": n, "accuracy": nested(results)}

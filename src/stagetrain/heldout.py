@@ -10,7 +10,14 @@ chance, so the paired error is smaller: the figure reported is an upper bound,
 never an understatement. The headline figure is the mean gain over families at
 one level, whose error is sqrt(sum of the families' se^2) / families.
 
-Everything here is pure arithmetic on {family: {level: (accuracy, problems)}}.
+The problems are drawn with replacement from a level's held-out pool, so the se
+is that of the pool's accuracy. A small pool repeats: counting level 1 has 16
+held-out problems in all, so 288 draws of it hold at most 16 distinct ones. Every
+entry therefore also counts its `distinct` problems; where that is far below
+`problems`, the se understates how much the figure would move on other problems
+of the family.
+
+Everything here is pure arithmetic on {family: {level: (accuracy, problems, distinct)}}.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ from typing import Any
 TARGET_SE = 0.03
 """The standard error an accuracy of one family and level should not exceed."""
 
-Measured = Mapping[str, Mapping[int, tuple[float, int]]]
-"""{family: {level: (accuracy, problems scored)}}."""
+Measured = Mapping[str, Mapping[int, tuple[float, int, int]]]
+"""{family: {level: (accuracy, problems scored, distinct problems among them)}}."""
 
 
 def standard_error(accuracy: float, problems: int) -> float:
@@ -41,16 +48,18 @@ def problems_for(se: float = TARGET_SE) -> int:
     return math.ceil(0.25 / se**2)
 
 
-def accuracy_entry(accuracy: float, problems: int) -> dict[str, Any]:
-    """{accuracy, se, problems} of one family and level."""
-    return {"accuracy": accuracy, "se": standard_error(accuracy, problems), "problems": problems}
+def accuracy_entry(accuracy: float, problems: int, distinct: int) -> dict[str, Any]:
+    """{accuracy, se, problems, distinct} of one family and level."""
+    se = standard_error(accuracy, problems)
+    return {"accuracy": accuracy, "se": se, "problems": problems, "distinct": distinct}
 
 
-def gain_entry(start: tuple[float, int], end: tuple[float, int]) -> dict[str, Any]:
-    """{start, end, gain, se, problems} of one family and level, from two (accuracy, problems)."""
-    se = math.hypot(standard_error(*start), standard_error(*end))
+def gain_entry(start: tuple[float, int, int], end: tuple[float, int, int]) -> dict[str, Any]:
+    """{start, end, gain, se, problems, distinct} of one family and level, from two
+    (accuracy, problems, distinct)."""
+    se = math.hypot(standard_error(*start[:2]), standard_error(*end[:2]))
     return {"start": start[0], "end": end[0], "gain": end[0] - start[0], "se": se,
-            "problems": min(start[1], end[1])}  # fmt: skip
+            "problems": min(start[1], end[1]), "distinct": min(start[2], end[2])}  # fmt: skip
 
 
 def gains(start: Measured, end: Measured, level: int = 1) -> dict[str, Any]:

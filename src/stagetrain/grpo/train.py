@@ -268,14 +268,14 @@ def held_out_gain(
     start measurement (a metrics file that lost its step-0 record)."""
     if start is None:
         return None
-    sizes: dict[str, dict[int, int]] = {}
+    keys: dict[str, dict[int, list[str]]] = {}
     for p in eval_set:
-        sizes.setdefault(p.family, {}).setdefault(p.level, 0)
-        sizes[p.family][p.level] += 1
+        keys.setdefault(p.family, {}).setdefault(p.level, []).append(p.key)
 
-    def measured(accuracy: dict[str, float]) -> dict[str, dict[int, tuple[float, int]]]:
+    def measured(accuracy: dict[str, float]) -> dict[str, dict[int, tuple[float, int, int]]]:
         return {
-            f: {lv: (accuracy[f], n) for lv, n in by_level.items()} for f, by_level in sizes.items()
+            f: {lv: (accuracy[f], len(k), len(set(k))) for lv, k in by_level.items()}
+            for f, by_level in keys.items()
         }
 
     return gains(measured(start), measured(end), level=level)
