@@ -29,6 +29,7 @@ from stagetrain.grpo import steps as grpo_steps
 from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
 from stagetrain.grpo.tree import TreeConfig
+from stagetrain.heldout import gains
 from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import GrpoSettings
@@ -249,10 +250,33 @@ def summarise(
         "levels": {r["step"]: r["curriculum/level"] for r in trained},
         "accuracy": {"start": records[0].get("eval/accuracy"), "start_by_family": records[0].get("eval/accuracy_by_family"),
                      "end": float(np.mean(list(final_accuracy.values()))),
-                     "end_by_family": final_accuracy},
+                     "end_by_family": final_accuracy,
+                     "gain": held_out_gain(run.eval_set, records[0].get("eval/accuracy_by_family"), final_accuracy,
+                                           level=run.curriculum.start_level)},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
         "dtypes": engines.dtypes(run.engine),
     }  # fmt: skip
+
+
+def held_out_gain(
+    eval_set: list[Problem], start: dict[str, float] | None, end: dict[str, float], *, level: int
+) -> dict[str, Any] | None:
+    """The summary's gain report (stagetrain.heldout.gains) from per-family accuracies on the
+    fixed held-out set, whose problems give each family's level and count; None without a
+    start measurement (a metrics file that lost its step-0 record)."""
+    if start is None:
+        return None
+    keys: dict[str, dict[int, list[str]]] = {}
+    for p in eval_set:
+        keys.setdefault(p.family, {}).setdefault(p.level, []).append(p.key)
+
+    def measured(accuracy: dict[str, float]) -> dict[str, dict[int, tuple[float, int, int]]]:
+        return {
+            f: {lv: (accuracy[f], len(k), len(set(k))) for lv, k in by_level.items()}
+            for f, by_level in keys.items()
+        }
+
+    return gains(measured(start), measured(end), level=level)
 
 
 def rank(spec: dict[str, Any]) -> None:

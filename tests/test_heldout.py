@@ -1,0 +1,119 @@
+"""Held-out gains with standard errors: the arithmetic, GRPO's summary report and the evaluate CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from harness.workflow import default_config
+from transformers import AutoModelForCausalLM
+
+from stagetrain import evaluate
+from stagetrain.grpo.train import held_out_gain
+from stagetrain.heldout import TARGET_SE, gains, problems_for, standard_error
+from stagetrain.model_config import build_config
+from stagetrain.tasks import problems, training_text
+from stagetrain.tokenizer import save, train_bpe
+
+
+def test_the_standard_error_is_the_binomial_one_and_the_default_size_meets_the_target() -> None:
+    assert standard_error(0.5, 100) == pytest.approx(0.05)
+    assert standard_error(0.0, 10) == 0.0
+    n = problems_for()
+    assert n == 278  # 0.25 / 0.03^2 = 277.8
+    assert standard_error(0.5, n) <= TARGET_SE < standard_error(0.5, n - 1)
+    with pytest.raises(ValueError, match="on 0"):
+        standard_error(0.5, 0)
+
+
+def test_gains_per_family_and_level_and_their_mean_at_one_level() -> None:
+    start = {
+        "comparison": {1: (0.3, 200, 190), 2: (0.1, 200, 200)},
+        "counting": {1: (0.8, 100, 16)},
+    }
+    end = {"comparison": {1: (0.6, 200, 190), 2: (0.1, 200, 200)}, "counting": {1: (0.7, 100, 16)}}
+    report = gains(start, end, level=1)
+    cmp1 = report["by_family"]["comparison"]["1"]
+    assert cmp1["gain"] == pytest.approx(0.30) and cmp1["problems"] == 200
+    assert cmp1["distinct"] == 190 and report["by_family"]["counting"]["1"]["distinct"] == 16
+    assert cmp1["se"] == pytest.approx(math.sqrt(0.3 * 0.7 / 200 + 0.6 * 0.4 / 200))
+    assert report["by_family"]["comparison"]["2"]["gain"] == pytest.approx(0.0)
+    mean = report["mean"]
+    assert mean["families"] == ["comparison", "counting"] and mean["level"] == 1
+    assert mean["gain"] == pytest.approx((0.30 - 0.10) / 2)
+    se_counting = math.sqrt(0.8 * 0.2 / 100 + 0.7 * 0.3 / 100)
+    assert mean["se"] == pytest.approx(math.hypot(cmp1["se"], se_counting) / 2)
+    assert gains(start, end, level=3)["mean"] is None  # no family measured there
+
+
+def test_the_grpo_summary_reads_each_familys_level_and_size_from_the_held_out_set() -> None:
+    families = default_config()["grpo"]["curriculum"]["families"]
+    eval_set = [p for f in families for p in problems([f], [1], "test", 10, seed=1)]
+    start = dict.fromkeys(families, 0.5)
+    end = dict.fromkeys(families, 0.7)
+    report = held_out_gain(eval_set, start, end, level=1)
+    assert set(report["by_family"]) == set(families)
+    assert all(set(levels) == {"1"} for levels in report["by_family"].values())
+    assert all(
+        e["problems"] == 10 for levels in report["by_family"].values() for e in levels.values()
+    )
+    distinct = {f: len({p.key for p in eval_set if p.family == f}) for f in families}
+    assert {f: levels["1"]["distinct"] for f, levels in report["by_family"].items()} == distinct
+    assert report["mean"]["gain"] == pytest.approx(0.2)
+    assert held_out_gain(eval_set, None, end, level=1) is None
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real, tiny, untrained model folder with a BPE trained on task problems."""
+    folder = tmp_path_factory.mktemp("model") / "model"
+    texts = [
+        training_text(p) for p in problems(["comparison", "counting"], [1, 2], "train", 300, seed=3)
+    ]
+    tokenizer = train_bpe(texts, 300)
+    save(tokenizer, folder)
+    shape = {
+        **default_config()["model"],
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_layers": 1,
+    }
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_config(shape, len(tokenizer))).save_pretrained(folder)
+    return folder
+
+
+def test_evaluate_writes_the_gain_against_a_baseline_as_json(
+    model_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "gain.json"
+    evaluate.main([str(model_folder), "--baseline", str(model_folder), "--families", "comparison",
+                   "counting", "--levels", "1", "--problems", "6", "--json", str(out)])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["problems"] == 6 and doc["baseline"] == str(model_folder)
+    acc = doc["accuracy"]["comparison"]["1"]
+    assert acc["problems"] == 6 and 1 <= acc["distinct"] <= 6
+    assert acc["se"] == pytest.approx(standard_error(acc["accuracy"], 6))
+    entry = doc["gain"]["by_family"]["comparison"]["1"]
+    assert entry["gain"] == 0.0 and entry["se"] == pytest.approx(math.sqrt(2) * acc["se"])
+    assert doc["gain"]["mean"]["families"] == ["comparison", "counting"]
+    assert "mean gain at level 1 over comparison, counting: +0.000" in capsys.readouterr().out
+
+
+def test_evaluate_without_a_baseline_ends_each_line_with_the_accuracy(
+    model_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    evaluate.main(
+        [str(model_folder), "--families", "comparison", "--levels", "1", "2", "--problems", "4"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1].split()[:2] == ["comparison", "1"]
+    assert 0.0 <= float(lines[1].split()[-1]) <= 1.0
+
+
+def test_evaluate_refuses_a_size_of_zero(model_folder: Path) -> None:
+    with pytest.raises(SystemExit, match="--problems: expected a positive number"):
+        evaluate.main([str(model_folder), "--problems", "0"])
