@@ -51,19 +51,22 @@ class RowSampler(LogitsProcessor):
     def __init__(self, temperature: float, top_p: float, seeds: Sequence[int]) -> None:
         self.temperature = temperature
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.seeds = list(seeds)
+        self.generators: list[torch.Generator] = []
         self.warped: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if len(self.seeds) != scores.shape[0]:
+            raise ValueError(f"{len(self.seeds)} seeds for {scores.shape[0]} rows")
         scores = scores.float() / self.temperature
         if self.top_p is not None:
             scores = self.top_p(input_ids, scores)
         self.warped.append(scores)
-        if len(self.generators) != scores.shape[0]:
-            raise ValueError(f"{len(self.generators)} seeds for {scores.shape[0]} rows")
-        uniform = torch.stack([torch.rand(scores.shape[1], generator=g) for g in self.generators])
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
-        return scores + gumbel.to(scores.device)
+        if not self.generators:  # on the logits' device: a GPU draws its own noise
+            self.generators = [torch.Generator(scores.device).manual_seed(s) for s in self.seeds]
+        uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device)
+                               for g in self.generators])  # fmt: skip
+        return scores - torch.log(-torch.log(uniform.clamp(min=1e-20)))
 
 
 def generate(
