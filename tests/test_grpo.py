@@ -199,7 +199,9 @@ def test_evaluation_script_reports_accuracy_per_family_and_level(
     _, model = start
     results = accuracy(model, ["comparison", "counting"], [1, 2], 4, seed=1)
     assert set(results) == {("comparison", 1), ("comparison", 2), ("counting", 1), ("counting", 2)}
-    assert all(0.0 <= v <= 1.0 for v in results.values())
+    assert all(
+        0.0 <= acc <= 1.0 and n == 4 and 1 <= distinct <= 4 for acc, n, distinct in results.values()
+    )
     main([model, "--families", "counting", "--levels", "1", "--problems", "4"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("family") and lines[1].split()[:2] == ["counting", "1"]
