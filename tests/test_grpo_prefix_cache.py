@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from harness.models import tiny_llama
+from transformers import LlamaForCausalLM
 
 from stagetrain.grpo.rollouts import Group, tree_groups
 from stagetrain.grpo.sampling import branch_cut
@@ -26,14 +27,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=0.5)  # fmt: skip
-    return LlamaForCausalLM(config).eval()
 
 
 def _groups(
@@ -57,7 +50,7 @@ def _trees(
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_trees_with_the_prefix_cache_generate_the_same_tokens(greedy: bool) -> None:
-    model = _model()
+    model = tiny_llama()
     cached = _trees(model, reuse_cache=True, greedy=greedy)
     assert cached == _trees(model, reuse_cache=False, greedy=greedy)
     assert all(len(leaves) >= 2 for leaves in cached)
@@ -65,7 +58,7 @@ def test_trees_with_the_prefix_cache_generate_the_same_tokens(greedy: bool) -> N
 
 
 def test_the_prefix_cache_feeds_each_round_only_new_positions() -> None:
-    model = _model()
+    model = tiny_llama()
     fed: dict[bool, list[int]] = {True: [], False: []}
     for reuse in (True, False):
         hook = model.model.register_forward_pre_hook(
@@ -83,7 +76,7 @@ def test_the_prefix_cache_feeds_each_round_only_new_positions() -> None:
 
 
 def test_entropy_branching_ends_segments_before_uncertain_tokens() -> None:
-    model = _model()
+    model = tiny_llama()
     fixed = _groups(model, reuse_cache=True, greedy=False)
     assert all(g.generated_tokens > g.nodes for g in fixed)  # segments of up to 3 tokens
     # Top-p leaves some steps a single token (no entropy): not every segment is one token long,

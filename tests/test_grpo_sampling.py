@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from harness.models import tiny_llama
+from transformers import LlamaForCausalLM
 
 from stagetrain.grpo.rollouts import flat_groups, tree_groups
 from stagetrain.grpo.sampling import RowSampler, stream_seed
@@ -40,14 +41,6 @@ def test_row_sampler_draws_from_the_tempered_top_p_distribution() -> None:
     assert torch.equal(sampler.warped[0][0, :3], logits[:3] / 0.7)  # what the entropy reads
 
 
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=0.5)  # fmt: skip
-    return LlamaForCausalLM(config).eval()
-
-
 def _flat(
     model: LlamaForCausalLM, which: list[int], max_batch: int, run: str = "run"
 ) -> list[list[list[int]]]:
@@ -73,7 +66,7 @@ def _trees(
 @pytest.mark.parametrize("rollouts", [_flat, _trees], ids=["flat", "tree"])
 def test_a_prompts_completions_depend_on_its_key_not_its_batch(rollouts) -> None:  # noqa: ANN001
     """Two ranks' shares, or one rank's whole batch, in calls of other sizes: the same samples."""
-    model = _model()
+    model = tiny_llama()
     together = rollouts(model, [0, 1, 2, 3], max_batch=16)
     assert rollouts(model, [0, 1], max_batch=4) + rollouts(model, [2, 3], max_batch=4) == together
     assert rollouts(model, [3], max_batch=16) == together[3:]
