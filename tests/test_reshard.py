@@ -112,3 +112,18 @@ def test_a_zero3_universal_copy_gets_what_the_zero12_loader_reads(tmp_path: Path
     assert state["ds_version"] and torch.equal(state["fp32_flat_groups"][0], torch.arange(4096.0))
     assert torch.equal(torch.load(zero / "lm_head.weight" / "step.pt"), step)
     assert sorted(p.name for p in zero.iterdir()) == ["lm_head.weight", "optimizer_state.pt"]
+
+
+def test_a_save_clears_what_a_killed_save_of_its_step_left(tmp_path: Path) -> None:
+    """A run killed while saving step 4 under one layout leaves a partial tag folder; the rerun,
+    under another layout, saves step 4 again: only its own files may be there (a leftover ZeRO-3
+    file beside tp=2 files broke the next conversion in the Snakemake drill)."""
+    ckpt = saved(tmp_path, [2], ZERO2)
+    stray = ckpt.folder / "step00000004" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    stray.parent.mkdir()
+    stray.write_bytes(b"half a file")
+    (ckpt.folder / "step00000004.universal").mkdir()
+    shrunk = Checkpoints(tmp_path, {"seed": 1}, ZERO2_DP1, keep=2)
+    shrunk.save(FakeEngine(ZERO2_DP1), 4, {"step": 4})
+    assert not stray.exists() and not (ckpt.folder / "step00000004.universal").exists()
+    assert shrunk.latest()["tag"] == "step00000004"

@@ -180,6 +180,14 @@ class Checkpoints:
     def save(self, engine: Any, step: int, client_state: Mapping[str, Any]) -> None:
         """Save on every rank, then (rank 0) point at it and drop checkpoints beyond `keep`."""
         tag = tag_of(step)
+        if self.rank == 0:
+            # What a save of this step killed halfway left (never pointed at): under another
+            # layout its files, of other names, would sit beside this save's and break the
+            # next conversion ("ZeRO file count 3 is not divisible by ... tp_degree=2").
+            for old in (self.folder / tag, self.folder / reshard.universal_tag(tag)):
+                shutil.rmtree(old, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
         if os.environ.get(KILL_DURING_SAVE) == f"{self.rank}:{step}":
             _die_in_first_file(engine)
         engine.save_checkpoint(
