@@ -244,7 +244,7 @@ def summarise(
     records = run.loop.records()
     trained = [r for r in records if "train/loss" in r]
     return {
-        **run.loop.summary(core, layout=run.layout, windows=run.eval_windows),
+        **run.loop.summary(core, layout=run.layout),
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
         "levels": {r["step"]: r["curriculum/level"] for r in trained},

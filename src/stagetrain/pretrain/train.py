@@ -243,7 +243,7 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
     mfus = [r["throughput/mfu(%)"] for r in records[1:] if r.get("throughput/mfu(%)") is not None]
     predicted = run.params["predicted_tokens_per_s"]
     return {
-        **run.loop.summary(result, layout=run.layout, windows=run.eval_windows),
+        **run.loop.summary(result, layout=run.layout),
         "final_loss": records[-1]["train/loss"],
         "final_eval_loss": [r["eval/loss"] for r in records if "eval/loss" in r][-1],
         "losses": {r["step"]: r["train/loss"] for r in records},

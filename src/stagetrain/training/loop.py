@@ -120,9 +120,7 @@ class StageLoop:
         text = (self.checkpoints.folder / "metrics.jsonl").read_text()
         return [json.loads(line) for line in text.splitlines()]
 
-    def summary(
-        self, result: Mapping[str, Any], *, layout: Layout, windows: np.ndarray
-    ) -> dict[str, Any]:
+    def summary(self, result: Mapping[str, Any], *, layout: Layout) -> dict[str, Any]:
         """The summary keys every training stage writes: where its final checkpoint is and its
         layout, and the validation windows its last loss was measured on (what consolidation
         re-checks)."""
@@ -142,7 +140,7 @@ class StageLoop:
             },
             "eval_batch": {
                 "shard": self.spec["val"],
-                "windows": windows.tolist(),
+                "windows": self.eval_windows.tolist(),  # eval_set's
                 "seq_len": layout.seq_len,
                 "micro_batch_size": layout.micro_batch_size,
             },
