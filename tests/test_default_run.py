@@ -8,8 +8,6 @@ measured (docs/benchmarks.md), so that they hold across such machines.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,13 +16,12 @@ from harness.workflow import snakemake
 pytestmark = pytest.mark.slow
 
 SIGMAS = 3
-"""How many standard errors of its own measurement the held-out gain must exceed where the
-curriculum promoted a family: the evaluation script's 278 problems per level give one se of
-0.03-0.04, so noise reaches 3 se about once in a thousand runs and a GRPO stage that learns
-nothing gains 0. Measured on seed 1234 (docs/benchmarks.md), counting at level 2, the level it
-was promoted to: +0.162 (se 0.040) in bf16, +0.201 (se 0.037) in fp32 (precision auto picks one
-by the CPU, so the bound must hold in both; comparison at level 1 gains +0.12 in bf16 but
-+0.025 in fp32, so it is not the family to hold)."""
+"""How many standard errors of its own measurement the held-out gain at level 1 must exceed. The
+summary measures 280 problems per family before and after, so one se is about 0.04; noise reaches
+3 se about once in a thousand runs, and a GRPO stage that learns nothing gains 0. Measured
+(docs/benchmarks.md): comparison at level 1 gained +0.23 to +0.50 in fp32 on three seeds and +0.26
+in bf16, 5.6 to 13.5 se; precision auto picks bf16 or fp32 by the CPU, so the bound must hold in
+both."""
 
 
 def _promoted(summary: dict) -> dict[str, int]:
@@ -40,21 +37,8 @@ def test_the_default_run_improves_on_held_out_problems_and_climbs_the_curriculum
     workdir: Path,
 ) -> None:
     snakemake(workdir, "all")
-    run = workdir / "results/tiny"
-    summary = json.loads((run / "grpo/summary.json").read_text())
-    promoted = _promoted(summary)
-    assert any(level >= 2 for level in promoted.values()), summary["curriculum"]
+    summary = json.loads((workdir / "results/tiny/grpo/summary.json").read_text())
+    assert any(level >= 2 for level in _promoted(summary).values()), summary["curriculum"]
     mean = summary["accuracy"]["gain"]["mean"]  # over the curriculum's families at level 1
-    assert mean["gain"] > -2 * mean["se"], mean
-
-    # On held-out problems of the level each promoted family reached, by the evaluation script.
-    report = workdir / "gain.json"
-    subprocess.run(
-        [sys.executable, "-m", "stagetrain.evaluate", str(run / "model/grpo"), "--baseline",
-         str(run / "model/pretrain"), "--families", *promoted, "--levels",
-         *map(str, sorted(set(promoted.values()))), "--json", str(report)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    gains = json.loads(report.read_text())["gain"]["by_family"]
-    at_promoted = {f: gains[f][str(level)] for f, level in promoted.items()}
-    assert any(g["gain"] > SIGMAS * g["se"] for g in at_promoted.values()), at_promoted
+    assert mean["level"] == 1 and mean["families"] == ["comparison"], mean
+    assert mean["gain"] > SIGMAS * mean["se"], summary["accuracy"]["gain"]
