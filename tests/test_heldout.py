@@ -117,3 +117,13 @@ def test_evaluate_without_a_baseline_ends_each_line_with_the_accuracy(
 def test_evaluate_refuses_a_size_of_zero(model_folder: Path) -> None:
     with pytest.raises(SystemExit, match="--problems: expected a positive number"):
         evaluate.main([str(model_folder), "--problems", "0"])
+
+
+def test_evaluate_refuses_a_path_that_is_not_a_model_folder(
+    model_folder: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "model/grpo"  # e.g. before the run that writes it
+    with pytest.raises(SystemExit, match=f"model: {missing} is not a model folder"):
+        evaluate.main([str(missing)])
+    with pytest.raises(SystemExit, match=f"--baseline: {tmp_path} is not a model folder"):
+        evaluate.main([str(model_folder), "--baseline", str(tmp_path)])

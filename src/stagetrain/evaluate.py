@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --families: unknown family {unknown[0]!r} (known: {', '.join(FAMILIES)})")
     if args.problems < 1:
         sys.exit(f"error: --problems: expected a positive number of problems, not {args.problems}")
+    for name, folder in (("model", args.model), ("--baseline", args.baseline)):
+        # transformers reads a path that is not a folder as a hub repo id, and fails deep inside.
+        if folder is not None and not (Path(folder) / "config.json").is_file():
+            sys.exit(f"error: {name}: {folder} is not a model folder (no config.json in it)")
     results = accuracy(args.model, args.families, args.levels, args.problems, args.seed)
     baseline = None
     if args.baseline:
