@@ -19,8 +19,8 @@ SIGMAS = 3
 """How many standard errors of its own measurement the held-out gain at level 1 must exceed. The
 summary measures 280 problems per family before and after, so one se is about 0.04; noise reaches
 3 se about once in a thousand runs, and a GRPO stage that learns nothing gains 0. Measured
-(docs/benchmarks.md): comparison at level 1 gained +0.23 to +0.50 in fp32 on three seeds and +0.26
-in bf16, 5.6 to 13.5 se; precision auto picks bf16 or fp32 by the CPU, so the bound must hold in
+(docs/benchmarks.md): comparison at level 1 gained +0.22 to +0.39 in fp32 on three seeds and +0.32
+in bf16, 5.4 to 10.2 se; precision auto picks bf16 or fp32 by the CPU, so the bound must hold in
 both."""
 
 
