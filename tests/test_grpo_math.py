@@ -634,3 +634,38 @@ def test_draw_picks_families_uniformly_then_levels_as_levels_for(tiny_family: st
 def test_bad_curriculum_config_names_the_key(changes: dict, key: str) -> None:
     with pytest.raises(StageError, match=rf"^grpo\.curriculum\.{key}: "):
         _cfg(**changes)
+
+
+def test_token_weights_scale_each_tokens_policy_gradient_and_not_its_kl() -> None:
+    """The sampler correction's weights multiply the clipped policy-gradient term of their token
+    only: weight 0 removes a token's pull, weight 2 doubles it, the KL term is left alone."""
+    torch.manual_seed(0)
+    logprobs = torch.randn(2, 3, requires_grad=True)
+    old, ref = logprobs.detach() + 0.01, logprobs.detach() - 0.2
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    weights = torch.tensor([[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]])
+    common = {"eps_low": 0.2, "eps_high": 0.28, "loss_type": "dapo"}
+
+    def grad(w: torch.Tensor | None, beta: float) -> torch.Tensor:
+        loss, _ = grpo_loss(logprobs, old, ref, adv, mask, beta=beta, token_weights=w, **common)
+        (g,) = torch.autograd.grad(loss, logprobs)
+        return g
+
+    plain, weighted = grad(None, 0.0), grad(weights, 0.0)
+    assert torch.allclose(weighted, plain * weights)
+    kl_only = grad(None, 0.5) - plain
+    assert torch.allclose(grad(weights, 0.5) - weighted, kl_only)
+
+
+def test_truncated_importance_is_the_capped_ratio_and_one_where_the_sampler_is_unknown() -> None:
+    from stagetrain.grpo.steps import gap_sums, truncated_importance
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    sampler = torch.tensor([[-1.0, -2.5, -2.0, float("nan")]])
+    w = truncated_importance(trainer, sampler, cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, math.exp(0.5), 2.0, 1.0]]))
+    total, top, k3, tokens = gap_sums(trainer, sampler, torch.tensor([[1.0, 1.0, 1.0, 1.0]]))
+    assert tokens == 3 and total == pytest.approx(2.0) and top == pytest.approx(1.5)
+    d = torch.tensor([0.0, 0.5, 1.5], dtype=torch.float64)
+    assert k3 == pytest.approx(float((d.exp() - 1 - d).sum()))
+    assert gap_sums(trainer, sampler, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))[3] == 0

@@ -13,6 +13,7 @@ from transformers import LlamaForCausalLM
 
 from stagetrain.grpo.rollouts import flat_groups, tree_groups
 from stagetrain.grpo.sampling import RowSampler, stream_seed
+from stagetrain.grpo.steps import token_logprobs
 from stagetrain.grpo.tree import TreeConfig
 
 PROMPTS = [[3, 4], [5, 6, 7, 8, 9], [8], [9, 10, 11]]
@@ -29,7 +30,7 @@ def _one_thread() -> Iterator[None]:
 def test_row_sampler_draws_from_the_tempered_top_p_distribution() -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, -3.0])
     rows = 4000
-    sampler = RowSampler(0.7, 0.95, [stream_seed("t", i) for i in range(rows)])
+    sampler = RowSampler(0.7, 0.95, [stream_seed("t", i) for i in range(rows)], keep_scores=True)
     drawn = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, 4)).argmax(-1)
     freq = torch.bincount(drawn, minlength=4).double() / rows
     # top-p 0.95 of softmax(logits / 0.7) keeps the first three tokens (99.7% of the mass)
@@ -39,6 +40,39 @@ def test_row_sampler_draws_from_the_tempered_top_p_distribution() -> None:
     assert freq[3] == 0
     assert ((freq[:3] - kept).abs() < 4 * se).all(), (freq, kept)
     assert torch.equal(sampler.warped[0][0, :3], logits[:3] / 0.7)  # what the entropy reads
+    # The log-prob it records of each draw is the drawn token's under that distribution.
+    assert torch.allclose(sampler.logprobs[0], kept.log()[drawn].float(), atol=1e-6)
+
+
+@pytest.mark.parametrize("rollout", ["flat", "tree"])
+def test_the_trainer_scores_the_tokens_as_the_sampler_drew_them(rollout: str) -> None:
+    """The loss's log-probs (grpo.steps.token_logprobs, the stage's own) of the sampled tokens
+    equal the sampler's at temperature 0.7 and top-p 0.9: the ratio and gradient are those of
+    the policy that sampled. Scoring raw logits (temperature 1, no nucleus) is off by far more."""
+    model = tiny_llama()
+    score = lambda i, c: float(sum(c) % 2)  # noqa: E731
+    common = {"keys": [("run", i) for i in range(len(PROMPTS))], "temperature": 0.7, "top_p": 0.9, "pad_id": 0}
+    with torch.no_grad():
+        if rollout == "flat":
+            groups = flat_groups(model, PROMPTS, score, group_size=4, max_new_tokens=8, eos_id=1,
+                                 max_batch=16, **common)  # fmt: skip
+        else:
+            cfg = TreeConfig(branching=2, segment_tokens=3, max_leaves=6, max_tokens=60,
+                             max_new_tokens=9, uct_c=1.0, eos_id=1)  # fmt: skip
+            groups = tree_groups(model, PROMPTS, score, cfg, max_batch=6, **common)
+        items = [(g.prompt, c) for g in groups for c in g.completions]
+        drawn = [lp for g in groups for lp in g.sampler_logprobs]
+        gaps = {}
+        for name, policy in {"sampler's": (0.7, 0.9), "raw": (1.0, 1.0)}.items():
+            logprobs, mask = token_logprobs(model, items, torch.device("cpu"), 0,
+                                            temperature=policy[0], top_p=policy[1])  # fmt: skip
+            trainer = [row[m.bool()].tolist() for row, m in zip(logprobs, mask, strict=True)]
+            gaps[name] = max(abs(a - b) for t, d in zip(trainer, drawn, strict=True)
+                             for a, b in zip(t, d, strict=True))  # fmt: skip
+    assert sum(map(len, drawn)) > 40 and all(map(len, drawn))
+    assert all(len(d) == len(c) for (_, c), d in zip(items, drawn, strict=True))
+    assert gaps["sampler's"] < 1e-5, gaps
+    assert gaps["raw"] > 0.05, gaps
 
 
 def _flat(

@@ -127,3 +127,24 @@ def test_evaluate_refuses_a_path_that_is_not_a_model_folder(
         evaluate.main([str(missing)])
     with pytest.raises(SystemExit, match=f"--baseline: {tmp_path} is not a model folder"):
         evaluate.main([str(model_folder), "--baseline", str(tmp_path)])
+
+
+def test_the_mean_is_over_the_trained_families_and_the_largest_drop_is_named() -> None:
+    start = {"comparison": {1: (0.3, 280, 200)}, "counting": {1: (0.9, 280, 280)}}
+    end = {"comparison": {1: (0.6, 280, 200)}, "counting": {1: (0.7, 280, 280)}}
+    report = gains(start, end, level=1, families=["comparison"])
+    assert report["mean"]["families"] == ["comparison"]
+    assert report["mean"]["gain"] == pytest.approx(0.3)
+    drop = report["largest_drop"]
+    assert drop["family"] == "counting" and drop["level"] == 1
+    assert drop["sigmas"] == pytest.approx(0.2 / report["by_family"]["counting"]["1"]["se"])
+    assert gains(start, start, level=1)["largest_drop"] is None
+
+
+def test_grpo_evaluates_the_curriculum_then_every_other_built_in_corpus_family() -> None:
+    from stagetrain.grpo.train import evaluated_families
+
+    meta = {"sources": [{"record": {"kind": "files"}},
+                        {"record": {"kind": "generated", "families": ["counting", "comparison"]}}]}  # fmt: skip
+    assert evaluated_families(["comparison"], meta) == ["comparison", "counting"]
+    assert evaluated_families(["arithmetic"], {"sources": []}) == ["arithmetic"]

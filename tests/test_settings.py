@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any
 
@@ -25,6 +26,8 @@ def _section_type(hint: Any) -> type | None:
     """The dataclass a field holds, itself or as the items of a tuple; None for a plain value."""
     if typing.get_origin(hint) is tuple:
         hint = typing.get_args(hint)[0]
+    if isinstance(hint, types.UnionType):  # an optional section: `X | None`
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
     return hint if dataclasses.is_dataclass(hint) else None
 
 

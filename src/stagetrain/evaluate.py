@@ -89,6 +89,10 @@ def _table(doc: dict[str, Any]) -> list[str]:
     if mean is not None:
         lines.append(f"mean gain at level {mean['level']} over {', '.join(mean['families'])}: "
                      f"{mean['gain']:+.3f} (se {mean['se']:.3f})")  # fmt: skip
+    drop = doc["gain"]["largest_drop"]
+    if drop is not None:
+        lines.append(f"largest drop: {drop['family']} level {drop['level']}, {drop['gain']:+.3f} "
+                     f"({drop['sigmas']:.1f} se)")  # fmt: skip
     return lines
 
 

@@ -23,7 +23,7 @@ Everything here is pure arithmetic on {family: {level: (accuracy, problems, dist
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 TARGET_SE = 0.03
@@ -62,10 +62,14 @@ def gain_entry(start: tuple[float, int, int], end: tuple[float, int, int]) -> di
             "problems": min(start[1], end[1]), "distinct": min(start[2], end[2])}  # fmt: skip
 
 
-def gains(start: Measured, end: Measured, level: int = 1) -> dict[str, Any]:
+def gains(
+    start: Measured, end: Measured, level: int = 1, families: Sequence[str] | None = None
+) -> dict[str, Any]:
     """The gain report: `by_family` ({family: {level: gain_entry}} for every family and level
-    both measured) and `mean` (the mean gain over the families measured at `level`, with its
-    standard error; null when none was)."""
+    both measured), `mean` (the mean gain over `families`, default all, measured at `level`,
+    with its standard error; null when none was) and `largest_drop` (the entry that fell by
+    the most standard errors, with its family, level and `sigmas`; null when none fell), which
+    shows what training one skill cost another."""
     by_family = {
         family: {
             str(lv): gain_entry(start[family][lv], end[family][lv])
@@ -75,13 +79,19 @@ def gains(start: Measured, end: Measured, level: int = 1) -> dict[str, Any]:
         for family in start
         if family in end
     }
-    at_level = [levels[str(level)] for levels in by_family.values() if str(level) in levels]
+    chosen = {f: lv for f, lv in by_family.items() if families is None or f in families}
+    at_level = [levels[str(level)] for levels in chosen.values() if str(level) in levels]
     mean = None
     if at_level:
         mean = {
             "level": level,
-            "families": [f for f, levels in by_family.items() if str(level) in levels],
+            "families": [f for f, levels in chosen.items() if str(level) in levels],
             "gain": sum(e["gain"] for e in at_level) / len(at_level),
             "se": math.sqrt(sum(e["se"] ** 2 for e in at_level)) / len(at_level),
         }
-    return {"by_family": by_family, "mean": mean}
+    drops = [
+        {"family": f, "level": int(lv), **e, "sigmas": -e["gain"] / e["se"] if e["se"] else math.inf}
+        for f, levels in by_family.items() for lv, e in levels.items() if e["gain"] < 0
+    ]  # fmt: skip
+    largest = max(drops, key=lambda d: d["sigmas"], default=None)
+    return {"by_family": by_family, "mean": mean, "largest_drop": largest}

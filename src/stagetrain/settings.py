@@ -229,6 +229,11 @@ class PretrainSettings(_Section):
 
 
 @dataclass(frozen=True)
+class SamplerCorrectionSettings(_Section):
+    cap: float
+
+
+@dataclass(frozen=True)
 class TreeSettings(_Section):
     branching: int
     segment_tokens: int
@@ -262,6 +267,7 @@ class GrpoSettings(_Section):
     rollout: str
     temperature: float
     top_p: float
+    sampler_correction: SamplerCorrectionSettings | None
     tree: TreeSettings
     loss_type: str
     clip_eps_low: float

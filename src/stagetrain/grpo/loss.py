@@ -5,7 +5,10 @@ Per completion token t of sequence i, with A the advantage (per sequence or per 
     ratio = exp(logp - logp_old)
     pg    = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
     k3    = exp(logp_ref - logp) - (logp_ref - logp) - 1      (>= 0; Schulman's k3 estimator of KL(pi || ref))
-    loss_t = pg + beta * k3                                   (no k3 term when beta == 0)
+    loss_t = w * pg + beta * k3                               (no k3 term when beta == 0)
+
+w is 1, or the caller's per-token weights (the truncated importance ratio of the sampler
+correction, `grpo.steps.truncated_importance`), constants like the old log-probs.
 
 The aggregations differ only in how tokens are weighted (M = the completion mask):
 
@@ -104,12 +107,14 @@ def grpo_loss(
     beta: float,
     loss_type: LossType,
     max_length: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The scalar GRPO loss of a batch and its stats (formulas in the module docstring).
 
     logprobs, old_logprobs, ref_logprobs, mask: (B, T), mask 1 on completion tokens.
     advantages: (B,) broadcast over each sequence's tokens, or (B, T).
     max_length: Dr. GRPO's normaliser (the generation budget); defaults to T.
+    token_weights: (B, T) weights of each token's policy-gradient term (detached), or None.
     Sequences without tokens add nothing; "grpo" averages over the sequences
     that have tokens, so masking a sequence out equals dropping it. An empty
     batch gives a zero loss that still backpropagates.
@@ -118,7 +123,8 @@ def grpo_loss(
     if beta > 0 and ref_logprobs is None:
         raise StageError(f"grpo.kl_coef: {beta} > 0 needs the reference model's log-probs")
     ref = ref_logprobs if beta > 0 else None
-    _check_shapes(logprobs, advantages, old_logprobs=old_logprobs, ref_logprobs=ref, mask=mask)
+    _check_shapes(logprobs, advantages, old_logprobs=old_logprobs, ref_logprobs=ref, mask=mask,
+                  token_weights=token_weights)  # fmt: skip
     keep = mask.bool()
     m = keep.to(logprobs.dtype)
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logprobs)
@@ -127,6 +133,8 @@ def grpo_loss(
     ratio = torch.exp(torch.where(keep, logprobs - old_logprobs.detach(), zero))
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if token_weights is not None:
+        per_token = per_token * torch.where(keep, token_weights.detach().to(per_token.dtype), zero)
     kl = None
     if ref is not None:
         delta = torch.where(keep, ref.detach() - logprobs, zero)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from stagetrain.grpo.sampling import generate
+from stagetrain.grpo.sampling import Sampled, generate
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, keys and values of one sequence: [kv_heads, length, head_dim] each."""
@@ -49,7 +49,7 @@ class PrefixCache:
         generation: dict,
         branch_entropy: float = 0.0,
         seeds: Sequence[int] = (),
-    ) -> list[list[int]]:
+    ) -> Sampled:
         """n continuations of each sequence in one `generate` call (`sampling.generate`), and
         the cache of each sequence plus its first `keep[i]` continuation tokens kept for later
         (none for a continuation that ends with eos: it will not be extended)."""
@@ -60,7 +60,7 @@ class PrefixCache:
             for layer in range(len(cached[0]))
         ]
         cache = DynamicCache(ddp_cache_data=layers)
-        rows = generate(
+        sampled = generate(
             self.model,
             sequences,
             n,
@@ -70,11 +70,11 @@ class PrefixCache:
             cache=cache,
             seeds=seeds,
         )
-        for j, row in enumerate(rows):
+        for j, row in enumerate(sampled.tokens):
             sequence, kept = sequences[j // n], row[: keep[j // n]]
             if kept and kept[-1] != generation["eos_token_id"]:
                 self._keep(sequence + kept, cache, j, width - len(sequence))
-        return rows
+        return sampled
 
     def _lookup(self, sequences: Sequence[list[int]]) -> list[KV]:
         """Each sequence's cache (all its tokens but the last): from the store, or prefilled."""

@@ -19,21 +19,23 @@ tree   a search tree per prompt (`grpo.tree`): UCT selects a partial completion,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from stagetrain.grpo.advantages import group_advantages, tree_token_advantages
 from stagetrain.grpo.prefix_cache import PrefixCache
-from stagetrain.grpo.sampling import generate, generation_kwargs, stream_seed
+from stagetrain.grpo.sampling import Sampled, generate, generation_kwargs, stream_seed
 from stagetrain.grpo.tree import (
+    Node,
     Request,
     SearchTree,
     TreeConfig,
     flat_equivalent_tokens,
     search_trees,
     segments,
+    through_eos,
 )
 
 
@@ -50,6 +52,9 @@ class Group:
     flat_tokens: int
     nodes: int
     """Tree nodes below the root (flat: one per completion)."""
+    sampler_logprobs: list[list[float]] = field(default_factory=list)
+    """Per completion, the sampler's log-prob of each token (`sampling.Sampled`; NaN for a
+    token it did not draw), which the step compares with the trainer's."""
 
     @property
     def varies(self) -> bool:
@@ -68,9 +73,10 @@ def sample(
     top_p: float,
     eos_id: int,
     pad_id: int,
-) -> list[list[int]]:
-    """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order;
-    continuation j of the prefix with key k is drawn from the generator `stream_seed(k, j)`."""
+) -> Sampled:
+    """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order,
+    with their tokens' log-probs; continuation j of the prefix with key k is drawn from the
+    generator `stream_seed(k, j)`."""
     generation = generation_kwargs(temperature, top_p, eos_id, pad_id)
     seeds = [stream_seed(key, j) for key in keys for j in range(n)]
     return generate(model, prefixes, n, max_new_tokens, generation, seeds=seeds)
@@ -94,12 +100,13 @@ def flat_groups(
     plan's generation batch, whose KV cache it counted); group advantages on every token.
     `keys` name the prompts' sampling streams (`sample`): the same key, the same completions."""
     per_call = max(1, max_batch // group_size)
-    completions = [
-        c
-        for at in range(0, len(prompts), per_call)
-        for c in sample(model, prompts[at : at + per_call], keys[at : at + per_call], group_size, max_new_tokens,
-                        temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
-    ]  # fmt: skip
+    completions: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    for at in range(0, len(prompts), per_call):
+        out = sample(model, prompts[at : at + per_call], keys[at : at + per_call], group_size, max_new_tokens,
+                     temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)  # fmt: skip
+        completions += out.tokens
+        logprobs += out.logprobs
     groups = []
     for i, prompt in enumerate(prompts):
         mine = completions[i * group_size : (i + 1) * group_size]
@@ -108,7 +115,8 @@ def flat_groups(
         tokens = sum(len(c) for c in mine)
         groups.append(
             Group(prompt=prompt, completions=mine, rewards=rewards, generated_tokens=tokens, flat_tokens=tokens, nodes=len(mine),
-                  advantages=[torch.full((len(c),), float(a)) for c, a in zip(mine, adv[0], strict=True)])
+                  advantages=[torch.full((len(c),), float(a)) for c, a in zip(mine, adv[0], strict=True)],
+                  sampler_logprobs=logprobs[i * group_size : (i + 1) * group_size])
         )  # fmt: skip
     return groups
 
@@ -142,6 +150,8 @@ def tree_groups(
     generation = generation_kwargs(temperature, top_p, cfg.eos_id, pad_id, greedy)
     store = PrefixCache(model) if cfg.prefix_cache else None
     expansions = [0] * len(prompts)
+    drawn: dict[tuple[int, tuple[int, ...]], list[float]] = {}
+    """(tree, a node's completion) -> the sampler's log-probs of the node's own tokens."""
 
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
         sequences = [list(prompts[r.tree]) + r.prefix for r in requests]
@@ -155,19 +165,40 @@ def tree_groups(
         else:
             out = store.sample(sequences, n, k, [r.limit for r in requests], generation,
                                cfg.branch_entropy, seeds)  # fmt: skip
+        for j, (tokens, logprobs) in enumerate(zip(*out, strict=True)):
+            r = requests[j // n]
+            node = through_eos(tokens, cfg.eos_id)[: r.limit]  # the child `search_trees` adds
+            if node:
+                drawn[r.tree, tuple(r.prefix + node)] = logprobs[: len(node)]
         # A sampled pad token ends a completion as flat sampling's cut does; a segment needs a
         # token, so one that starts with pad is an eos (the completion ends there).
-        return [c or [cfg.eos_id] for c in out]
+        return [c or [cfg.eos_id] for c in out.tokens]
 
     trees = search_trees(cfgs, expand, score, max_batch)
-    return [_tree_group(prompt, tree) for prompt, tree in zip(prompts, trees, strict=True)]
+    return [
+        _tree_group(prompt, tree, lambda path, i=i: drawn.get((i, path)))
+        for i, (prompt, tree) in enumerate(zip(prompts, trees, strict=True))
+    ]
 
 
-def _tree_group(prompt: list[int], tree: SearchTree) -> Group:
-    """A tree's finished leaves as a group, with per-segment token advantages."""
+def _tree_group(
+    prompt: list[int], tree: SearchTree, drawn: Callable[[tuple[int, ...]], list[float] | None]
+) -> Group:
+    """A tree's finished leaves as a group, with per-segment token advantages and the
+    sampler's log-probs (`drawn` of a node's completion: of its own tokens; None for the eos
+    put in for an empty continuation, which was not sampled)."""
     rows, _ = segments(tree)
     per_leaf = tree_token_advantages(rows)
     leaves = tree.leaves()
+
+    def logprobs(leaf: Node) -> list[float]:
+        out: list[float] = []
+        for i in tree.path(leaf):
+            node = tree.nodes[i]
+            mine = drawn(tuple(tree.completion(node)))
+            out += mine if mine is not None else [float("nan")] * len(node.tokens)
+        return out
+
     return Group(
         prompt=prompt,
         completions=[tree.completion(leaf) for leaf in leaves],
@@ -176,4 +207,5 @@ def _tree_group(prompt: list[int], tree: SearchTree) -> Group:
         generated_tokens=tree.generated_tokens,
         flat_tokens=flat_equivalent_tokens(tree),
         nodes=len(tree.nodes) - 1,
+        sampler_logprobs=[logprobs(leaf) for leaf in leaves],
     )

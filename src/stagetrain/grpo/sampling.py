@@ -10,12 +10,19 @@ completion, not from torch's global one: a prompt's completions are then the sam
 rank draws it and whatever else shares its batch, so a run resumed under another
 data-parallel size samples what the uninterrupted run sampled. transformers' `generate` draws
 every row from the global generator (`torch.multinomial`), hence the Gumbel-max processor.
+
+The sampler and the trainer read one policy: `policy_scores` turns logits into what is sampled
+from (divided by the temperature, outside the top-p nucleus -inf), and both `RowSampler` and
+the GRPO loss's log-probs (`grpo.steps.token_logprobs`) call it, so the ratio and the gradient
+are those of the distribution the completions came from. The sampler records the log-prob of
+each token it drew, so the step can measure what is left of the gap (kernels, KV cache, bf16).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
@@ -40,33 +47,71 @@ def stream_seed(*key: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def policy_scores(
+    logits: torch.Tensor, temperature: float, top_p: float, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The logits as the sampling policy draws from them: float, divided by the temperature,
+    and -inf outside the top-p nucleus (transformers' `TopPLogitsWarper`). Their log-softmax is
+    the sampling policy's log-probabilities.
+
+    `keep` (token ids, one per position of `logits`' leading dimensions) stays in the nucleus
+    whatever its mass: the trainer scores tokens that were sampled, and a policy moved by a
+    step may push one out of its own nucleus, where its log-prob would be -inf (and its
+    KL term infinite). At the weights that sampled it a sampled token is inside anyway.
+    """
+    scores = logits.float() / temperature
+    if top_p >= 1.0:
+        return scores
+    flat = scores.reshape(-1, scores.shape[-1])
+    masked = TopPLogitsWarper(top_p)(None, flat)
+    if keep is not None:
+        index = keep.reshape(-1, 1)
+        masked = masked.scatter(-1, index, flat.gather(-1, index))
+    return masked.reshape(scores.shape)
+
+
 class RowSampler(LogitsProcessor):
     """Sampling at a temperature and top-p by the Gumbel-max trick, with one generator per row.
 
-    argmax(logits + Gumbel noise) is a draw from softmax(logits), so `generate` runs greedy
-    and each row's noise comes from its own seeded generator. `warped` keeps each step's
-    scores before the noise (what was sampled from), for the branch cut's entropy.
+    argmax(scores + Gumbel noise) is a draw from softmax(scores), so `generate` runs greedy
+    and each row's noise comes from its own seeded generator. `logprobs` holds, per step, the
+    log-prob of the token each row drew under the scores it was drawn from; `warped`, only with
+    `keep_scores`, each step's scores before the noise (for the branch cut's entropy).
     """
 
-    def __init__(self, temperature: float, top_p: float, seeds: Sequence[int]) -> None:
+    def __init__(
+        self, temperature: float, top_p: float, seeds: Sequence[int], keep_scores: bool = False
+    ) -> None:
         self.temperature = temperature
-        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self.top_p = top_p
         self.seeds = list(seeds)
+        self.keep_scores = keep_scores
         self.generators: list[torch.Generator] = []
         self.warped: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         if len(self.seeds) != scores.shape[0]:
             raise ValueError(f"{len(self.seeds)} seeds for {scores.shape[0]} rows")
-        scores = scores.float() / self.temperature
-        if self.top_p is not None:
-            scores = self.top_p(input_ids, scores)
-        self.warped.append(scores)
+        scores = policy_scores(scores, self.temperature, self.top_p)
+        if self.keep_scores:
+            self.warped.append(scores)
         if not self.generators:  # on the logits' device: a GPU draws its own noise
             self.generators = [torch.Generator(scores.device).manual_seed(s) for s in self.seeds]
         uniform = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device)
                                for g in self.generators])  # fmt: skip
-        return scores - torch.log(-torch.log(uniform.clamp(min=1e-20)))
+        noisy = scores - torch.log(-torch.log(uniform.clamp(min=1e-20)))
+        drawn = noisy.argmax(-1, keepdim=True)  # what greedy `generate` takes
+        self.logprobs.append(scores.log_softmax(-1).gather(-1, drawn).squeeze(-1))
+        return noisy
+
+
+class Sampled(NamedTuple):
+    """`generate`'s continuations and, per token, the sampler's log-prob of it."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    """Under the scores the token was drawn from (`policy_scores`); NaN when decoding greedy."""
 
 
 def generate(
@@ -79,11 +124,12 @@ def generate(
     branch_entropy: float = 0.0,
     cache: Cache | None = None,
     seeds: Sequence[int] = (),
-) -> list[list[int]]:
+) -> Sampled:
     """n continuations of each sequence, in sequence order, each cut by `cut` and, when
-    `branch_entropy` > 0, by `branch_cut`. `cache`, if given, holds every row's keys and values
-    of all its tokens but the last, left-padded like the rows (`PrefixCache`). When `generation`
-    samples, `seeds` has one generator seed per continuation, in the same order."""
+    `branch_entropy` > 0, by `branch_cut`, with the sampler's log-prob of each token. `cache`,
+    if given, holds every row's keys and values of all its tokens but the last, left-padded
+    like the rows (`PrefixCache`). When `generation` samples, `seeds` has one generator seed
+    per continuation, in the same order."""
     width = max(len(s) for s in sequences)
     pad = generation["pad_token_id"]
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
@@ -95,7 +141,8 @@ def generate(
     if "temperature" in generation:
         if len(seeds) != len(sequences) * n:
             raise ValueError(f"{len(seeds)} seeds for {len(sequences) * n} continuations")
-        sampler = RowSampler(generation.pop("temperature"), generation.pop("top_p"), seeds)
+        sampler = RowSampler(generation.pop("temperature"), generation.pop("top_p"), seeds,
+                             keep_scores=bool(branch_entropy))  # fmt: skip
         extra["logits_processor"] = LogitsProcessorList([sampler])
     if branch_entropy:
         extra |= {"return_dict_in_generate": True, "output_scores": True}
@@ -110,9 +157,12 @@ def generate(
     )  # fmt: skip
     tokens = out.sequences if branch_entropy else out
     rows = [cut(row[width:].tolist(), generation["eos_token_id"], pad) for row in tokens]
-    if not branch_entropy:
-        return rows
-    return branch_cut(rows, sampler.warped if sampler else out.scores, branch_entropy)
+    if branch_entropy:
+        rows = branch_cut(rows, sampler.warped if sampler else out.scores, branch_entropy)
+    if sampler is None or not sampler.logprobs:
+        return Sampled(rows, [[float("nan")] * len(row) for row in rows])
+    drawn = torch.stack(sampler.logprobs, 1).tolist()  # [rows, steps]
+    return Sampled(rows, [lp[: len(row)] for row, lp in zip(rows, drawn, strict=True)])
 
 
 def cut(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:

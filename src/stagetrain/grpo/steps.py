@@ -20,6 +20,7 @@ from stagetrain.grpo.curriculum import (
 )
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
+from stagetrain.grpo.sampling import policy_scores
 from stagetrain.tasks import Problem, sample, score
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import prompt_ids
@@ -55,72 +56,139 @@ def draw_problems(run: Run, curriculum: Curriculum, step_no: int) -> tuple[list[
 
 
 def token_logprobs(
-    model: Any, items: Sequence[tuple[list[int], list[int]]], device: torch.device, pad: int
+    model: Any,
+    items: Sequence[tuple[list[int], list[int]]],
+    device: torch.device,
+    pad: int,
+    *,
+    temperature: float,
+    top_p: float,
 ):  # noqa: ANN201
-    """(logprobs, mask) of each completion's tokens given its prompt: (B, T) with T = longest sequence - 1."""
+    """(logprobs, mask) of each completion's tokens given its prompt: (B, T) with T = longest
+    sequence - 1. The log-probs are the sampling policy's (`sampling.policy_scores`: the
+    rollouts' temperature and top-p), so the loss scores the distribution that sampled."""
     seqs = [p + c for p, c in items]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    targets = ids[:, 1:]
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    scores = policy_scores(logits, temperature, top_p, keep=targets)
+    logprobs = scores.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     mask = torch.zeros_like(logprobs)
     for row, (p, c) in enumerate(items):
         mask[row, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
     return logprobs, mask
 
 
-def _advantage_rows(
-    items_adv: Sequence[torch.Tensor], items: Sequence[tuple[list[int], list[int]]], width: int
+def _token_rows(
+    values: Sequence[torch.Tensor | Sequence[float]],
+    items: Sequence[tuple[list[int], list[int]]],
+    width: int,
+    fill: float = 0.0,
 ) -> torch.Tensor:
-    rows = torch.zeros(len(items), width)
-    for row, ((p, c), adv) in enumerate(zip(items, items_adv, strict=True)):
-        rows[row, len(p) - 1 : len(p) - 1 + len(c)] = adv
+    """Per-completion-token values laid out as `token_logprobs`' (B, T) columns."""
+    rows = torch.full((len(items), width), fill)
+    for row, ((p, c), value) in enumerate(zip(items, values, strict=True)):
+        rows[row, len(p) - 1 : len(p) - 1 + len(c)] = torch.as_tensor(value, dtype=torch.float32)
     return rows
 
 
 def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | None]]:
     """`passes` optimizer steps on the rollouts: exactly grad_accum micro batches each, through the
     engine. The loss is normalised over the global batch (`_weights`), so the update and the
-    logged loss (the last pass's, over the global batch) do not depend on dp or grad_accum."""
+    logged loss (the last pass's, over the global batch) do not depend on dp or grad_accum.
+    Before any update, the trainer's log-probs of the sampled tokens are compared with the
+    sampler's (`sampler_gap`), and with `grpo.sampler_correction` the policy-gradient term of
+    each token is weighted by the truncated importance ratio trainer / sampler."""
     cfg, engine = run.cfg, run.engine
     items = [(g.prompt, c) for g in groups for c in g.completions]
     keep = [g.varies for g in groups for _ in g.completions]  # groups without signal are dropped
+    drawn = [lp for g in groups for lp in g.sampler_logprobs]
     pad, ga = run.tokenizer.pad_token_id, run.layout.grad_accum
+    policy = {"temperature": cfg.temperature, "top_p": cfg.top_p}
     chunks = np.array_split(np.arange(len(items)), ga)
     with torch.no_grad():
-        old = [token_logprobs(engine, [items[i] for i in c], run.device, pad)[0] for c in chunks]
-        ref = (
-            [
-                token_logprobs(run.reference, [items[i] for i in c], run.device, pad)[0]
-                for c in chunks
-            ]
-            if run.reference
-            else None
-        )
+        old, masks = zip(*[token_logprobs(engine, [items[i] for i in c], run.device, pad, **policy)
+                           for c in chunks], strict=True)  # fmt: skip
+        ref = None
+        if run.reference:
+            ref = [token_logprobs(run.reference, [items[i] for i in c], run.device, pad, **policy)[0]
+                   for c in chunks]  # fmt: skip
+    sampler = [
+        _token_rows([drawn[i] for i in c], [items[i] for i in c], m.shape[1], fill=float("nan")).to(m.device)
+        for c, m in zip(chunks, masks, strict=True)
+    ]  # fmt: skip
+    gap = sampler_gap(run, old, sampler, masks)
     advs = [a for g in groups for a in g.advantages]
     weights = _weights(run, chunks, keep, items)
     loss_value, stats = 0.0, None
     for _ in range(cfg.passes):
         loss_value = 0.0
         for k, chunk in enumerate(chunks):
-            logprobs, mask = token_logprobs(engine, [items[i] for i in chunk], run.device, pad)
+            logprobs, mask = token_logprobs(engine, [items[i] for i in chunk], run.device, pad, **policy)
             mask = mask * torch.tensor(
                 [float(keep[i]) for i in chunk], device=mask.device
             ).unsqueeze(1)
-            adv = _advantage_rows(
+            adv = _token_rows(
                 [advs[i] for i in chunk], [items[i] for i in chunk], mask.shape[1]
             ).to(mask.device)
+            correction = None
+            if cfg.sampler_correction is not None:
+                correction = truncated_importance(old[k], sampler[k], cfg.sampler_correction.cap)
             loss, stats = grpo_loss(logprobs, old[k], ref[k] if ref else None, adv, mask,
                                     eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, beta=cfg.kl_coef,
-                                    loss_type=cfg.loss_type, max_length=cfg.max_new_tokens)  # fmt: skip
+                                    loss_type=cfg.loss_type, max_length=cfg.max_new_tokens,
+                                    token_weights=correction)  # fmt: skip
             # DeepSpeed divides by grad_accum and averages over dp: both undone, so the
             # gradient is that of the global batch's loss.
             engine.backward(loss * weights[k] * ga * run.layout.dp)
             engine.step()
             loss_value += float(loss.detach()) * weights[k]
     return _dp_sum(run, loss_value), {"clip_ratio/low_mean": stats.clip_ratio_low,
-                                      "clip_ratio/high_mean": stats.clip_ratio_high, "kl": stats.kl_mean}  # fmt: skip
+                                      "clip_ratio/high_mean": stats.clip_ratio_high, "kl": stats.kl_mean,
+                                      **gap}  # fmt: skip
+
+
+def truncated_importance(trainer: torch.Tensor, sampler: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(exp(trainer - sampler), cap) per token, 1 where the sampler's log-prob is unknown:
+    truncated importance sampling (TIS), the weight verl and TRL put on each token's
+    policy-gradient term when the sampler's kernels differ from the trainer's."""
+    ratio = torch.exp(torch.nan_to_num(trainer - sampler, nan=0.0)).clamp(max=cap)
+    return ratio.detach()
+
+
+def gap_sums(
+    trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor
+) -> tuple[float, float, float, int]:
+    """(sum |trainer - sampler|, max of it, sum of k3, tokens) over the completion tokens whose
+    sampler log-prob is known. k3 = r - 1 - log r with r = trainer / sampler is Schulman's
+    estimator of KL(sampler || trainer) from the sampler's own draws."""
+    known = mask.bool() & sampler.isfinite()
+    delta = (trainer - sampler)[known].double()
+    if not delta.numel():
+        return 0.0, 0.0, 0.0, 0
+    k3 = delta.exp() - 1 - delta
+    return float(delta.abs().sum()), float(delta.abs().max()), float(k3.sum()), int(delta.numel())
+
+
+def sampler_gap(
+    run: Run,
+    trainer: Sequence[torch.Tensor],
+    sampler: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+) -> dict[str, float]:
+    """The step's sampler-trainer gap over every rank's completion tokens: mean and max of
+    |log-prob difference| and the mean k3 KL (`gap_sums`)."""
+    parts = [gap_sums(t, s, m) for t, s, m in zip(trainer, sampler, masks, strict=True)]
+    total, kl, tokens = (_dp_sum(run, sum(p[i] for p in parts)) for i in (0, 2, 3))
+    top = torch.tensor(max((p[1] for p in parts), default=0.0), dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return {
+        "train/sampler_logprob_gap_mean": total / tokens if tokens else 0.0,
+        "train/sampler_logprob_gap_max": top.item(),
+        "train/sampler_kl": kl / tokens if tokens else 0.0,
+    }
 
 
 def _weights(run: Run, chunks: list[np.ndarray], keep: list[bool],
@@ -245,6 +313,7 @@ def step(
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
+        **{k: v for k, v in clip.items() if k.startswith("train/sampler_")},
     }  # fmt: skip
     record["reward/by_level"] = {
         str(level): float(np.mean([r for row in rows if row.level == level for r in row.rewards]))
@@ -275,8 +344,9 @@ def _dp_sum(run: Run, value: float) -> float:
 
 
 def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
-    """Mean reward per step, held-out accuracy at the start and the end, and each family's
-    curriculum level, as a PNG for the report."""
+    """Mean reward per step, every held-out evaluation of every family (a family GRPO does not
+    train shows here what training the others cost it), and each family's curriculum level,
+    as a PNG for the report."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,11 +354,14 @@ def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     rewards = {int(k): v for k, v in summary["rewards"].items()}
-    ax.plot(list(rewards), list(rewards.values()), label="mean reward (training prompts)")
-    acc = summary["accuracy"]
-    ax.plot(
-        [0, summary["final_step"]], [acc["start"], acc["end"]], "o--", label="held-out accuracy"
-    )
+    ax.plot(list(rewards), list(rewards.values()), color="C0", alpha=0.6,
+            label="mean reward (training prompts)")  # fmt: skip
+    evaluations = {int(k): v for k, v in summary["evaluations"].items()}
+    evaluated = sorted({f for by_family in evaluations.values() for f in by_family})
+    for i, family in enumerate(evaluated):
+        steps = [s for s in sorted(evaluations) if family in evaluations[s]]
+        ax.plot(steps, [evaluations[s][family] for s in steps], "o--", color=f"C{(i + 1) % 10}",
+                label=f"held-out accuracy: {family}")  # fmt: skip
     levels = {int(k): v for k, v in summary["levels"].items()}  # step -> {family: level}
     twin = ax.twinx()
     families = sorted({f for by_family in levels.values() for f in by_family})
@@ -300,9 +373,9 @@ def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
             steps,
             [levels[s][family] + offset for s in steps],
             where="post",
-            color=f"C{(i + 2) % 10}",  # C0 and C1 are the reward and accuracy lines
+            color=f"C{(i + 1 + len(evaluated)) % 10}",
             linewidth=2,
-            alpha=0.5,
+            alpha=0.4,
             label=f"level: {family}",
         )
     top = max((lv for by_family in levels.values() for lv in by_family.values()), default=1)
@@ -310,7 +383,8 @@ def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
     twin.set_ylim(0.5, top + 0.5)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward / accuracy")
-    ax.set_title(f"grpo: held-out accuracy {acc['start']:.2f} -> {acc['end']:.2f}")
+    acc = summary["accuracy"]
+    ax.set_title(f"grpo: held-out accuracy {acc['start']:.2f} -> {acc['end']:.2f} (mean of families)")
     handles, labels = ax.get_legend_handles_labels()
     twin_handles, twin_labels = twin.get_legend_handles_labels()
     ax.legend(handles + twin_handles, labels + twin_labels, fontsize="small")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from stagetrain.heldout import gains
 from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import GrpoSettings
-from stagetrain.tasks import Problem, problems
+from stagetrain.tasks import FAMILIES, Problem, problems
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import window_count
 from stagetrain.training.checkpoints import Checkpoints
@@ -136,7 +137,7 @@ def setup(spec: dict[str, Any]) -> Run:
                           max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer.eos_token_id)  # fmt: skip
     seq = layout.seq_len  # the plan's: max_prompt_len + max_new_tokens
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
-    eval_set = [p for family in cfg.curriculum.families
+    eval_set = [p for family in evaluated_families(cfg.curriculum.families, meta)
                 for p in problems([family], [min(curriculum.start_level, top_level(curriculum, family))], "test",
                                   cfg.eval_problems, seed=spec["seed"])]  # fmt: skip
     return Run(
@@ -146,6 +147,15 @@ def setup(spec: dict[str, Any]) -> Run:
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
         generation_batch=_generation_batch(plan),
     )  # fmt: skip
+
+
+def evaluated_families(curriculum: Sequence[str], meta: dict[str, Any]) -> list[str]:
+    """The families the held-out evaluation scores: the curriculum's, then every other built-in
+    family the pretraining corpus taught (data/meta.json's generated source), so that what
+    GRPO on some families costs the others is measured, not only what it gains."""
+    corpus = [f for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
+              for f in s["record"]["families"]]  # fmt: skip
+    return list(dict.fromkeys([*curriculum, *(f for f in corpus if f in FAMILIES)]))
 
 
 def _generation_batch(plan: dict[str, Any]) -> int:
@@ -248,22 +258,44 @@ def summarise(
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
         "levels": {r["step"]: r["curriculum/level"] for r in trained},
+        "evaluations": {**{r["step"]: r["eval/accuracy_by_family"] for r in records if "eval/accuracy_by_family" in r},
+                        core["final_step"]: final_accuracy},
         "accuracy": {"start": records[0].get("eval/accuracy"), "start_by_family": records[0].get("eval/accuracy_by_family"),
                      "end": float(np.mean(list(final_accuracy.values()))),
                      "end_by_family": final_accuracy,
                      "gain": held_out_gain(run.eval_set, records[0].get("eval/accuracy_by_family"), final_accuracy,
-                                           level=run.curriculum.start_level)},
+                                           level=run.curriculum.start_level, families=run.cfg.curriculum.families)},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
+        "sampler": sampler_summary(trained, run.cfg),
         "dtypes": engines.dtypes(run.engine),
     }  # fmt: skip
 
 
+def sampler_summary(records: list[dict[str, Any]], cfg: GrpoSettings) -> dict[str, Any]:
+    """What the sampler-trainer gap was over the run (the steps logged) and whether the
+    truncated importance correction was applied (`grpo.sampler_correction`)."""
+    logged = [r for r in records if "train/sampler_logprob_gap_mean" in r]
+    correction = cfg.sampler_correction
+    return {
+        "logprob_gap_mean": float(np.mean([r["train/sampler_logprob_gap_mean"] for r in logged])) if logged else None,
+        "logprob_gap_max": max((r["train/sampler_logprob_gap_max"] for r in logged), default=None),
+        "kl_mean": float(np.mean([r["train/sampler_kl"] for r in logged])) if logged else None,
+        "correction": None if correction is None else {"cap": correction.cap},
+    }  # fmt: skip
+
+
 def held_out_gain(
-    eval_set: list[Problem], start: dict[str, float] | None, end: dict[str, float], *, level: int
+    eval_set: list[Problem],
+    start: dict[str, float] | None,
+    end: dict[str, float],
+    *,
+    level: int,
+    families: Sequence[str] | None = None,
 ) -> dict[str, Any] | None:
     """The summary's gain report (stagetrain.heldout.gains) from per-family accuracies on the
-    fixed held-out set, whose problems give each family's level and count; None without a
-    start measurement (a metrics file that lost its step-0 record)."""
+    fixed held-out set, whose problems give each family's level and count, its mean over
+    `families` (the curriculum's); None without a start measurement (a metrics file that lost
+    its step-0 record)."""
     if start is None:
         return None
     keys: dict[str, dict[int, list[str]]] = {}
@@ -276,7 +308,7 @@ def held_out_gain(
             for f, by_level in keys.items()
         }
 
-    return gains(measured(start), measured(end), level=level)
+    return gains(measured(start), measured(end), level=level, families=families)
 
 
 def rank(spec: dict[str, Any]) -> None:

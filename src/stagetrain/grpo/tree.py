@@ -320,13 +320,13 @@ def _expand_batch(
         )
     for j, (request, (i, node)) in enumerate(zip(requests, chosen, strict=True)):
         tree, eos = trees[i], trees[i].cfg.eos_id
-        mine = [_through_eos(c, eos)[: request.limit] for c in continuations[j * b : (j + 1) * b]]
+        mine = [through_eos(c, eos)[: request.limit] for c in continuations[j * b : (j + 1) * b]]
         for child in tree.expand(node, mine):
             if child.finished:
                 tree.backup(child, float(score(i, tree.completion(child))))
 
 
-def _through_eos(tokens: list[int], eos: int) -> list[int]:
+def through_eos(tokens: list[int], eos: int) -> list[int]:
     """The tokens up to and including the first eos."""
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
