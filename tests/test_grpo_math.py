@@ -669,3 +669,23 @@ def test_truncated_importance_is_the_capped_ratio_and_one_where_the_sampler_is_u
     d = torch.tensor([0.0, 0.5, 1.5], dtype=torch.float64)
     assert k3 == pytest.approx(float((d.exp() - 1 - d).sum()))
     assert gap_sums(trainer, sampler, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))[3] == 0
+
+
+def test_replay_puts_its_share_of_other_families_in_each_step_and_leaves_the_curriculum() -> None:
+    from stagetrain.grpo.curriculum import update_all
+    from stagetrain.grpo.steps import Replay, step_prompts
+
+    cfg = _cfg(start_level=1, max_level=5, earlier_share=0.0)
+    curriculum = Curriculum.start(cfg, ["comparison"])
+    replay = Replay(0.25, {"counting": 2})
+    batches = [step_prompts(curriculum, cfg, prompts=16, seed=7, step=s, replay=replay) for s in range(40)]
+    assert all(sum(p.family == "counting" for p in b) == 4 for b in batches)  # exactly round(0.25 * 16)
+    assert {p.level for b in batches for p in b if p.family == "counting"} == {1, 2}
+    assert {p.level for b in batches for p in b if p.family == "comparison"} == {1}
+    assert step_prompts(curriculum, cfg, prompts=16, seed=7, step=3, replay=replay) == batches[3]
+    plain = step_prompts(curriculum, cfg, prompts=16, seed=7, step=3)
+    assert all(p.family == "comparison" for p in plain)
+    # A replayed family's outcomes never reach the curriculum (it has no state there).
+    update_all(curriculum, cfg, 1, [("counting", 1, 1.0)] * 16 + [("comparison", 1, 0.0)])
+    assert set(curriculum.states) == {"comparison"}
+    assert curriculum.states["comparison"].recent == [0]

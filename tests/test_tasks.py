@@ -27,6 +27,7 @@ from stagetrain.tasks import (
     text,
     training_text,
 )
+from stagetrain.tasks.text import LETTER_QUESTIONS, WORDS
 
 ALL = list(FAMILIES)
 LEVELS = [1, 2, 3, 4, 5]
@@ -130,12 +131,30 @@ def test_arithmetic_never_calls_eval() -> None:
     assert not called & {"eval", "exec", "compile"}
 
 
+LETTER_FORMS = [
+    re.escape(form).replace(r"\{letter\}", r"(?P<letter>\w)").replace(r"\{word\}", r"(?P<word>\w+)")
+    for form in LETTER_QUESTIONS
+]  # fmt: skip
+
+
+def test_counting_level_1_holds_out_enough_problems_to_measure() -> None:
+    """One standard error of a held-out accuracy at most 0.05 at any accuracy needs 100
+    distinct held-out problems (0.25 / 0.05^2)."""
+    questions = {f.format(letter=c, word=w) for w in WORDS for c in set(w) for f in LETTER_QUESTIONS}
+    assert sum(split_of(q) == "test" for q in questions) >= 100
+    drawn = {p.question for p in problems(["counting"], [1], "test", 2000, seed=3)}
+    assert len(drawn) >= 100
+    used = {i for q in drawn for i, form in enumerate(LETTER_FORMS) if re.fullmatch(form, q)}
+    assert used == set(range(len(LETTER_QUESTIONS)))
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_counting_answers_are_correct(level: int) -> None:
     for p in _draw("counting", level, 500, seed=level):
         q = p.question
-        if m := re.fullmatch(r"How many times does the letter (\w) appear in (\w+)\?", q):
-            expected = m[2].count(m[1])
+        letter = next((m for form in LETTER_FORMS if (m := re.fullmatch(form, q))), None)
+        if letter:
+            expected = letter["word"].count(letter["letter"])
         elif m := re.fullmatch(r"How many words are in this sentence: ([\w ]+)\?", q):
             expected = len(m[1].split())
         else:

@@ -256,6 +256,12 @@ class CurriculumSettings(_Section):
 
 
 @dataclass(frozen=True)
+class ReplaySettings(_Section):
+    share: float
+    families: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
 class GrpoSettings(_Section):
     prompts_per_step: int
     group_size: int
@@ -274,6 +280,7 @@ class GrpoSettings(_Section):
     clip_eps_high: float
     passes: int
     curriculum: CurriculumSettings
+    replay: ReplaySettings
     eval_problems: int
     eval_every: int
     eval_batches: int

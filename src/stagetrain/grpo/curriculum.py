@@ -225,12 +225,13 @@ def update_all(
 
     `outcomes` holds (family, level, outcome) of each prompt of the step, the outcome
     as `update` takes it (>= 1 is a success); a family's window gets only the outcomes
-    of its prompts at its current level. Every family is updated, so one that drew
-    no prompt still ages by a step.
+    of its prompts at its current level (outcomes of families outside the curriculum, the
+    replayed ones, are left out). Every family is updated, so one that drew no prompt still
+    ages by a step.
     """
     by_family: dict[str, list[float]] = {f: [] for f in curriculum.states}
     for family, level, outcome in outcomes:
-        if level == curriculum.states[family].level:
+        if family in by_family and level == curriculum.states[family].level:  # not a replay
             by_family[family].append(outcome)
     events = [update(s, cfg, step, by_family[f]) for f, s in curriculum.states.items()]
     return [e for e in events if e is not None]

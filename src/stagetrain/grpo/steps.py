@@ -29,28 +29,46 @@ if TYPE_CHECKING:  # grpo.train imports this module; the type only, at check tim
     from stagetrain.grpo.train import Run
 
 
+class Replay(NamedTuple):
+    """What `grpo.replay` mixes into each step: `share` of the prompts from `families`, each
+    at a level drawn uniformly from 1 to its `levels` (the corpus's levels of it)."""
+
+    share: float
+    levels: dict[str, int]
+
+
 def step_prompts(
-    curriculum: Curriculum, config: CurriculumConfig, *, prompts: int, seed: int, step: int
+    curriculum: Curriculum,
+    config: CurriculumConfig,
+    *,
+    prompts: int,
+    seed: int,
+    step: int,
+    replay: Replay | None = None,
 ) -> list[Problem]:
     """The whole prompt batch of `step`, for all data-parallel ranks in rank order: families
-    uniform, each level from its family's curriculum.
+    uniform, each level from its family's curriculum; with `replay`, round(share * prompts)
+    of them, at places drawn from a stream of their own, replaced by replay problems.
 
     A pure function of (seed, step, curriculum state), independent of dp, so a
     run resumed under another dp continues the same prompt sequence (the
     curriculum state is the same on every rank and saved with the checkpoint).
     """
     rng = random.Random(f"{seed}:{step}:prompts")
-    return [
-        sample(family, level, "train", rng)
-        for family, level in draw(curriculum, config, prompts, rng)
-    ]
+    drawn = draw(curriculum, config, prompts, rng)
+    if replay is not None and replay.levels and round(replay.share * prompts):
+        other = random.Random(f"{seed}:{step}:replay")
+        for at in sorted(other.sample(range(prompts), round(replay.share * prompts))):
+            family = other.choice(sorted(replay.levels))
+            drawn[at] = (family, other.randint(1, replay.levels[family]))
+    return [sample(family, level, "train", rng) for family, level in drawn]
 
 
 def draw_problems(run: Run, curriculum: Curriculum, step_no: int) -> tuple[list[Problem], int]:
     """This data-parallel rank's contiguous share of the step's global prompt batch, and the
     global index of its first prompt."""
     every = step_prompts(curriculum, run.curriculum, prompts=run.cfg.prompts_per_step,
-                         seed=run.spec["seed"], step=step_no)  # fmt: skip
+                         seed=run.spec["seed"], step=step_no, replay=run.replay)  # fmt: skip
     n = len(every) // run.layout.dp
     return every[run.dp_rank * n : (run.dp_rank + 1) * n], run.dp_rank * n
 

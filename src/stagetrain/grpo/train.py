@@ -82,6 +82,7 @@ class Run:
     eval_windows: np.ndarray
     generation_batch: int
     """Most sequences one `generate` call makes: the plan counted their KV cache."""
+    replay: grpo_steps.Replay | None = None
 
 
 def _reference(
@@ -145,17 +146,44 @@ def setup(spec: dict[str, Any]) -> Run:
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
         loop=StageLoop(stage="grpo", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
-        generation_batch=_generation_batch(plan),
+        generation_batch=_generation_batch(plan), replay=replay_of(cfg, meta),
     )  # fmt: skip
+
+
+def corpus_families(meta: dict[str, Any]) -> dict[str, int]:
+    """{built-in family: the highest level of it the pretraining corpus holds}, from
+    data/meta.json's generated source."""
+    return {
+        f: min(s["record"]["max_level"], FAMILIES[f].max_level)
+        for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
+        for f in s["record"]["families"] if f in FAMILIES
+    }  # fmt: skip
 
 
 def evaluated_families(curriculum: Sequence[str], meta: dict[str, Any]) -> list[str]:
     """The families the held-out evaluation scores: the curriculum's, then every other built-in
-    family the pretraining corpus taught (data/meta.json's generated source), so that what
-    GRPO on some families costs the others is measured, not only what it gains."""
-    corpus = [f for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
-              for f in s["record"]["families"]]  # fmt: skip
-    return list(dict.fromkeys([*curriculum, *(f for f in corpus if f in FAMILIES)]))
+    family the pretraining corpus taught, so that what GRPO on some families costs the others
+    is measured, not only what it gains."""
+    return list(dict.fromkeys([*curriculum, *corpus_families(meta)]))
+
+
+def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> grpo_steps.Replay | None:
+    """`grpo.replay` resolved: its families (by default the corpus's that the curriculum leaves
+    out) with the corpus's levels of each; None when it replays nothing."""
+    if not cfg.replay.share:
+        return None
+    corpus = corpus_families(meta)
+    families = cfg.replay.families
+    if families is None:
+        families = tuple(f for f in corpus if f not in cfg.curriculum.families)
+    for family in families:
+        if family not in FAMILIES:
+            raise StageError(f"grpo.replay.families: unknown family {family!r} (known: {', '.join(FAMILIES)})")
+        if family in cfg.curriculum.families:
+            raise StageError(f"grpo.replay.families: {family!r} is in grpo.curriculum.families; replay is for the others")
+    if not families:
+        raise StageError("grpo.replay.share: > 0, but no family to replay (the curriculum has every corpus family)")
+    return grpo_steps.Replay(cfg.replay.share, {f: corpus.get(f, 1) for f in families})
 
 
 def _generation_batch(plan: dict[str, Any]) -> int:

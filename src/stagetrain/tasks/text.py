@@ -1,7 +1,8 @@
 """Templated text families: "counting" and "comparison", five levels each.
 
 counting
-    1: a letter in a short common word ("How many times does the letter a appear in banana?")
+    1: a letter in a short common word, asked in one of five ways ("How many times does the
+       letter a appear in banana?", "Count the letter a in banana.", ...)
     2: a letter in a made-up string of 5-8 letters over a-e
     3: a letter in a made-up string of 10-16 letters over a-h
     4: the words in a sentence of 4-10 words
@@ -45,6 +46,16 @@ SENTENCE_WORDS = (
     "house",
 )  # fmt: skip
 REPEATED_WORDS = ("the", "cat", "dog", "sat", "on", "mat")
+LETTER_QUESTIONS = (
+    "How many times does the letter {letter} appear in {word}?",
+    "How many {letter}'s are in {word}?",
+    "Count the letter {letter} in {word}.",
+    "In {word}, how many times does {letter} appear?",
+    "How often does {letter} occur in the word {word}?",
+)
+"""Level 1's question forms. With one form, its ~430 (word, letter) problems left 16 in the
+held-out split, too few to measure the family by (one standard error 0.075 at 0.9); five
+forms leave about a hundred, so that one se is at most 0.05 at any accuracy."""
 _MADE_UP = {2: (5, 5, 8), 3: (8, 10, 16)}
 """Level -> (alphabet size, shortest, longest) of the made-up strings."""
 
@@ -66,15 +77,17 @@ def counting(rng: random.Random, level: int) -> Problem:
 
 
 def _count_letters(rng: random.Random, level: int) -> Problem:
+    form = LETTER_QUESTIONS[0]
     if level == 1:
         word = rng.choice(WORDS)
         letter = rng.choice(sorted(set(word)))
+        form = rng.choice(LETTER_QUESTIONS)
     else:
         letters, shortest, longest = _MADE_UP[level]
         alphabet = string.ascii_lowercase[:letters]
         word = "".join(rng.choices(alphabet, k=rng.randint(shortest, longest)))
         letter = rng.choice(alphabet)
-    question = f"How many times does the letter {letter} appear in {word}?"
+    question = form.format(letter=letter, word=word)
     return _counted("counting", level, question, word.count(letter), _marks(list(word), letter))
 
 
