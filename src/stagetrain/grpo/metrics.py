@@ -12,7 +12,7 @@ METRICS: dict[str, str] = {
     "train/sampler_logprob_gap_mean": "mean |sampler - trainer| log-prob of the step's sampled completion tokens, all ranks, the trainer scoring before the step's update; every record",
     "train/sampler_logprob_gap_max": "largest such |sampler - trainer| log-prob difference of the step; every record",
     "train/sampler_kl": "mean k3 estimate of KL(sampler || trainer) per sampled token, from the same log-probs; every record",
-    "kl": "mean k3 estimate of KL(policy || reference) per token; only when kl_coef > 0",
+    "kl": "mean k3 estimate of KL(policy || reference) per sampled token, every completion of every rank (groups without reward variance too); only when kl_coef > 0",
     "completions/mean_length": "mean completion length in tokens; every record",
     "rollout/generated_tokens": "tokens generated for the step's rollouts, all ranks; every record",
     "rollout/flat_equivalent_tokens": "tokens flat sampling would have generated for the same completions; tree mode only",

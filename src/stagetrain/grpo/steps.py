@@ -140,31 +140,39 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     gap = sampler_gap(run, old, sampler, masks)
     advs = [a for g in groups for a in g.advantages]
     weights = _weights(run, chunks, keep, items)
-    loss_value, stats = 0.0, None
+    # The KL term holds every sampled completion to the reference, groups without reward
+    # variance included: their policy gradient is zero, but they are most of what the policy
+    # already knows, and the KL is what keeps it (normalised over all completions).
+    kl_weights = _weights(run, chunks, [True] * len(items), items) if ref else None
+    loss_value, stats, kl_mean = 0.0, None, None
     for _ in range(cfg.passes):
-        loss_value = 0.0
+        loss_value, kl_sum = 0.0, 0.0
         for k, chunk in enumerate(chunks):
             logprobs, mask = token_logprobs(engine, [items[i] for i in chunk], run.device, pad, **policy)
-            mask = mask * torch.tensor(
-                [float(keep[i]) for i in chunk], device=mask.device
-            ).unsqueeze(1)
-            adv = _token_rows(
-                [advs[i] for i in chunk], [items[i] for i in chunk], mask.shape[1]
-            ).to(mask.device)
+            kept = mask * torch.tensor([float(keep[i]) for i in chunk], device=mask.device).unsqueeze(1)
+            adv = _token_rows([advs[i] for i in chunk], [items[i] for i in chunk], mask.shape[1]).to(mask.device)
             correction = None
             if cfg.sampler_correction is not None:
                 correction = truncated_importance(old[k], sampler[k], cfg.sampler_correction.cap)
-            loss, stats = grpo_loss(logprobs, old[k], ref[k] if ref else None, adv, mask,
-                                    eps_low=cfg.clip_eps_low, eps_high=cfg.clip_eps_high, beta=cfg.kl_coef,
-                                    loss_type=cfg.loss_type, max_length=cfg.max_new_tokens,
-                                    token_weights=correction)  # fmt: skip
+            common = {"eps_low": cfg.clip_eps_low, "eps_high": cfg.clip_eps_high,
+                      "loss_type": cfg.loss_type, "max_length": cfg.max_new_tokens}
+            loss, stats = grpo_loss(logprobs, old[k], None, adv, kept, beta=0.0,
+                                    token_weights=correction, **common)
+            total = loss * weights[k]
+            if kl_weights is not None:
+                kl, kl_stats = grpo_loss(logprobs, old[k], ref[k], torch.zeros_like(adv), mask,
+                                         beta=cfg.kl_coef, **common)
+                total = total + kl * kl_weights[k]
+                kl_sum += kl_stats.kl_mean * kl_stats.tokens
             # DeepSpeed divides by grad_accum and averages over dp: both undone, so the
             # gradient is that of the global batch's loss.
-            engine.backward(loss * weights[k] * ga * run.layout.dp)
+            engine.backward(total * ga * run.layout.dp)
             engine.step()
-            loss_value += float(loss.detach()) * weights[k]
+            loss_value += float(total.detach())
+        if kl_weights is not None:
+            kl_mean = _dp_sum(run, kl_sum) / max(_dp_sum(run, float(sum(map(len, (c for _, c in items))))), 1.0)
     return _dp_sum(run, loss_value), {"clip_ratio/low_mean": stats.clip_ratio_low,
-                                      "clip_ratio/high_mean": stats.clip_ratio_high, "kl": stats.kl_mean,
+                                      "clip_ratio/high_mean": stats.clip_ratio_high, "kl": kl_mean,
                                       **gap}  # fmt: skip
 
 
