@@ -12,6 +12,7 @@ and consolidation rerun on the same pretrained model:
     kl       grpo.kl_coef = --kl (k3 to a frozen copy of the start model, on the step's prompts)
     replay   grpo.replay.share = --replay (the corpus's other families mixed into the prompts)
     both     the two together
+    both+tis both, with the sampler correction grpo.sampler_correction = {cap: 2}
 
 Each variant's GRPO summary is copied to <out>/s<seed>-<variant>.json. Prints, per seed and
 variant, the held-out gain over the curriculum's families with its standard error, every
@@ -34,16 +35,18 @@ from typing import Any
 
 import yaml
 
-VARIANTS = ("none", "kl", "replay", "both")
+VARIANTS = ("none", "kl", "replay", "both", "both+tis")
 
 
 def grpo_changes(variant: str, kl: float, replay: float) -> dict[str, Any]:
     """The grpo keys a variant sets over the default config."""
     out: dict[str, Any] = {}
-    if variant in ("kl", "both"):
+    if variant in ("kl", "both", "both+tis"):
         out["kl_coef"] = kl
-    if variant in ("replay", "both"):
+    if variant in ("replay", "both", "both+tis"):
         out["replay"] = {"share": replay}
+    if variant == "both+tis":
+        out["sampler_correction"] = {"cap": 2.0}
     return out
 
 
@@ -84,7 +87,7 @@ def row(seed: int, variant: str, result: dict[str, Any], base_s: float) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:4]))
     parser.add_argument("--kl", type=float, default=0.05)
     parser.add_argument("--replay", type=float, default=0.25)
     parser.add_argument("--out", default="results/forgetting")

@@ -136,3 +136,22 @@ def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
         ckpt.latest()
     assert "\n" not in str(err.value)
     assert not marker.exists()
+
+
+def test_deepspeeds_own_reader_refuses_a_crafted_file_under_weights_only_loads(tmp_path: Path) -> None:
+    """DeepSpeed's checkpoint reader passes weights_only=False (what engine.load_checkpoint
+    calls); under the stages' `weights_only_loads` it goes through the weights-only
+    unpickler and refuses the file, without it the file's code runs."""
+    import pickle
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from stagetrain.training.integrity import weights_only_loads
+
+    marker, path = tmp_path / "ran", tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": Crafted(marker)}, path)
+    with weights_only_loads(), pytest.raises(pickle.UnpicklingError):
+        TorchCheckpointEngine().load(str(path), map_location="cpu")
+    assert not marker.exists()
+    TorchCheckpointEngine().load(str(path), map_location="cpu")
+    assert marker.exists()  # the reader alone would have run it

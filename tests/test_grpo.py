@@ -16,29 +16,42 @@ import psutil
 import pytest
 import torch
 from harness.compare import LOSS_RTOL, PARAM_ATOL
-from harness.training import SharedRuns, final_params, grpo_config, launch_grpo, run_grpo
-from harness.workflow import default_config
+from harness.processes import holder_ranks
+from harness.training import (
+    SCORING_FAMILIES,
+    assert_learning_signal,
+    final_params,
+    launch_grpo,
+    run_grpo,
+    scoring_model,
+)
+from harness.training import grpo_config as harness_grpo_config
 from safetensors.torch import load_file
 
 from stagetrain.consolidate.folder import consolidate
 from stagetrain.grpo.metrics import METRICS
+from stagetrain.training.checkpoints import KILL_DURING_SAVE
+from stagetrain.training.lock import LOCK_NAME
 
 pytestmark = pytest.mark.slow
-FAMILIES = set(default_config()["grpo"]["curriculum"]["families"])
+FAMILIES = set(SCORING_FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def start(
-    data: dict[str, str], shared_runs: SharedRuns, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[dict[str, str], str]:
-    """The shared data and a consolidated (fp32) pretrain model to start GRPO from: the session's
-    shared ZeRO-0 run."""
-    root = tmp_path_factory.mktemp("grpo")
-    (root / "summary.json").write_text(json.dumps(shared_runs["zero0"]))
-    consolidate(stage="pretrain", summary_path=str(root / "summary.json"), tokenizer_dir=data["tokenizer"],
-                model_config_path=data["model_config"], meta_path=data["meta"], out=str(root / "model"),
-                cfg={"dtype": "fp32", "max_shard_size": "2GB"})  # fmt: skip
-    return data, str(root / "model")
+def start(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str]:
+    """The shared data and a consolidated (fp32) model that scores on SCORING_FAMILIES."""
+    return data, scoring_model(data, tmp_path_factory.mktemp("grpo"))
+
+
+FOLLOWS_GRADIENT = {"lr": 1.0, "eps": 1.0, "weight_decay": 0.0}
+"""AdamW whose epsilon dwarfs sqrt(v), so each update is about lr x the gradient: at its usual
+epsilon Adam's update is the gradient's sign, about lr whatever the gradient's scale, and a
+drill could not see a loss normalised over the wrong batch (twice the gradient, the same step)."""
+
+
+def grpo_config(**changes: Any) -> dict[str, Any]:
+    """The harness's GRPO config on the families the start model scores on."""
+    return harness_grpo_config(**{"curriculum": {"families": list(SCORING_FAMILIES)}, **changes})
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
@@ -46,15 +59,19 @@ def _records(out: Path) -> list[dict[str, Any]]:
 
 
 def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_path: Path) -> None:
+    """Without weight decay a run whose loss were zero would end where it started (AdamW's
+    moments stay zero), so weights that moved are the loss's doing, not the decay's."""
     data, model = start
-    cfg = grpo_config(kl_coef=0.04, passes=2)
+    cfg = grpo_config(kl_coef=0.04, passes=2, optimizer={"weight_decay": 0.0})
     summary = run_grpo(
         data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
     )
     assert summary["optimizer_steps"] == 6  # 3 steps x 2 passes, each through engine.step
     records = _records(tmp_path)
+    assert_learning_signal(tmp_path / "metrics.jsonl")
     assert all(set(r) <= set(METRICS) for r in records)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(0 <= r["train/sampler_logprob_gap_mean"] < 1e-4 for r in records[1:])  # fp32
     assert all("kl" in r and r["kl"] >= 0 for r in records[1:])
     assert all(set(r["reward/by_level"]) == {"1"} for r in records[1:])
     assert all(r["curriculum/level"] == dict.fromkeys(FAMILIES, 1) for r in records[1:])
@@ -79,11 +96,15 @@ def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) 
         checkpoint_every=2,
         eval_every=2,
         tree={"branching": 2, "segment_tokens": 2, "uct_c": 1.0},
+        curriculum={"families": ["counting"]},
     )
     summary = run_grpo(
         data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 3}, cfg=cfg
     )
     assert summary["optimizer_steps"] == 2
+    # Comparison is in the corpus, not the curriculum: evaluated all the same, to show its cost.
+    assert set(summary["accuracy"]["gain"]["by_family"]) == {"counting", "comparison"}
+    assert summary["accuracy"]["gain"]["mean"]["families"] == ["counting"]
     records = _records(tmp_path)[1:]
     assert all(r["rollout/generated_tokens"] < r["rollout/flat_equivalent_tokens"] for r in records)
     assert all(
@@ -141,6 +162,7 @@ def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) ->
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["curriculum"] == straight["curriculum"]
     assert resumed["levels"] == straight["levels"]
+    assert_learning_signal(tmp_path / "straight" / "metrics.jsonl")
     events = [e for r in _records(tmp_path / "straight") for e in r.get("curriculum/events", [])]
     assert events and all(e["family"] in FAMILIES for e in events)
     assert events == sorted(
@@ -161,10 +183,9 @@ def test_grpo_on_two_ranks_resumes_on_one(
     monkeypatch.setenv("STAGETRAIN_WINDOW_LOG", "1")
     data, model = start
     layout = {"dp": 2, "tp": 1, "zero_stage": 1}
-    cfg = grpo_config(steps=4, checkpoint_every=2, eval_every=4, keep_checkpoints=2)
+    cfg = grpo_config(steps=4, checkpoint_every=2, eval_every=4, keep_checkpoints=2, optimizer=FOLLOWS_GRADIENT)
     straight = run_grpo(data, model, tmp_path / "straight", world=2, layout=layout, cfg=cfg)
     shrunk = tmp_path / "shrunk"
-    cfg = grpo_config(steps=4, checkpoint_every=2, eval_every=4, keep_checkpoints=2)
     proc = launch_grpo(data, model, shrunk, world=1, layout={**layout, "dp": 1}, cfg=cfg,
                        checkpoints=killed_after_step_2(straight, shrunk))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -185,6 +206,7 @@ def test_grpo_on_two_ranks_resumes_on_one(
     got, want = prompts(resumed), prompts(straight)
     assert len(got) == 4 and len(want[2]) == 4
     assert got == want  # steps 3-4 drawn at dp=1 are the steps the 2 ranks drew
+    assert_learning_signal(shrunk / "metrics.jsonl")
     assert resumed["rewards"] == straight["rewards"]  # the same completions, so the same rewards
     assert resumed["losses"] == pytest.approx(straight["losses"], rel=LOSS_RTOL, abs=1e-7)
     a, b = final_params(resumed), final_params(straight)
@@ -207,24 +229,50 @@ def test_evaluation_script_reports_accuracy_per_family_and_level(
     assert lines[0].startswith("family") and lines[1].split()[:2] == ["counting", "1"]
 
 
+LOCK_LAYOUT = {"dp": 2, "tp": 1, "zero_stage": 1}
+
+
+@pytest.fixture(scope="module")
+def lone(start: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An uninterrupted GRPO run alone on its folder, checkpointed every step: what the lock and
+    kill tests' runs must end as."""
+    data, model = start
+    out = tmp_path_factory.mktemp("lone-grpo")
+    return run_grpo(data, model, out, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1))
+
+
+def _same_as(summary: dict[str, Any], lone: dict[str, Any]) -> None:
+    assert summary["rewards"] == lone["rewards"] and summary["losses"] == lone["losses"]
+    a, b = final_params(summary), final_params(lone)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
-    start: tuple, tmp_path: Path
+    start: tuple, lone: dict[str, Any], tmp_path: Path
 ) -> None:
-    """The GRPO stage locks its checkpoint root through the same `Checkpoints.hold` as pretrain."""
+    """The GRPO stage locks its checkpoint root through the same `Checkpoints.hold` as pretrain.
+    The first run's ranks are stopped (SIGSTOP) while its rank 0 holds the lock, so the second
+    certainly starts mid-run; then the first goes on and ends as the lone run did."""
     data, model = start
 
-    def launch(_: int) -> subprocess.CompletedProcess[str]:
-        layout = {"dp": 2, "tp": 1, "zero_stage": 1}
-        return launch_grpo(data, model, tmp_path, world=2, layout=layout, cfg=grpo_config())
+    def launch() -> subprocess.CompletedProcess[str]:
+        return launch_grpo(data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1))
 
-    with ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(launch, range(2)))
-    failed = [p.returncode != 0 for p in procs]
-    assert sorted(failed) == [False, True], [p.stderr[-3000:] for p in procs]
-    errors = {
-        line for line in procs[failed.index(True)].stderr.splitlines() if line.startswith("error: ")
-    }
-    holder = json.loads((tmp_path / "checkpoints" / "writer.lock").read_text())
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(launch)
+        ranks = holder_ranks(tmp_path / "checkpoints" / LOCK_NAME, first)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            loser = launch()
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        winner = first.result()
+    assert len(ranks) == 2 and winner.returncode == 0, winner.stderr[-3000:]
+    assert loser.returncode != 0
+    errors = {line for line in loser.stderr.splitlines() if line.startswith("error: ")}
+    holder = json.loads((tmp_path / "checkpoints" / LOCK_NAME).read_text())
     assert errors == {
         f"error: {tmp_path / 'checkpoints'}: another run of this stage is writing here (pid {holder['pid']} "
         f"on host {holder['host']} since {holder['since']}); wait for it to end or stop it, then rerun"
@@ -232,3 +280,22 @@ def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from_step"] == 0
     assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2, 3]
+    _same_as(summary, lone)
+
+
+def test_a_grpo_rank_killed_while_saving_resumes_from_the_previous_checkpoint(
+    start: tuple, lone: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, model = start
+    cfg = grpo_config(checkpoint_every=1)
+    monkeypatch.setenv(KILL_DURING_SAVE, "1:2")  # rank 1, in its save at step 2
+    killed = launch_grpo(data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=cfg)
+    assert killed.returncode != 0
+    (pointer,) = (tmp_path / "checkpoints").glob("*/latest.json")
+    assert (pointer.parent / "step00000002").exists()  # rank 1 died in the middle of writing it
+    assert json.loads(pointer.read_text())["tag"] == "step00000001"
+    monkeypatch.delenv(KILL_DURING_SAVE)
+    resumed = run_grpo(data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=cfg)
+    assert resumed["resumed_from_step"] == 1
+    assert_learning_signal(tmp_path / "metrics.jsonl")
+    _same_as(resumed, lone)

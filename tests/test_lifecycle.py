@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from harness.configs import small_run
+from harness.processes import alive, holder_ranks
 from harness.training import SharedRuns, dp2, final_params, launch, run
 from harness.workflow import SNAKEMAKE, snakemake
 
@@ -40,19 +41,11 @@ STEPS = {"checkpoint_every": 2}
 """The session's shared ZeRO-1 run (4 steps), checkpointed every 2 steps: the same maths."""
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped, does not count)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_dead(pids: list[int], seconds: float) -> float | None:
     """Seconds until none of `pids` runs, or None if some still run after `seconds`."""
     began = time.monotonic()
     while time.monotonic() - began < seconds:
-        if not any(_alive(pid) for pid in pids):
+        if not any(alive(pid) for pid in pids):
             return time.monotonic() - began
         time.sleep(0.02)
     return None
@@ -128,7 +121,7 @@ def test_a_child_dies_with_its_killed_parent(parent: str) -> None:
     assert proc.stdout is not None
     child = int(proc.stdout.readline())
     try:
-        assert _alive(child)
+        assert alive(child)
         proc.kill()
         proc.wait()
         assert _wait_dead([child], 5) is not None
@@ -185,7 +178,7 @@ def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_sn
         proc.wait()
         took = _wait_dead(ranks, 10)
         print(f"SIGKILL of the Snakemake process group to no rank alive: {took} s")
-        assert took is not None, f"still running: {[p for p in ranks if _alive(p)]}"
+        assert took is not None, f"still running: {[p for p in ranks if alive(p)]}"
     finally:
         for pid in [proc.pid, *ranks]:
             with contextlib.suppress(ProcessLookupError):
@@ -214,31 +207,6 @@ def _timed(name: str) -> Iterator[None]:
     print(f"{name}: {time.monotonic() - began:.1f} s")
 
 
-def _holder_ranks(lock: Path, run: Any, timeout: float = 300) -> list[int]:
-    """The pids of the ranks of the run whose rank 0 holds `lock` (its pid is written there),
-    once it holds it; rank 0's siblings are the other ranks of its torchrun agent."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not run.done():
-        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
-            holder = json.loads(lock.read_text())["pid"]
-            if _alive(holder):
-                agent = Path(f"/proc/{holder}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                return [
-                    int(p.name) for p in Path("/proc").iterdir()
-                    if p.name.isdigit() and _parent(int(p.name)) == int(agent)
-                ]  # fmt: skip
-        time.sleep(0.05)
-    raise AssertionError(
-        f"the first run never held {lock}: {run.result().stderr[-3000:] if run.done() else 'timeout'}"
-    )
-
-
-def _parent(pid: int) -> int | None:
-    with contextlib.suppress(FileNotFoundError, IndexError):
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return None
-
-
 @pytest.mark.slow
 def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
     data: dict[str, str], lone: dict[str, Any], tmp_path: Path
@@ -252,7 +220,7 @@ def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
 
     with _timed("two runs at once"), ThreadPoolExecutor(1) as pool:
         first = pool.submit(start)
-        ranks = _holder_ranks(tmp_path / "checkpoints" / LOCK_NAME, first)
+        ranks = holder_ranks(tmp_path / "checkpoints" / LOCK_NAME, first)
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)
         try:

@@ -189,13 +189,13 @@ def test_the_collective_timeout_is_bounded_and_checked() -> None:
 
 
 PEER = """
-import os, sys, time
-from datetime import timedelta
+import sys, time
+import deepspeed.comm
 import torch, torch.distributed as dist
-from stagetrain.training.engine import bound_every_group
-bound_every_group(timedelta(seconds=3))
-dist.init_process_group("gloo", timeout=timedelta(seconds=3))
-group = dist.new_group([0, 1])  # as DeepSpeed makes its gradient-reduction group: no timeout
+from stagetrain.training.engine import join_world
+folder = sys.argv[1]
+join_world({k: f"{folder}/{k}.json" for k in ("plan", "meta", "deepspeed_config")})  # the stages' start
+group = deepspeed.comm.new_group([0, 1])  # as DeepSpeed makes its gradient-reduction group: no timeout
 if dist.get_rank() == 1:
     time.sleep(60)  # alive, connections open, never reduces: a peer behind a dead link
 else:
@@ -208,9 +208,10 @@ else:
 
 
 def test_a_group_made_after_the_world_times_out_as_the_world_does(tmp_path: Path) -> None:
-    """Two gloo processes: rank 1 never joins rank 0's all-reduce on a group made without a
-    timeout (DeepSpeed's kind); rank 0 gives up after the collective timeout (3 s here), not
-    torch's 30-minute default (without `bound_every_group` it waited until rank 1 exited)."""
+    """Two gloo processes started by the stages' own `join_world`: rank 1 never joins rank 0's
+    all-reduce on a group DeepSpeed made without a timeout; rank 0 gives up after the collective
+    timeout (3 s here), not torch's 30-minute default (without `bound_every_group` in
+    `join_world` it waited until rank 1 exited)."""
     import os
     import socket
     import subprocess
@@ -218,8 +219,11 @@ def test_a_group_made_after_the_world_times_out_as_the_world_does(tmp_path: Path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", PEER], env={**env, "RANK": str(r)}, text=True,
+    for name, doc in {"plan": {"backend": "gloo", "world": 2}, "meta": {}, "deepspeed_config": {}}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_RANK": "0", "STAGETRAIN_COLLECTIVE_TIMEOUT_S": "3"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(tmp_path)], env={**env, "RANK": str(r)}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for r in (0, 1)]  # fmt: skip
     try:
         out = procs[0].communicate(timeout=50)[0]

@@ -10,7 +10,8 @@ Keys are grouped to keep the suite fast (a dry run costs a Snakemake start):
 keys of one section whose expected set is the same change together in one dry
 run, except the keys the workflow selects one by one (the planner's subset of
 tokenizer, pretrain and grpo, the steps and passes of the DeepSpeed config, the
-file keys, run.*), which each get their own: 31 dry runs over the 122 keys.
+file keys, run.*), which each get their own. The test prints how many dry runs
+over how many keys; the counts follow the schema, so no document states them.
 A dry run cannot know what the planner will write, so it lists everything
 after plan_parallelism as possibly affected (the checkpoint's placeholder); the narrow dependencies are proven after a real
 planner run (test_a_replan_reruns_only_the_stage_whose_layout_it_changed).

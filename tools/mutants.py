@@ -1,0 +1,149 @@
+"""Named one-line breaks of the pipeline's guarantees, and the tests that must catch each.
+
+    python tools/mutants.py              # every mutant: caught / missed / stale, then a table
+    python tools/mutants.py grpo-trains sampler-policy
+    python tools/mutants.py --list
+
+Each mutant is applied to a temporary copy of the working tree (tracked and untracked files
+that git does not ignore), and its tests run there with the copy's `src/` first on the path;
+the mutant is caught when they fail. A mutant whose `before` text is no longer found exactly
+once is stale: the code moved, and the list must follow it. Run it before resolving an issue
+that touches a guarded area, and give every new guarantee its mutant here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    guarantee: str
+    path: str
+    before: str
+    after: str
+    tests: tuple[str, ...]
+
+
+GRPO = "tests/test_grpo.py::"
+MUTANTS = (
+    Mutant("grpo-trains", "GRPO's loss reaches the weights through the engine",
+           "src/stagetrain/grpo/steps.py", "engine.backward(total * ga * run.layout.dp)", "engine.backward(total * 0.0)",
+           (GRPO + "test_flat_grpo_trains_through_the_engine_with_a_reference",)),
+    Mutant("sampler-policy", "the loss scores the policy that sampled (temperature, top-p)",
+           "src/stagetrain/grpo/steps.py", "scores = policy_scores(logits, temperature, top_p, keep=targets)",
+           "scores = logits.float()",
+           ("tests/test_grpo_sampling.py::test_the_trainer_scores_the_tokens_as_the_sampler_drew_them",)),
+    Mutant("global-normaliser", "GRPO's loss is normalised over the global batch (a dp change resumes)",
+           "src/stagetrain/grpo/steps.py", "total = _dp_sum(run, sum(sizes))", "total = sum(sizes)",
+           (GRPO + "test_grpo_on_two_ranks_resumes_on_one",)),
+    Mutant("global-sampling-key", "a prompt's completions are keyed by its global index, not its rank's",
+           "src/stagetrain/grpo/steps.py", "(run.spec[\"seed\"], step_no, first + i)", "(run.spec[\"seed\"], step_no, i)",
+           (GRPO + "test_grpo_on_two_ranks_resumes_on_one",)),
+    Mutant("held-out-every-family", "the held-out evaluation covers the corpus's families, not only the curriculum's",
+           "src/stagetrain/grpo/train.py", "evaluated_families(cfg.curriculum.families, meta)",
+           "list(cfg.curriculum.families)",
+           (GRPO + "test_tree_rollouts_share_prefixes_under_zero3",)),
+    Mutant("replay-leaves-curriculum", "replayed families never move the curriculum",
+           "src/stagetrain/grpo/curriculum.py", "if family in by_family and level ==",
+           "if level ==",
+           ("tests/test_grpo_math.py::test_replay_puts_its_share_of_other_families_in_each_step_and_leaves_the_curriculum",)),
+    Mutant("weights-only", "DeepSpeed's own checkpoint readers go through the weights-only unpickler",
+           "src/stagetrain/training/integrity.py", 'os.environ[FORCE] = "1"', "pass",
+           ("tests/test_checkpoint_integrity.py::test_deepspeeds_own_reader_refuses_a_crafted_file_under_weights_only_loads",)),
+    Mutant("group-timeout", "every process group, DeepSpeed's too, gets the collective timeout",
+           "src/stagetrain/training/engine.py", "    bound_every_group(timeout)\n", "\n",
+           ("tests/test_pretrain_unit.py::test_a_group_made_after_the_world_times_out_as_the_world_does",)),
+    Mutant("nan-refused", "a non-finite loss stops the run before a checkpoint of it is saved",
+           "src/stagetrain/training/metrics.py", 'if precision != "fp16" and not math.isfinite(value):',
+           "if False:", ("tests/test_pretrain_dist.py::test_a_diverged_run_stops_with_one_line_before_saving",)),
+    Mutant("exactly-once-data", "each data-parallel rank reads its own share of a step's windows",
+           "src/stagetrain/training/batches.py", "[dp_rank * per_rank : (dp_rank + 1) * per_rank]", "[:per_rank]",
+           ("tests/test_pretrain_unit.py",
+            "tests/test_pretrain_dist.py::test_two_ranks_match_one_rank_with_the_same_global_batch")),
+    Mutant("code-digest", "a stage reruns when a module it runs changes",
+           "src/stagetrain/codedeps.py", "        digest.update(path.read_bytes())\n", "\n",
+           ("tests/test_reruns.py::test_an_edited_library_module_reruns_the_stages_that_run_it",)),
+    Mutant("rerun-matrix", "a stage reruns when a config key it reads changes",
+           "workflow/rules/grpo.smk", '        grpo=config["grpo"],\n', "",
+           ("tests/test_reruns.py::test_rerun_matrix_over_every_config_key",)),
+    Mutant("lock", "a second run of a stage stops before it writes",
+           "src/stagetrain/training/checkpoints.py", "            raise StageError(error)\n", "            pass\n",
+           (GRPO + "test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line",)),
+)  # fmt: skip
+
+
+def copy_tree(into: Path) -> None:
+    """The working tree's files that git tracks or would track, copied under `into`."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file() or source.is_symlink():
+            target = into / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target, follow_symlinks=False)
+
+
+def run(mutant: Mutant) -> tuple[str, float]:
+    """'caught', 'missed' or 'stale', and the seconds its tests took."""
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        copy = Path(tmp)
+        copy_tree(copy)
+        path = copy / mutant.path
+        text = path.read_text()
+        if text.count(mutant.before) != 1:
+            return "stale", 0.0
+        path.write_text(text.replace(mutant.before, mutant.after))
+        env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+        began = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+                              cwd=copy, env=env, capture_output=True, text=True)  # fmt: skip
+        seconds = time.monotonic() - began
+        if done.returncode == 1:
+            return "caught", seconds
+        if done.returncode == 0:
+            return "missed", seconds
+        sys.stderr.write(done.stdout[-2000:] + done.stderr[-2000:])
+        return f"error (pytest exit {done.returncode})", seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests")
+    args = parser.parse_args()
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        sys.exit(f"error: unknown mutant {unknown[0]!r} (known: {', '.join(known)})")
+    chosen = [known[n] for n in args.names] or list(MUTANTS)
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.guarantee}\n    {m.path}: {m.before.strip()!r} -> {m.after.strip()!r}\n    " + "\n    ".join(m.tests))
+        return
+    results = []
+    for m in chosen:
+        outcome, seconds = run(m)
+        results.append((m, outcome))
+        print(f"{m.name:<26} {outcome:<8} {seconds:6.0f} s", flush=True)
+    print("\n| mutant | guarantee | result |\n| --- | --- | --- |")
+    for m, outcome in results:
+        print(f"| {m.name} | {m.guarantee} | {outcome} |")
+    missed = [m.name for m, outcome in results if outcome != "caught"]
+    sys.exit(f"not caught: {', '.join(missed)}" if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
