@@ -155,3 +155,39 @@ def test_deepspeeds_own_reader_refuses_a_crafted_file_under_weights_only_loads(t
     assert not marker.exists()
     TorchCheckpointEngine().load(str(path), map_location="cpu")
     assert marker.exists()  # the reader alone would have run it
+
+
+def test_tags_without_a_pointer_rebuild_it_and_survive_the_next_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lost latest.json is not a fresh start: the fresh run's first save would prune every
+    intact checkpoint. The pointer is rebuilt from the intact tags, and the run resumes."""
+    ckpt = saved(tmp_path, [2, 4, 6], keep=3)
+    (ckpt.folder / "latest.json").unlink()
+    truncate(ckpt.folder / "step00000006" / "mp_rank_00_model_states.pt")  # a save killed halfway
+    with caplog.at_level(logging.WARNING, logger="stagetrain"):
+        point = ckpt.latest()
+    assert point["tag"] == "step00000004" and point["complete"] == ["step00000004", "step00000002"]
+    assert "latest.json was missing; rebuilt it from the 2 intact checkpoint(s)" in caplog.text
+    assert "step00000006 not intact" in caplog.text
+    ckpt.save(FakeEngine(ZERO2), 6, {"step": 6})
+    assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000002", "step00000004", "step00000006"]
+
+
+def test_without_a_pointer_or_an_intact_tag_the_run_starts_fresh(tmp_path: Path) -> None:
+    ckpt = saved(tmp_path, [2])
+    (ckpt.folder / "latest.json").unlink()
+    truncate(ckpt.folder / "step00000002" / "mp_rank_00_model_states.pt")
+    assert ckpt.latest() is None
+    assert not (ckpt.folder / "latest.json").exists()
+
+
+def test_a_save_never_prunes_a_tag_its_pointer_did_not_list(tmp_path: Path) -> None:
+    ckpt = saved(tmp_path, [2, 4, 6], keep=3)
+    pointer = json.loads((ckpt.folder / "latest.json").read_text())
+    listed = {**pointer, "complete": ["step00000006", "step00000004"],
+              "layouts": {t: ZERO2 for t in ("step00000006", "step00000004")}}  # fmt: skip
+    (ckpt.folder / "latest.json").write_text(json.dumps(listed))  # step 2 unlisted (restored by hand)
+    small = saved(tmp_path, [8], keep=2)
+    assert small.folder == ckpt.folder
+    assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000002", "step00000006", "step00000008"]

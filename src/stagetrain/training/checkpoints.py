@@ -138,7 +138,7 @@ class Checkpoints:
         group = dist.new_group(backend="gloo", timeout=RESUME_DECISION_TIMEOUT) if wide else None
         if self.rank == 0:
             try:
-                outcome = ("ok", self._loadable(resume_point(self.folder)))
+                outcome = ("ok", self._loadable(resume_point(self.folder, self.layout)))
             except StageError as err:
                 outcome = ("error", str(err))
         if wide:
@@ -205,9 +205,11 @@ class Checkpoints:
         layouts = {**earlier["layouts"], tag: self.layout}
         atomic_write_json(pointer, {"tag": tag, "step": step, "layout": self.layout, "complete": complete,
                                     "layouts": {t: layouts[t] for t in complete}})  # fmt: skip
-        # a universal copy (or a killed conversion's temp folder) goes with its tag
+        # Pruned: the tags the pointer listed that fell out of `keep`, with their universal copies
+        # (or a killed conversion's temp folder). A tag no pointer listed is not this run's to drop.
+        dropped = set(earlier["complete"]) - set(complete)
         for old in [*self.folder.glob("step*"), *self.folder.glob(".step*.tmp")]:
-            if old.is_dir() and reshard.source_tag(old.name) not in complete:
+            if old.is_dir() and reshard.source_tag(old.name) in dropped:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s saved in %s", tag, self.folder)
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from stagetrain.errors import StageError
-from stagetrain.io import read_json
+from stagetrain.io import atomic_write_json, read_json
 
 log = logging.getLogger("stagetrain")
 POINTER = "latest.json"
@@ -88,6 +88,33 @@ def load_file(path: Path) -> Any:
         raise StageError(
             f"{path}: unreadable, truncated or corrupt ({type(err).__name__})"
         ) from None
+
+
+def rebuild_pointer(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] | None:
+    """Write latest.json anew from the tags in `folder` that are intact under `layout`, newest
+    first, and say so; None (nothing written) when no tag is. Tags of another layout cannot be
+    checked without the pointer's record of it: they are named in the log and left alone."""
+    tags = sorted((p.name for p in folder.glob("step*") if p.is_dir() and TAG.fullmatch(p.name)),
+                  key=step_of, reverse=True)  # fmt: skip
+    intact, other = [], []
+    for tag in tags:
+        try:
+            check_tag(folder, tag, layout)
+            intact.append(tag)
+        except StageError:
+            other.append(tag)
+    if other:
+        log.warning("%s: no %s, and %s not intact under this run's layout (dp=%d tp=%d ZeRO-%d): left "
+                    "as they are, never resumed from", folder, POINTER, ", ".join(other),
+                    layout["dp"], layout["tp"], layout["zero_stage"])  # fmt: skip
+    if not intact:
+        return None
+    pointer = {"tag": intact[0], "step": step_of(intact[0]), "layout": dict(layout), "complete": intact,
+               "layouts": {t: dict(layout) for t in intact}}  # fmt: skip
+    atomic_write_json(folder / POINTER, pointer)
+    log.warning("%s: %s was missing; rebuilt it from the %d intact checkpoint(s) here (%s), "
+                "resuming from %s", folder, POINTER, len(intact), ", ".join(intact), intact[0])  # fmt: skip
+    return pointer
 
 
 def read_pointer(path: Path) -> dict[str, Any]:
@@ -172,18 +199,21 @@ def check_tag(folder: Path, tag: str, layout: Mapping[str, int]) -> list[Path]:
     return files
 
 
-def resume_point(folder: Path) -> dict[str, Any] | None:
+def resume_point(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] | None:
     """The newest complete, intact checkpoint in `folder`, or None if there is none yet.
 
     Each tag is checked against the layout that wrote it (`layout` of the
     result); whether and how it resumes under this run's layout is
     `stagetrain.training.reshard`'s decision. A damaged newest checkpoint falls
     back to the next complete one the pointer lists (logged); with none left
-    the first damage is the error.
+    the first damage is the error. Tags without a pointer (it was deleted or
+    lost) are not a fresh start: the pointer is rebuilt from those intact under
+    this run's `layout` (`rebuild_pointer`), which would otherwise be overwritten
+    and pruned by the fresh run's first save.
     """
     path = folder / POINTER
     if not path.exists():
-        return None
+        return rebuild_pointer(folder, layout)
     pointer = read_pointer(path)
     damage = []
     for tag in pointer["complete"]:
