@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
+import subprocess
+import sys
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
+from harness.workflow import REPO
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from stagetrain.errors import StageError
 from stagetrain.grpo.advantages import (
@@ -689,3 +695,28 @@ def test_replay_puts_its_share_of_other_families_in_each_step_and_leaves_the_cur
     update_all(curriculum, cfg, 1, [("counting", 1, 1.0)] * 16 + [("comparison", 1, 0.0)])
     assert set(curriculum.states) == {"comparison"}
     assert curriculum.states["comparison"].recent == [0]
+
+
+@pytest.mark.slow
+def test_train_on_makes_the_global_batchs_update_however_dp_and_accumulation_cut_it(
+    tmp_path: Path, comm_op: None
+) -> None:
+    """The stage's own `train_on` through DeepSpeed (tests/dist/grpo_normaliser.py): 2 ranks x 2
+    micro batches and 1 rank x 3 of one global batch give the same weights, under SGD, whose
+    update is the gradient itself. A per-rank normaliser weighs the ranks' kept tokens apart."""
+    weights = {}
+    for dp, ga in ((2, 2), (1, 3)):
+        out = tmp_path / f"dp{dp}"
+        out.mkdir()
+        proc = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node",
+                               str(dp), str(REPO / "tests/dist/grpo_normaliser.py"), str(out), str(ga)],
+                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        weights[dp] = torch.load(out / "weights.pt")
+    assert max((weights[1][k] - weights[2][k]).abs().max().item() for k in weights[1]) < 1e-6
+    torch.manual_seed(0)
+    start = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=32)).state_dict()  # fmt: skip
+    assert max((weights[1][k] - start[k]).abs().max().item() for k in start) > 1e-3  # it stepped
