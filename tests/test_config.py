@@ -163,6 +163,29 @@ def test_a_whole_number_float_is_refused_for_every_integer_key(
     assert str(err.value).endswith(f"got {float(whole)!r}") and "\n" not in str(err.value)
 
 
+NUMBER_KEYS = _keys_of_type("number")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_number_is_refused_for_every_number_key(bad: float) -> None:
+    """JSON Schema's bounds are comparisons, which NaN passes: `grpo.temperature: .nan` trained
+    to rc 0 on one repeated token, and a NaN lr reached the DeepSpeed config."""
+    assert {"grpo.temperature", "pretrain.optimizer.lr", "grpo.curriculum.promote_at", "grpo.tree.uct_c"} <= {
+        d for d, _ in NUMBER_KEYS
+    }  # fmt: skip
+    for dotted, _ in NUMBER_KEYS:
+        with pytest.raises(StageError) as err:
+            stconfig.validate(_nested(dotted, bad))
+        message = str(err.value)
+        assert message.startswith(f"config: {dotted}: expected a finite number"), message
+        assert message.endswith(f", got {bad!r}") and "\n" not in message
+
+
+def test_the_seed_is_bounded_to_what_every_generator_takes() -> None:
+    with pytest.raises(StageError, match=r"^config: run.seed: expected a value <= 4294967295, got 10{23}$"):
+        stconfig.validate({"run": {"seed": 10**23}})
+
+
 PATTERN_KEYS = [(dotted, sub) for dotted, sub in _walk(stconfig.schema()) if "pattern" in sub]
 
 

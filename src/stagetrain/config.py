@@ -23,6 +23,7 @@ What the plain tools get wrong, and why this module exists:
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Mapping
 from functools import cache
@@ -98,6 +99,12 @@ def _is_whole_number(checker: Any, instance: Any) -> bool:
     return isinstance(instance, int) and not isinstance(instance, bool)
 
 
+def _is_finite_number(checker: Any, instance: Any) -> bool:
+    """`number` as the stages need it: finite. JSON Schema's bounds are comparisons, which NaN
+    passes all of (`.nan` as a temperature sampled nothing but one token, to rc 0)."""
+    return isinstance(instance, int | float) and not isinstance(instance, bool) and math.isfinite(instance)
+
+
 def _full_match(validator, pattern, instance, schema):  # noqa: ANN001, ANN202
     """`pattern` matched against the whole string (re.fullmatch), not searched in it."""
     if validator.is_type(instance, "string") and re.fullmatch(pattern, instance) is None:
@@ -105,7 +112,8 @@ def _full_match(validator, pattern, instance, schema):  # noqa: ANN001, ANN202
 
 
 def _strict(validator_class: type) -> type:
-    """Extend a validator class: defaults filled, whole-number integers, whole-string patterns.
+    """Extend a validator class: defaults filled, whole-number integers, finite numbers,
+    whole-string patterns.
 
     The defaults are filled by `properties` as snakemake.utils.validate does it,
     with two differences: defaults are deep-copied (a shared `{}` default would
@@ -124,7 +132,9 @@ def _strict(validator_class: type) -> type:
     return validators.extend(
         validator_class,
         {"properties": fill_defaults, "pattern": _full_match},
-        type_checker=validator_class.TYPE_CHECKER.redefine("integer", _is_whole_number),
+        type_checker=validator_class.TYPE_CHECKER.redefine_many(
+            {"integer": _is_whole_number, "number": _is_finite_number}
+        ),
     )
 
 
@@ -147,6 +157,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if kind == "type":
         kinds = error.validator_value
         expected = " or ".join(kinds) if isinstance(kinds, list) else kinds
+        if isinstance(error.instance, float) and not math.isfinite(error.instance):
+            expected = f"a finite {expected}"
         return f"{path}: expected {expected}, got {error.instance!r}"
     if kind == "enum":
         options = ", ".join(repr(v) for v in error.validator_value)
