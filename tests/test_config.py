@@ -280,3 +280,22 @@ def test_init_from_a_folder_without_weights_is_one_line(tmp_path: Path) -> None:
     ) as err:
         build_config(model, 512)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("grpo", "message"),
+    [
+        ({"curriculum": {"demote_below": 0.8, "promote_at": 0.7}}, "grpo.curriculum.demote_below: must be < promote_at 0.7 (got 0.8)"),
+        ({"curriculum": {"start_level": 4, "max_level": 3}}, "grpo.curriculum.max_level: must be >= start_level 4 (got 3)"),
+        ({"clip_eps_low": 1.0}, "grpo.clip_eps_low: expected a value < 1, got 1.0"),
+        ({"rollout": "tree", "tree": {"branching": 8}, "group_size": 4},
+         "grpo.tree.branching: expected at most grpo.group_size (4), the leaves a tree is grown to, got 8"),
+    ],
+    ids=["demote-above-promote", "start-above-max", "clip-low-1", "branching-above-group"],
+)  # fmt: skip
+def test_grpo_settings_that_keys_decide_together_fail_with_the_config(grpo: dict[str, Any], message: str) -> None:
+    """What the GRPO ranks refused 140 s in, after pretraining, is refused where the Snakefile
+    validates the config (so `snakemake -n` says it)."""
+    with pytest.raises(StageError) as err:
+        stconfig.validate({"grpo": grpo})
+    assert str(err.value) == f"config: {message}"

@@ -185,7 +185,24 @@ def validate(config: Mapping[str, Any], source: str = "config") -> dict[str, Any
     if best is not None:
         raise StageError(f"{source}: {_describe(best)}")
     _check_curriculum_families(filled, source)
+    _check_grpo_settings(filled, source)
     return filled
+
+
+def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
+    """The GRPO settings that keys decide together, checked by the classes the stage builds
+    (so at DAG time, not 140 s into the GRPO ranks after pretraining has run)."""
+    from stagetrain.grpo.curriculum import CurriculumConfig
+    from stagetrain.grpo.tree import TreeConfig
+
+    grpo = config["grpo"]
+    try:
+        CurriculumConfig(**{k: v for k, v in grpo["curriculum"].items() if k != "families"})
+        if grpo["rollout"] == "tree":
+            TreeConfig(**grpo["tree"], max_leaves=grpo["group_size"], max_tokens=grpo["group_size"] * grpo["max_new_tokens"],
+                       max_new_tokens=grpo["max_new_tokens"], eos_id=0)  # fmt: skip
+    except StageError as err:
+        raise StageError(f"{source}: {err}") from None
 
 
 def _check_curriculum_families(config: Mapping[str, Any], source: str) -> None:

@@ -80,6 +80,11 @@ class TreeConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise StageError(f"grpo.tree.{key}: expected an integer >= {low}, got {value!r}")
+        if self.branching > self.max_leaves:
+            raise StageError(
+                f"grpo.tree.branching: expected at most grpo.group_size ({self.max_leaves}), the "
+                f"leaves a tree is grown to, got {self.branching}"
+            )
         for key in ("uct_c", "branch_entropy"):
             c = getattr(self, key)
             if isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < math.inf:
