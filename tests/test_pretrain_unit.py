@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -121,6 +122,20 @@ def test_metrics_log_keeps_only_registered_keys_and_truncates_on_resume(tmp_path
     MetricsLog(path, resume_step=3, registry=METRICS)  # a restart from the step-3 checkpoint
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     assert all("/" in key or key == "step" for key in METRICS)
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk or a kill mid-append leaves half a line; every resume failed on it."""
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, resume_step=0, registry=METRICS)
+    for step in range(1, 4):
+        log.write({"step": step, "train/loss": 1.0 / step})
+    with open(path, "a") as handle:
+        handle.write('{"step": 4, "train/lo')
+    with caplog.at_level(logging.WARNING, logger="stagetrain"):
+        MetricsLog(path, resume_step=3, registry=METRICS)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert "its last line is torn" in caplog.text
 
 
 def test_ranks_get_their_share_of_the_cores_whatever_snakemake_set() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from stagetrain.errors import StageError
+from stagetrain.io import atomic_write_text
 
 log = logging.getLogger("stagetrain")
 WINDOW_LOG = "STAGETRAIN_WINDOW_LOG"
@@ -89,6 +90,19 @@ def tensorboard_dir(spec: dict[str, Any]) -> Path | None:
     return Path(spec["tensorboard"]) if "tensorboard" in spec else None
 
 
+def _whole_lines(path: Path) -> list[str]:
+    """The records of a metrics file, less a torn last line (an append cut by a kill or a full
+    disk), which is logged and dropped: it is past the checkpoint the run resumes from."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            log.warning("%s: its last line is torn (%d characters); dropped", path, len(lines[-1]))
+            lines.pop()
+    return lines
+
+
 class MetricsLog:
     """Appends records to a JSON-lines file whose keys must all be in `registry`, and
     to TensorBoard event files in `events` and a Weights & Biases run (`wandb`) when given."""
@@ -118,12 +132,8 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if path.exists():  # after a restart, keep what the resumed checkpoint had reached
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if json.loads(line)["step"] <= resume_step
-            ]
-        path.write_text("".join(f"{line}\n" for line in kept))
+            kept = [line for line in _whole_lines(path) if json.loads(line)["step"] <= resume_step]
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (unknown keys are a bug: raise)."""
