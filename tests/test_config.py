@@ -89,6 +89,8 @@ def test_snakemake_validate_fills_the_same_defaults() -> None:
         ({"parallelism": {"zero_stage": 4}}, "config: parallelism.zero_stage: expected a value <= 3, got 4"),
         ({"deepspeed": {"precision": "fp8"}}, "config: deepspeed.precision: expected one of 'auto', 'bf16', 'fp16', 'fp32', got 'fp8'"),
         ({"run": {"name": "../escape"}}, "config: run.name: expected a string matching"),
+        ({"run": {"name": "a" * 300}}, "config: run.name: expected at most 100 characters, got 300"),
+        ({"pretrain": {1: 2, "stepz": 3}}, "config: pretrain.1: unknown key"),  # a number key: no TypeError
     ],
 )  # fmt: skip
 def test_bad_values_are_one_line_errors_naming_the_key(raw: dict[str, Any], message: str) -> None:

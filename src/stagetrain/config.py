@@ -147,7 +147,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
     kind = error.validator
     if kind == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
-        extra = sorted(set(error.instance) - set(allowed))
+        extra = sorted(set(error.instance) - set(allowed), key=str)  # YAML keys may be numbers
         where = f"{path}." if error.absolute_path else ""
         return f"{where}{extra[0]}: unknown key (allowed here: {', '.join(allowed) or 'none'})"
     if kind == "required":
@@ -168,6 +168,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return (
             f"{path}: expected a value {sign[kind]} {error.validator_value}, got {error.instance!r}"
         )
+    if kind == "maxLength":
+        return f"{path}: expected at most {error.validator_value} characters, got {len(error.instance)}"
     if kind == "pattern":
         return f"{path}: expected a string matching {error.validator_value}, got {error.instance!r}"
     return f"{path}: {error.message}"
