@@ -77,6 +77,25 @@ def test_a_missing_local_file_is_one_line_naming_its_key(sections: dict, line: s
     assert str(err.value) == line
 
 
+@pytest.mark.parametrize("key", ["model.init_from", "tokenizer.path"])
+def test_a_hub_id_whose_namespace_is_a_local_folder_must_say_which_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    """`models/my-modell` (misspelt, with models/ here) was asked of the hub."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "my-model").mkdir(parents=True)
+    section, name = key.split(".")
+    changes = {name: "models/my-modell"} | ({"source": "pretrained"} if section == "tokenizer" else {})
+    with pytest.raises(StageError) as err:
+        local_inputs(_config(**{section: changes}))
+    assert str(err.value) == (
+        f"config: {key}: 'models/my-modell' is not a local folder, so it would be taken for a hub id, "
+        "though models/ is a folder here: write ./models/my-modell for a local folder (then it must "
+        "exist), or move models/ away to mean the hub repository"
+    )
+    assert not any(local_inputs(_config(**{section: {**changes, name: "org/model"}})).values())
+
+
 def test_a_derived_file_with_the_same_content_keeps_its_modification_time(tmp_path: Path) -> None:
     path = tmp_path / "plan" / "vocab.json"
     assert write_json_if_changed(path, {"tp": 2})

@@ -29,6 +29,19 @@ def looks_local(value: str) -> bool:
     )
 
 
+def refuse_misspelt_folder(key: str, value: str) -> None:
+    """A hub id whose namespace is a local folder here is far likelier a misspelt local path
+    (`models/my-modell`) than a repository: taken for a hub id, a network would fetch someone
+    else's. Such a value must say which it is."""
+    namespace = value.split("/", 1)[0]
+    if not looks_local(value) and "/" in value and Path(namespace).is_dir():
+        raise StageError(
+            f"config: {key}: {value!r} is not a local folder, so it would be taken for a hub id, "
+            f"though {namespace}/ is a folder here: write ./{value} for a local folder (then it must "
+            f"exist), or move {namespace}/ away to mean the hub repository"
+        )
+
+
 def _folder_files(key: str, value: str) -> list[str]:
     """Every file under a local folder (or the file itself), sorted."""
     path = Path(value).expanduser()
@@ -71,9 +84,13 @@ def local_inputs(config: Mapping[str, Any]) -> dict[str, list[str]]:
             )
         found["task_files"].append(task_file)
     tokenizer = config["tokenizer"]["path"]
-    if config["tokenizer"]["source"] == "pretrained" and tokenizer and looks_local(tokenizer):
-        found["tokenizer"] = _folder_files("tokenizer.path", tokenizer)
+    if config["tokenizer"]["source"] == "pretrained" and tokenizer:
+        refuse_misspelt_folder("tokenizer.path", tokenizer)
+        if looks_local(tokenizer):
+            found["tokenizer"] = _folder_files("tokenizer.path", tokenizer)
     init_from = config["model"]["init_from"]
+    if init_from:
+        refuse_misspelt_folder("model.init_from", init_from)
     if init_from and looks_local(init_from):
         found["init_from"] = _folder_files("model.init_from", init_from)
         found["init_from_config"] = [
