@@ -248,3 +248,33 @@ def test_a_group_made_after_the_world_times_out_as_the_world_does(tmp_path: Path
             proc.wait()
     seconds = float(out.split("gave up after ")[1].split()[0])
     assert 2.5 < seconds < 20, out
+
+
+@pytest.mark.parametrize(
+    ("change", "kind", "first"),
+    [
+        ({"num_hidden_layers": 5}, "missing", "model.layers.4.input_layernorm.weight"),
+        ({"num_hidden_layers": 3}, "unexpected", "model.layers.3.input_layernorm.weight"),
+        ({"intermediate_size": 48}, "mismatched", "model.layers.0.mlp.down_proj.weight"),
+    ],
+    ids=["a-layer-missing", "a-layer-too-many", "a-shape-wrong"],
+)
+def test_init_from_weights_that_do_not_match_their_config_are_one_line(
+    tmp_path: Path, change: dict[str, int], kind: str, first: str
+) -> None:
+    """transformers only warns about them, and a missing fifth layer stayed random, was trained,
+    consolidated and 'verified'."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stagetrain.training.engine import load_pretrained
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    load_pretrained(str(tmp_path))  # as saved: loads
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, **change}))
+    with pytest.raises(StageError) as err:
+        load_pretrained(str(tmp_path))
+    assert str(err.value).startswith(f"model.init_from: {tmp_path}: ") and "\n" not in str(err.value)
+    assert f" {kind} weight(s) against its config.json, the first {first!r}" in str(err.value)

@@ -33,7 +33,7 @@ from typing import Any
 
 import deepspeed
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
 from stagetrain.embeddings import resize_embeddings
@@ -150,6 +150,24 @@ def local_elements(model: torch.nn.Module) -> tuple[int, int]:
     return local, total
 
 
+def load_pretrained(folder: str) -> PreTrainedModel:
+    """The model of `folder` (model.init_from, or the consolidated model GRPO starts from), in
+    fp32, refused in one line when its weights do not match its config.json: transformers
+    only warns, and leaves a missing tensor (a fifth layer of a four-layer file) random."""
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=False, dtype=torch.float32, output_loading_info=True,
+        ignore_mismatched_sizes=True,  # reported in the loading info, refused below in one line
+    )
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(k[0] if isinstance(k, tuple) else k for k in info.get(kind) or ())
+        if keys:
+            raise StageError(
+                f"model.init_from: {folder}: {len(keys)} {kind.replace('_keys', '')} weight(s) against "
+                f"its config.json, the first {keys[0]!r}: the folder's weights and config do not match"
+            )
+    return model
+
+
 def build(
     *,
     config: PretrainedConfig,
@@ -163,9 +181,7 @@ def build(
     hook = HfDeepSpeedConfig(dict(ds_config)) if zero3 else None
     torch.manual_seed(seed)
     if init_from:
-        model = AutoModelForCausalLM.from_pretrained(
-            init_from, trust_remote_code=False, dtype=torch.float32
-        )
+        model = load_pretrained(init_from)
     else:
         model = AutoModelForCausalLM.from_config(config)
         init_weights(model, seed=seed, std=config.initializer_range)
