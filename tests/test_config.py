@@ -158,6 +158,8 @@ def test_a_whole_number_float_is_refused_for_every_integer_key(
     """JSON Schema counts 512.0 as an integer; the stages count with it and crash, so it is refused."""
     whole = max(sub.get("minimum", 1), 1)
     whole = min(whole, sub.get("maximum", whole))
+    if dotted == "model.max_position_embeddings":
+        whole = 4096  # at least the default sequence lengths (test_settings_that_would_truncate...)
     stconfig.validate(_nested(dotted, whole))  # the same number as an int is fine
     with pytest.raises(StageError) as err:
         stconfig.validate(_nested(dotted, float(whole)))
@@ -300,4 +302,24 @@ def test_grpo_settings_that_keys_decide_together_fail_with_the_config(grpo: dict
     validates the config (so `snakemake -n` says it)."""
     with pytest.raises(StageError) as err:
         stconfig.validate({"grpo": grpo})
+    assert str(err.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"pretrain": {"seq_len": 512}}, "pretrain.seq_len: 512 tokens, more than model.max_position_embeddings (256)"),
+        ({"grpo": {"max_new_tokens": 300}},
+         "grpo.max_prompt_len + grpo.max_new_tokens: 364 tokens, more than model.max_position_embeddings (256)"),
+        ({"grpo": {"curriculum": {"earlier_share": 1.0}}}, "grpo.curriculum.earlier_share: expected a value < 1, got 1.0"),
+    ],
+    ids=["pretrain-seq", "grpo-seq", "earlier-share-1"],
+)  # fmt: skip
+def test_settings_that_would_truncate_or_freeze_silently_are_refused(changes: dict, message: str) -> None:
+    config = default_config()
+    for section, values in changes.items():
+        for key, value in values.items():
+            config[section][key] = {**config[section][key], **value} if isinstance(value, dict) else value
+    with pytest.raises(StageError) as err:
+        stconfig.validate(config)
     assert str(err.value) == f"config: {message}"

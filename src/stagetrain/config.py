@@ -188,7 +188,23 @@ def validate(config: Mapping[str, Any], source: str = "config") -> dict[str, Any
         raise StageError(f"{source}: {_describe(best)}")
     _check_curriculum_families(filled, source)
     _check_grpo_settings(filled, source)
+    _check_positions(filled, source)
     return filled
+
+
+def _check_positions(config: Mapping[str, Any], source: str) -> None:
+    """Sequences no longer than the model's positions (from scratch; an init_from model's are
+    known only once its config is read): transformers accepted longer ones silently."""
+    limit = config["model"].get("max_position_embeddings")
+    if config["model"]["init_from"] or limit is None:
+        return
+    grpo = config["grpo"]
+    for key, length in (("pretrain.seq_len", config["pretrain"]["seq_len"]),
+                        ("grpo.max_prompt_len + grpo.max_new_tokens", grpo["max_prompt_len"] + grpo["max_new_tokens"])):  # fmt: skip
+        if length > limit:
+            raise StageError(
+                f"{source}: {key}: {length} tokens, more than model.max_position_embeddings ({limit})"
+            )
 
 
 def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
