@@ -145,6 +145,6 @@ def test_grpo_evaluates_the_curriculum_then_every_other_built_in_corpus_family()
     from stagetrain.grpo.train import evaluated_families
 
     meta = {"sources": [{"record": {"kind": "files"}},
-                        {"record": {"kind": "generated", "families": ["counting", "comparison"]}}]}  # fmt: skip
+                        {"record": {"kind": "generated", "families": ["counting", "comparison"], "max_level": 2}}]}  # fmt: skip
     assert evaluated_families(["comparison"], meta) == ["comparison", "counting"]
     assert evaluated_families(["arithmetic"], {"sources": []}) == ["arithmetic"]
