@@ -8,11 +8,11 @@ For each seed, the default pipeline (config/config.yaml, run.seed = the seed, ru
 forgetting-s<seed>) is run through Snakemake once; then, for each variant, only its GRPO stage
 and consolidation rerun on the same pretrained model:
 
-    none     the default config's grpo section
-    kl       grpo.kl_coef = --kl (k3 to a frozen copy of the start model, on the step's prompts)
+    none     the default config's grpo section without a KL term (grpo.kl_coef = 0)
+    kl       grpo.kl_coef = --kl (k3 to a frozen copy of the start model, on every completion)
     replay   grpo.replay.share = --replay (the corpus's other families mixed into the prompts)
     both     the two together
-    both+tis both, with the sampler correction grpo.sampler_correction = {cap: 2}
+    kl+tis   kl, with the sampler correction grpo.sampler_correction = {cap: 2}
 
 Each variant's GRPO summary is copied to <out>/s<seed>-<variant>.json. Prints, per seed and
 variant, the held-out gain over the curriculum's families with its standard error, every
@@ -35,17 +35,16 @@ from typing import Any
 
 import yaml
 
-VARIANTS = ("none", "kl", "replay", "both", "both+tis")
+VARIANTS = ("none", "kl", "replay", "both", "kl+tis")
 
 
 def grpo_changes(variant: str, kl: float, replay: float) -> dict[str, Any]:
     """The grpo keys a variant sets over the default config."""
     out: dict[str, Any] = {}
-    if variant in ("kl", "both", "both+tis"):
-        out["kl_coef"] = kl
-    if variant in ("replay", "both", "both+tis"):
+    out["kl_coef"] = kl if variant in ("kl", "both", "kl+tis") else 0.0
+    if variant in ("replay", "both"):
         out["replay"] = {"share": replay}
-    if variant == "both+tis":
+    if variant == "kl+tis":
         out["sampler_correction"] = {"cap": 2.0}
     return out
 
