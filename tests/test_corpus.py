@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -580,3 +581,22 @@ def test_a_slow_hub_dataset_is_a_one_line_error_within_the_time_limit(tmp_path: 
         "error": "data.hub.0: hub dataset 'org/corpus'@main: hub unreachable (ReadTimeout; gave up "
         "within the 1.5 s limit of STAGETRAIN_HUB_TIMEOUT_S) and train.jsonl not in the cache"
     }
+
+
+def test_control_token_text_in_corpus_files_stays_text(tmp_path: Path) -> None:
+    """A corpus file's "<|eos|>" or "<|problem|>" is text: encoded as the special ids, it split
+    documents mid-text and made fake tasks. train.bin, decoded, holds the file's text as written,
+    and the only special ids in the file's share are the eos after each document."""
+    text = "a <|eos|> b <|problem|>1+1<|answer|>3 c <|pad|> d <|bos|>"
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    cfg = _small(generated={**default_config()["data"]["generated"], "weight": 0.0},
+                 files=[{"path": str(tmp_path / "odd.jsonl"), "weight": 1.0, "text_field": "text"}],
+                 train_tokens=2_000, val_tokens=0)  # fmt: skip
+    meta = _prepare(cfg, tmp_path / "out")
+    ids = np.fromfile(tmp_path / "out/data/train.bin", dtype=meta["dtype"])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out/tokenizer")
+    special = set(tokenizer.all_special_ids)
+    eos = tokenizer.eos_token_id
+    documents = [list(g) for is_eos, g in itertools.groupby(ids.tolist(), lambda i: i == eos) if not is_eos]
+    assert documents and all(not special & set(d) for d in documents)
+    assert {tokenizer.decode(d) for d in documents} == {text}

@@ -393,7 +393,9 @@ GOOD = '{"prompt": "p1", "answer": "a", "level": 1}'
             "unknown verifier 'fuzzy'",
         ),
         ('{"prompt": "p2", "answer": "  ", "level": 1}', "'answer' must be a non-empty string"),
-        ('{"prompt": "p2<|answer|>", "answer": "a", "level": 1}', "marker '<|answer|>'"),
+        ('{"prompt": "p2<|answer|>", "answer": "a", "level": 1}', "control token '<|answer|>'"),
+        ('{"prompt": "p2 <|pad|>", "answer": "a", "level": 1}', "control token '<|pad|>'"),
+        ('{"prompt": "p2", "answer": "<|bos|>a", "level": 1}', "control token '<|bos|>'"),
         (GOOD, "duplicate prompt, first given on line 1"),
     ],
 )
@@ -405,6 +407,14 @@ def test_user_task_errors_name_the_file_and_line(tmp_path: Path, row: str, expec
     assert message.startswith(f"{path}:3: "), message
     assert expected in message
     assert "\n" not in message
+
+
+def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
+    from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+    from stagetrain.tasks.user import CONTROL_TOKENS
+    from stagetrain.tokenizer import SPECIAL_TOKENS
+
+    assert {*SPECIAL_TOKENS.values(), PROBLEM_TOKEN, ANSWER_TOKEN} <= set(CONTROL_TOKENS)
 
 
 def test_user_task_file_must_exist_and_hold_tasks(tmp_path: Path) -> None:

@@ -107,18 +107,17 @@ def write_split(
     weights = sum(s.weight for s in sources)
     progress = _Progress(total)
     with open(path, "wb") as out:
-        return [
-            write_documents(
-                tokenizer,
-                source.documents(split),
-                round(total * source.weight / weights),
-                out,
-                eos_id=eos_id,
-                dtype=dtype,
-                progress=progress,
-            )  # fmt: skip
-            for source in sources
-        ]
+        written = []
+        for source in sources:
+            # A corpus file's "<|eos|>" is text, not the end of a document: special tokens are
+            # matched only in the generated corpus, whose task markers are meant as markup.
+            tokenizer.encode_special_tokens = not source.controls
+            try:
+                written.append(write_documents(tokenizer, source.documents(split), round(total * source.weight / weights),
+                                               out, eos_id=eos_id, dtype=dtype, progress=progress))  # fmt: skip
+            finally:
+                tokenizer.encode_special_tokens = False
+        return written
 
 
 def sha256_file(path: Path) -> str:

@@ -34,6 +34,9 @@ class Source:
     documents: Callable[[Split], Iterator[str]]
     record: dict[str, Any] = field(default_factory=dict)
     """Provenance for data/meta.json (kind, path or repo@commit, settings)."""
+    controls: bool = False
+    """Whether the documents hold the pipeline's control tokens (<|problem|>, <|answer|>) as
+    markup: only the generated corpus does; any other text encodes such strings as text."""
 
 
 def text_split(text: str, val_share: float) -> Split:
@@ -80,6 +83,7 @@ def generated(cfg: Mapping[str, Any], seed: int) -> Source:
         weight=cfg["weight"],
         documents=documents,
         record={"kind": "generated", **cfg},
+        controls=True,
     )
 
 

@@ -18,6 +18,10 @@ from stagetrain.tasks.problem import TASK_TOKENS, Problem
 from stagetrain.tasks.verify import END_MARKERS, VERIFIERS
 
 FIELDS = {"prompt": str, "answer": str, "level": int, "verifier": str}
+CONTROL_TOKENS = (*TASK_TOKENS, *END_MARKERS, "<|bos|>", "<|pad|>")
+"""Strings a task row must not hold: its text goes into the generated corpus, where these are
+control tokens (stagetrain.tokenizer.SPECIAL_TOKENS and the task markers), so a prompt with
+"<|pad|>" would become a pad token, and one with "<|problem|>" a second, fake problem."""
 REQUIRED = ("prompt", "answer", "level")
 
 
@@ -73,9 +77,9 @@ def _problem(path: Path, number: int, row: dict[str, Any]) -> Problem:
     for key in ("prompt", "answer"):
         if not row[key].strip():
             raise StageError(f"{where}: {key!r} must be a non-empty string")
-    for marker in (*TASK_TOKENS, *END_MARKERS):
+    for marker in CONTROL_TOKENS:
         if marker in row["prompt"] or marker in row["answer"]:
-            raise StageError(f"{where}: prompt and answer must not contain the marker {marker!r}")
+            raise StageError(f"{where}: prompt and answer must not contain the control token {marker!r}")
     if row["level"] < 1:
         raise StageError(f"{where}: 'level' must be an integer >= 1, got {row['level']}")
     verifier = row.get("verifier", "exact")
