@@ -323,3 +323,20 @@ def test_settings_that_would_truncate_or_freeze_silently_are_refused(changes: di
     with pytest.raises(StageError) as err:
         stconfig.validate(config)
     assert str(err.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        (["tasks/counting.jsonl"], "data.generated.task_files.0: 'tasks/counting.jsonl' would be the family 'counting', a built-in family's name; rename the file"),
+        (["a/capitals.jsonl", "b/capitals.jsonl"], "data.generated.task_files.1: 'b/capitals.jsonl' would be the family 'capitals', as 'a/capitals.jsonl' is; rename one"),
+    ],
+    ids=["built-in-name", "same-name-twice"],
+)  # fmt: skip
+def test_a_task_file_may_not_take_another_familys_name(files: list[str], message: str) -> None:
+    """counting.jsonl replaced every generated counting problem in the corpus and doubled its share."""
+    config = default_config()
+    config["data"]["generated"]["task_files"] = files
+    with pytest.raises(StageError) as err:
+        stconfig.validate(config)
+    assert str(err.value) == f"config: {message}"

@@ -186,6 +186,7 @@ def validate(config: Mapping[str, Any], source: str = "config") -> dict[str, Any
     best = jsonschema.exceptions.best_match(validator.iter_errors(filled))
     if best is not None:
         raise StageError(f"{source}: {_describe(best)}")
+    _check_task_file_names(filled, source)
     _check_curriculum_families(filled, source)
     _check_grpo_settings(filled, source)
     _check_positions(filled, source)
@@ -221,6 +222,20 @@ def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
                        max_new_tokens=grpo["max_new_tokens"], eos_id=0)  # fmt: skip
     except StageError as err:
         raise StageError(f"{source}: {err}") from None
+
+
+def _check_task_file_names(config: Mapping[str, Any], source: str) -> None:
+    """A task file's family is named after the file: one named like a built-in family (or like
+    another task file) would silently replace it in the corpus and double its share."""
+    seen: dict[str, str] = {}
+    for i, path in enumerate(config["data"]["generated"]["task_files"]):
+        family = Path(path).stem
+        key = f"data.generated.task_files.{i}"
+        if family in FAMILIES:
+            raise StageError(f"{source}: {key}: {path!r} would be the family {family!r}, a built-in family's name; rename the file")
+        if family in seen:
+            raise StageError(f"{source}: {key}: {path!r} would be the family {family!r}, as {seen[family]!r} is; rename one")
+        seen[family] = path
 
 
 def _check_curriculum_families(config: Mapping[str, Any], source: str) -> None:
