@@ -494,6 +494,14 @@ def test_user_task_files_join_the_corpus_in_their_split(tmp_path: Path) -> None:
         mine = [m.group(1) for d in docs if (m := pattern.search(d))]
         assert len(mine) > 500, split
         assert {split_of(q) for q in mine} == {split}
+    assert source.record["task_files_used"] == {str(tmp_path / "capitals.jsonl"): 400}
+    (tmp_path / "hard.jsonl").write_text(json.dumps({"prompt": "p", "answer": "a", "level": 3}) + "\n")
+    with pytest.raises(StageError) as err:
+        corpus_sources.build({**data, "generated": {**gen, "task_files": [str(tmp_path / "hard.jsonl")]}}, seed=3)
+    assert str(err.value) == (
+        f"data.generated.task_files.0: {tmp_path / 'hard.jsonl'}: none of its 1 tasks is at or below "
+        "data.generated.max_level 2, so it would add nothing to the corpus"
+    )
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "y"}\n')
     with pytest.raises(StageError, match="bad.jsonl:1"):
         corpus_sources.build(

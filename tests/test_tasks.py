@@ -397,6 +397,7 @@ GOOD = '{"prompt": "p1", "answer": "a", "level": 1}'
         ('{"prompt": "p2 <|pad|>", "answer": "a", "level": 1}', "control token '<|pad|>'"),
         ('{"prompt": "p2", "answer": "<|bos|>a", "level": 1}', "control token '<|bos|>'"),
         (GOOD, "duplicate prompt, first given on line 1"),
+        ('{"prompt": "' + "x" * 70_000 + '", "answer": "a", "level": 1}', "a row of 70,041 characters; a task row holds at most 65,536"),
     ],
 )
 def test_user_task_errors_name_the_file_and_line(tmp_path: Path, row: str, expected: str) -> None:

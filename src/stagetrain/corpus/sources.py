@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from stagetrain.hub import HubError, fetch
 from stagetrain.tasks import FAMILIES, load_user_tasks, sample, split_of, training_text
 
 Split = Literal["train", "val"]
+log = logging.getLogger("stagetrain")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,12 +54,19 @@ def generated(cfg: Mapping[str, Any], seed: int) -> Source:
         raise StageError(
             f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(FAMILIES)})"
         )
-    user = [
-        p
-        for path in cfg["task_files"]
-        for p in load_user_tasks(path)
-        if p.level <= cfg["max_level"]
-    ]
+    user, used = [], {}
+    for i, path in enumerate(cfg["task_files"]):
+        tasks = load_user_tasks(path)
+        kept = [p for p in tasks if p.level <= cfg["max_level"]]
+        if not kept:
+            raise StageError(
+                f"data.generated.task_files.{i}: {path}: none of its {len(tasks)} tasks is at or below "
+                f"data.generated.max_level {cfg['max_level']}, so it would add nothing to the corpus"
+            )
+        log.info("task file %s: %d of its %d tasks in the corpus (levels <= %d)", path, len(kept),
+                 len(tasks), cfg["max_level"])  # fmt: skip
+        user += kept
+        used[str(path)] = len(kept)
     families = [*cfg["families"], *sorted({p.family for p in user})]
 
     def documents(split: Split) -> Iterator[str]:
@@ -82,7 +91,7 @@ def generated(cfg: Mapping[str, Any], seed: int) -> Source:
         name="generated",
         weight=cfg["weight"],
         documents=documents,
-        record={"kind": "generated", **cfg},
+        record={"kind": "generated", **cfg, "task_files_used": used},
         controls=True,
     )
 

@@ -23,6 +23,9 @@ CONTROL_TOKENS = (*TASK_TOKENS, *END_MARKERS, "<|bos|>", "<|pad|>")
 control tokens (stagetrain.tokenizer.SPECIAL_TOKENS and the task markers), so a prompt with
 "<|pad|>" would become a pad token, and one with "<|problem|>" a second, fake problem."""
 REQUIRED = ("prompt", "answer", "level")
+MAX_ROW_CHARACTERS = 65_536
+"""A task is a question and its answer: a row longer than this is a mistake (a 30 MB row ran BPE
+training for more than five minutes, a 1 MB one made train.bin 6.7x train_tokens)."""
 
 
 def load_user_tasks(path: str | Path) -> list[Problem]:
@@ -51,6 +54,8 @@ def load_user_tasks(path: str | Path) -> list[Problem]:
 
 def _row(path: Path, number: int, line: str) -> dict[str, Any]:
     where = f"{path}:{number}"
+    if len(line) > MAX_ROW_CHARACTERS:
+        raise StageError(f"{where}: a row of {len(line):,} characters; a task row holds at most {MAX_ROW_CHARACTERS:,}")
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
