@@ -126,17 +126,8 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     pad, ga = run.tokenizer.pad_token_id, run.layout.grad_accum
     policy = {"temperature": cfg.temperature, "top_p": cfg.top_p}
     chunks = np.array_split(np.arange(len(items)), ga)
-    with torch.no_grad():
-        old, masks = zip(*[token_logprobs(engine, [items[i] for i in c], run.device, pad, **policy)
-                           for c in chunks], strict=True)  # fmt: skip
-        ref = None
-        if run.reference:
-            ref = [token_logprobs(run.reference, [items[i] for i in c], run.device, pad, **policy)[0]
-                   for c in chunks]  # fmt: skip
-    sampler = [
-        _token_rows([drawn[i] for i in c], [items[i] for i in c], m.shape[1], fill=float("nan")).to(m.device)
-        for c, m in zip(chunks, masks, strict=True)
-    ]  # fmt: skip
+    old, masks, ref, sampler = _before_update(run, [[items[i] for i in c] for c in chunks],
+                                              [[drawn[i] for i in c] for c in chunks])  # fmt: skip
     gap = sampler_gap(run, old, sampler, masks)
     advs = [a for g in groups for a in g.advantages]
     weights = _weights(run, chunks, keep, items)
@@ -174,6 +165,24 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     return _dp_sum(run, loss_value), {"clip_ratio/low_mean": stats.clip_ratio_low,
                                       "clip_ratio/high_mean": stats.clip_ratio_high, "kl": kl_mean,
                                       **gap}  # fmt: skip
+
+
+def _before_update(
+    run: Run, items: list[list[tuple[list[int], list[int]]]], drawn: list[list[list[float]]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]:
+    """Per micro batch, before the step's first update: the policy's log-probs ("old") and
+    completion masks, the reference's log-probs (None without one) and the sampler's, as rows."""
+    policy = {"temperature": run.cfg.temperature, "top_p": run.cfg.top_p}
+    pad = run.tokenizer.pad_token_id
+    with torch.no_grad():
+        old, masks = map(list, zip(*[token_logprobs(run.engine, c, run.device, pad, **policy) for c in items],
+                                   strict=True))  # fmt: skip
+        ref = None
+        if run.reference:
+            ref = [token_logprobs(run.reference, c, run.device, pad, **policy)[0] for c in items]
+    sampler = [_token_rows(d, c, m.shape[1], fill=float("nan")).to(m.device)
+               for c, d, m in zip(items, drawn, masks, strict=True)]  # fmt: skip
+    return old, masks, ref, sampler
 
 
 def truncated_importance(trainer: torch.Tensor, sampler: torch.Tensor, cap: float) -> torch.Tensor:
