@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import psutil
 import pytest
 import torch
 from harness.compare import LOSS_RTOL, PARAM_ATOL
-from harness.processes import holder_ranks
+from harness.processes import second_run_while_first_holds
 from harness.training import (
     SCORING_FAMILIES,
     assert_learning_signal,
@@ -252,17 +251,7 @@ def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
     def launch() -> subprocess.CompletedProcess[str]:
         return launch_grpo(data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1))
 
-    with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(launch)
-        ranks = holder_ranks(tmp_path / "checkpoints" / LOCK_NAME, first)
-        for pid in ranks:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            loser = launch()
-        finally:
-            for pid in ranks:
-                os.kill(pid, signal.SIGCONT)
-        winner = first.result()
+    winner, loser, ranks = second_run_while_first_holds(launch, tmp_path / "checkpoints" / LOCK_NAME)
     assert len(ranks) == 2 and winner.returncode == 0, winner.stderr[-3000:]
     assert loser.returncode != 0
     errors = {line for line in loser.stderr.splitlines() if line.startswith("error: ")}

@@ -19,14 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from harness.configs import small_run
-from harness.processes import alive, holder_ranks
+from harness.processes import alive, second_run_while_first_holds
 from harness.training import SharedRuns, dp2, final_params, launch, run
 from harness.workflow import SNAKEMAKE, snakemake
 
@@ -218,17 +217,8 @@ def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
     def start() -> subprocess.CompletedProcess[str]:
         return launch(data, tmp_path, world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
 
-    with _timed("two runs at once"), ThreadPoolExecutor(1) as pool:
-        first = pool.submit(start)
-        ranks = holder_ranks(tmp_path / "checkpoints" / LOCK_NAME, first)
-        for pid in ranks:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            loser = start()
-        finally:
-            for pid in ranks:
-                os.kill(pid, signal.SIGCONT)
-        winner = first.result()
+    with _timed("two runs at once"):
+        winner, loser, ranks = second_run_while_first_holds(start, tmp_path / "checkpoints" / LOCK_NAME)
     assert len(ranks) == 2, ranks
     assert winner.returncode == 0, winner.stderr[-3000:]
     assert loser.returncode != 0, loser.stderr[-3000:]

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 
 def alive(pid: int) -> bool:
@@ -39,3 +43,20 @@ def holder_ranks(lock: Path, run: Future, timeout: float = 300) -> list[int]:
     raise AssertionError(
         f"the first run never held {lock}: {run.result().stderr[-3000:] if run.done() else 'timeout'}"
     )
+
+
+def second_run_while_first_holds(launch: Callable[[], Any], lock: Path) -> tuple[Any, Any, list[int]]:
+    """(the first run's result, the second's, the first's ranks): the first run's ranks are
+    stopped (SIGSTOP) while its rank 0 holds `lock`, so the second certainly starts while the
+    first is mid-run, whatever the machine's load; then the first goes on to its end."""
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(launch)
+        ranks = holder_ranks(lock, first)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            second = launch()
+        finally:
+            for pid in ranks:
+                os.kill(pid, signal.SIGCONT)
+        return first.result(), second, ranks
