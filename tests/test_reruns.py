@@ -108,6 +108,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "data.hub": {"data.hub": [{"repo": "org/corpus", "files": ["train.jsonl"]}]},
     "data.generated.families": {"data.generated.families": ["arithmetic"]},
     "grpo.curriculum.families": {"grpo.curriculum.families": ["comparison"]},
+    "grpo.replay.families": {"grpo.replay.families": ["arithmetic"]},
+    "grpo.sampler_correction.cap": {"grpo.sampler_correction": {"cap": 2.0}},
     "consolidate.max_shard_size": {"consolidate.max_shard_size": "1MB"},
     "tracking.report_to": {"tracking.report_to": []},
     "tracking.wandb_project": {"tracking.wandb_project": "other"},
