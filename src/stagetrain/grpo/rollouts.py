@@ -150,8 +150,8 @@ def tree_groups(
     generation = generation_kwargs(temperature, top_p, cfg.eos_id, pad_id, greedy)
     store = PrefixCache(model) if cfg.prefix_cache else None
     expansions = [0] * len(prompts)
+    # (tree, a node's completion) -> the sampler's log-probs of the node's own tokens
     drawn: dict[tuple[int, tuple[int, ...]], list[float]] = {}
-    """(tree, a node's completion) -> the sampler's log-probs of the node's own tokens."""
 
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
         sequences = [list(prompts[r.tree]) + r.prefix for r in requests]
