@@ -135,6 +135,7 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     # variance included: their policy gradient is zero, but they are most of what the policy
     # already knows, and the KL is what keeps it (normalised over all completions).
     kl_weights = _weights(run, chunks, [True] * len(items), items) if ref else None
+    completion_tokens = _dp_sum(run, float(sum(len(c) for _, c in items))) if ref else 0.0
     loss_value, stats, kl_mean = 0.0, None, None
     for _ in range(cfg.passes):
         loss_value, kl_sum = 0.0, 0.0
@@ -161,7 +162,7 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             engine.step()
             loss_value += float(total.detach())
         if kl_weights is not None:
-            kl_mean = _dp_sum(run, kl_sum) / max(_dp_sum(run, float(sum(map(len, (c for _, c in items))))), 1.0)
+            kl_mean = _dp_sum(run, kl_sum) / max(completion_tokens, 1.0)
     return _dp_sum(run, loss_value), {"clip_ratio/low_mean": stats.clip_ratio_low,
                                       "clip_ratio/high_mean": stats.clip_ratio_high, "kl": kl_mean,
                                       **gap}  # fmt: skip
