@@ -340,3 +340,20 @@ def test_a_task_file_may_not_take_another_familys_name(files: list[str], message
     with pytest.raises(StageError) as err:
         stconfig.validate(config)
     assert str(err.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize(
+    ("replay", "message"),
+    [
+        ({"share": 0.25, "families": ["nonsense"]}, "grpo.replay.families: unknown family 'nonsense'"),
+        ({"share": 0.25, "families": ["comparison"]},
+         "grpo.replay.families: 'comparison' is in grpo.curriculum.families; replay is for the others"),
+    ],
+    ids=["unknown", "in-curriculum"],
+)  # fmt: skip
+def test_replay_families_are_checked_with_the_config(replay: dict[str, Any], message: str) -> None:
+    config = default_config()
+    config["grpo"]["replay"] = replay
+    with pytest.raises(StageError) as err:
+        stconfig.validate(config)
+    assert str(err.value).startswith(f"config: {message}")

@@ -215,6 +215,11 @@ def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
     from stagetrain.grpo.tree import TreeConfig
 
     grpo = config["grpo"]
+    for family in grpo["replay"]["families"] or ():
+        if family not in FAMILIES:
+            raise StageError(f"{source}: grpo.replay.families: unknown family {family!r} (known: {', '.join(FAMILIES)})")
+        if family in grpo["curriculum"]["families"]:
+            raise StageError(f"{source}: grpo.replay.families: {family!r} is in grpo.curriculum.families; replay is for the others")
     try:
         CurriculumConfig(**{k: v for k, v in grpo["curriculum"].items() if k != "families"})
         if grpo["rollout"] == "tree":
