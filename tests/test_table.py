@@ -247,6 +247,17 @@ def test_a_refusing_hub_is_not_answered_by_the_cache(tmp_path: Path) -> None:
     ]
 
 
+def test_a_404_to_the_clients_side_request_is_no_refusal_of_the_file(tmp_path: Path) -> None:
+    """With telemetry on, huggingface_hub asks <endpoint>/api/agent-harnesses for its user-agent
+    header; a mirror or hub without that API answers 404, which failed every first fetch as a
+    refusal ("HTTP error 404; the cached copy is not used")."""
+    telemetry = "import os\nos.environ.pop('HF_HUB_DISABLE_TELEMETRY', None)\n"
+    with _serve() as hub:
+        result = download(tmp_path, hub, "org/tables", prelude=telemetry)
+    assert result == {"table": TABLE, "source": f"hub:org/tables@{SHA_MAIN}"}
+    assert "/api/agent-harnesses" in [r.path for r in hub.requests]
+
+
 def test_malformed_json_on_the_hub(tmp_path: Path) -> None:
     bad = '{"H100": {"8": {"dp": 8,}}}'
     with pytest.raises(json.JSONDecodeError) as err:

@@ -17,7 +17,10 @@ Two things the client does not do on its own:
 - Refuse its cache when the hub refuses. After a 401, 403 or 404 the client
   falls back to a cached copy of the file, silently. A cache can be shared
   between users with different rights, and a refusal means this user may not
-  read the file now, so `fetch` fails as the refusal says instead.
+  read the file now, so `fetch` fails as the refusal says instead. Only an
+  answer about the file counts (a `/resolve/` request): the client also asks
+  `/api/agent-harnesses` for its user-agent header, which a mirror or a hub
+  without that API answers 404, and that says nothing about the file.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def _watched_client_class() -> type:
                     raise _GiveUp(type(err).__name__) from err
                 raise
             status = response.status_code
-            if status in REFUSED:
+            if status in REFUSED and "/resolve/" in request.url.path:  # the file's, not a side request's
                 watch.refusal = response
             elif status in RETRIED and watch.left() < _pause_after(response):
                 response.close()
