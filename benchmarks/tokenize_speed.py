@@ -86,7 +86,7 @@ cfg["data"]["train_tokens"] = int(sys.argv[2])
 cfg["tokenizer"]["training_sample_mb"] = 1
 with tempfile.TemporaryDirectory() as out:
     names = {"tokenizer": "tok", "train": "train.bin", "val": "val.bin", "meta": "meta.json", "model_config": "mc.json"}
-    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tp=1,
+    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tasks=cfg["tasks"], tp=1,
             outputs={k: str(Path(out) / v) for k, v in names.items()})
 print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 """

@@ -21,6 +21,7 @@ def main(io: StageIO) -> None:
         model=io.sections["model"],
         tokenizer_cfg=io.sections["tokenizer"],
         data=io.sections["data"],
+        tasks=io.sections["tasks"],
         tp=io.read_input("vocab")["tp"],
         outputs=io.outputs,
     )
@@ -35,5 +36,5 @@ run_stage(
     doc=__doc__,
     inputs=["vocab"],
     outputs=["tokenizer", "train", "val", "meta", "model_config"],
-    sections=["run", "model", "tokenizer", "data"],
+    sections=["run", "model", "tokenizer", "data", "tasks"],
 )

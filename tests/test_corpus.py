@@ -474,39 +474,28 @@ def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
     )
 
 
-def test_user_task_files_join_the_corpus_in_their_split(tmp_path: Path) -> None:
-    rows = [
-        json.dumps({"prompt": f"capital of country {i}?", "answer": f"city {i}", "level": 1})
-        for i in range(400)
-    ]
-    (tmp_path / "capitals.jsonl").write_text("\n".join(rows) + "\n")
-    data = default_config()["data"]
-    gen = {
-        **data["generated"],
-        "families": ["arithmetic"],
-        "task_files": [str(tmp_path / "capitals.jsonl")],
-        "prose_share": 0.0,
-    }
-    source = corpus_sources.build({**data, "generated": gen}, seed=3)[0]
-    pattern = re.compile(re.escape(PROBLEM_TOKEN) + "(capital of .*?)" + re.escape(ANSWER_TOKEN))
+def test_task_families_join_the_corpus_in_their_split(tmp_path: Path) -> None:
+    """A tasks family the corpus names gives training text of its own split only, at levels up
+    to data.generated.max_level; the record says where its problems came from."""
+    from stagetrain.tasks.families import load_tasks
+
+    rows = [{"prompt": f"capital of country {i}?", "answer": f"city {i}", "level": 1 + i % 3} for i in range(1200)]
+    (tmp_path / "capitals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = default_config()
+    config["tasks"] = {"families": [{"name": "capitals", "files": [str(tmp_path / "capitals.jsonl")]}]}
+    config["data"]["generated"].update(families=["arithmetic", "capitals"], prose_share=0.0)
+    config = stconfig.validate(config)
+    source = corpus_sources.build(config["data"], seed=3, tasks=load_tasks(config["tasks"]))[0]
+    pattern = re.compile(re.escape(PROBLEM_TOKEN) + "(capital of country (\\d+)\\?)" + re.escape(ANSWER_TOKEN))
     for split in ("train", "val"):
         docs = [d for _, d in zip(range(2000), source.documents(split), strict=False)]
-        mine = [m.group(1) for d in docs if (m := pattern.search(d))]
+        mine = [m for d in docs if (m := pattern.search(d))]
         assert len(mine) > 500, split
-        assert {split_of(q) for q in mine} == {split}
-    assert source.record["task_files_used"] == {str(tmp_path / "capitals.jsonl"): 400}
-    (tmp_path / "hard.jsonl").write_text(json.dumps({"prompt": "p", "answer": "a", "level": 3}) + "\n")
-    with pytest.raises(StageError) as err:
-        corpus_sources.build({**data, "generated": {**gen, "task_files": [str(tmp_path / "hard.jsonl")]}}, seed=3)
-    assert str(err.value) == (
-        f"data.generated.task_files.0: {tmp_path / 'hard.jsonl'}: none of its 1 tasks is at or below "
-        "data.generated.max_level 2, so it would add nothing to the corpus"
-    )
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": "y"}\n')
-    with pytest.raises(StageError, match="bad.jsonl:1"):
-        corpus_sources.build(
-            {**data, "generated": {**gen, "task_files": [str(tmp_path / "bad.jsonl")]}}, seed=3
-        )
+        assert {split_of(m.group(1)) for m in mine} == {split}
+        assert {1 + int(m.group(2)) % 3 for m in mine} == {1, 2}  # level 3 is above max_level 2
+    record = source.record["tasks"]["capitals"]
+    assert record["files"] == [{"path": str(tmp_path / "capitals.jsonl")}]
+    assert sum(record["problems"]["1"].values()) == 400
 
 
 # --- failures leave nothing behind ----------------------------------------------

@@ -40,10 +40,10 @@ def test_every_local_file_is_listed_sorted_and_hub_ids_are_not(tmp_path: Path) -
     table.write_text("{}")
     tasks = tmp_path / "capitals.jsonl"
     tasks.write_text("{}\n")
-    data = {"files": [{"path": f"{tmp_path}/corpus/*.txt"}, {"path": f"{tmp_path}/corpus/a.*"}],
-            "generated": {**default_config()["data"]["generated"], "task_files": [str(tasks)]}}  # fmt: skip
+    data = {"files": [{"path": f"{tmp_path}/corpus/*.txt"}, {"path": f"{tmp_path}/corpus/a.*"}]}
     found = local_inputs(_config(
         data=data, parallelism={"table_path": str(table)}, model={"init_from": str(model)},
+        tasks={"families": [{"name": "capitals", "files": [str(tasks)], "rewards": None}]},
         tokenizer={"source": "pretrained", "path": str(model)},
     ))  # fmt: skip
     assert found["data_files"] == [f"{tmp_path}/corpus/a.txt", f"{tmp_path}/corpus/b.txt"]
@@ -69,6 +69,10 @@ def test_every_local_file_is_listed_sorted_and_hub_ids_are_not(tmp_path: Path) -
         ({"parallelism": {"table_path": "missing.json"}}, "config: parallelism.table_path: no such file 'missing.json'"),
         ({"model": {"init_from": "./models/none"}}, "config: model.init_from: no such file or folder './models/none'"),
         ({"tokenizer": {"source": "pretrained", "path": "/no/tok"}}, "config: tokenizer.path: no such file or folder '/no/tok'"),
+        ({"tasks": {"families": [{"name": "mine", "files": ["tasks/none.jsonl"], "rewards": None}]}},
+         "config: tasks.families.0.files.0: no file matches 'tasks/none.jsonl'"),
+        ({"tasks": {"families": [{"name": "mine", "files": ["README.md"], "rewards": [{"function": "tasks/r.py:score"}]}]}},
+         "config: tasks.families.0.rewards.0.function: no such reward file 'tasks/r.py'"),
     ],
 )  # fmt: skip
 def test_a_missing_local_file_is_one_line_naming_its_key(sections: dict, line: str) -> None:

@@ -26,8 +26,9 @@ def _section_type(hint: Any) -> type | None:
     """The dataclass a field holds, itself or as the items of a tuple; None for a plain value."""
     if typing.get_origin(hint) is tuple:
         hint = typing.get_args(hint)[0]
-    if isinstance(hint, types.UnionType):  # an optional section: `X | None`
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType):  # an optional section `X | None`, or plain values
+        sections = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        return sections[0] if sections else None
     return hint if dataclasses.is_dataclass(hint) else None
 
 

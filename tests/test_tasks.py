@@ -1,4 +1,4 @@
-"""Task problems: generation, correctness, difficulty, splits, verification, user files."""
+"""Task problems: generation, correctness, difficulty, splits, verification (files: test_task_families)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from stagetrain.tasks import (
     Problem,
     arithmetic,
     extract_answer,
-    load_user_tasks,
     normalise,
     problems,
     prompt,
@@ -347,83 +346,6 @@ def test_score_never_raises_on_garbage() -> None:
         assert score(bad, p) == 0.0  # type: ignore[arg-type]
     assert score("x" * 1_000_000 + " 123456789", p) == 1.0
     assert score("46", _problem("46", verifier="no-such-verifier")) == 0.0
-
-
-# user tasks
-
-
-def _write(tmp_path: Path, body: str, name: str = "capitals.jsonl") -> Path:
-    path = tmp_path / name
-    path.write_text(body, encoding="utf-8")
-    return path
-
-
-def test_user_tasks_load(tmp_path: Path) -> None:
-    path = _write(
-        tmp_path,
-        '{"prompt": "Capital of France?", "answer": "Paris", "level": 1}\n\n'
-        '{"prompt": "7 squared?", "answer": "49", "level": 2, "verifier": "numeric"}\n',
-    )
-    first, second = load_user_tasks(str(path))
-    assert first == Problem(
-        family="capitals", level=1, question="Capital of France?", answer="Paris",
-        solution="Paris", verifier="exact", key="Capital of France?",
-    )  # fmt: skip
-    assert (second.level, second.verifier, second.answer) == (2, "numeric", "49")
-    assert score("Answer: paris", first) == 1.0
-    assert score("It is 049", second) == 1.0
-
-
-GOOD = '{"prompt": "p1", "answer": "a", "level": 1}'
-
-
-@pytest.mark.parametrize(
-    ("row", "expected"),
-    [
-        ('{"prompt": "p2", "answer": ', "invalid JSON"),
-        ("[1, 2]", "expected a JSON object, got list"),
-        ('{"prompt": "p2", "level": 1}', "missing 'answer'"),
-        ('{"prompt": "p2", "answer": 5, "level": 1}', "'answer' must be str, got int"),
-        ('{"prompt": "p2", "answer": "a", "level": "1"}', "'level' must be int, got str"),
-        ('{"prompt": "p2", "answer": "a", "level": true}', "'level' must be int, got bool"),
-        ('{"prompt": "p2", "answer": "a", "level": 0}', "'level' must be an integer >= 1, got 0"),
-        ('{"prompt": "p2", "answer": "a", "level": 1, "hint": "x"}', "unknown key 'hint'"),
-        (
-            '{"prompt": "p2", "answer": "a", "level": 1, "verifier": "fuzzy"}',
-            "unknown verifier 'fuzzy'",
-        ),
-        ('{"prompt": "p2", "answer": "  ", "level": 1}', "'answer' must be a non-empty string"),
-        ('{"prompt": "p2<|answer|>", "answer": "a", "level": 1}', "control token '<|answer|>'"),
-        ('{"prompt": "p2 <|pad|>", "answer": "a", "level": 1}', "control token '<|pad|>'"),
-        ('{"prompt": "p2", "answer": "<|bos|>a", "level": 1}', "control token '<|bos|>'"),
-        (GOOD, "duplicate prompt, first given on line 1"),
-        ('{"prompt": "' + "x" * 70_000 + '", "answer": "a", "level": 1}', "a row of 70,041 characters; a task row holds at most 65,536"),
-    ],
-)
-def test_user_task_errors_name_the_file_and_line(tmp_path: Path, row: str, expected: str) -> None:
-    path = _write(tmp_path, f"{GOOD}\n\n{row}\n{GOOD.replace('p1', 'p3')}\n")
-    with pytest.raises(StageError) as err:
-        load_user_tasks(path)
-    message = str(err.value)
-    assert message.startswith(f"{path}:3: "), message
-    assert expected in message
-    assert "\n" not in message
-
-
-def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
-    from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
-    from stagetrain.tasks.user import CONTROL_TOKENS
-    from stagetrain.tokenizer import SPECIAL_TOKENS
-
-    assert {*SPECIAL_TOKENS.values(), PROBLEM_TOKEN, ANSWER_TOKEN} <= set(CONTROL_TOKENS)
-
-
-def test_user_task_file_must_exist_and_hold_tasks(tmp_path: Path) -> None:
-    for body in ("", "\n  \n"):
-        with pytest.raises(StageError, match=r"empty\.jsonl: no tasks"):
-            load_user_tasks(_write(tmp_path, body, "empty.jsonl"))
-    with pytest.raises(StageError, match=r"missing\.jsonl: cannot read"):
-        load_user_tasks(tmp_path / "missing.jsonl")
 
 
 def test_text_module_exposes_max_level() -> None:

@@ -16,8 +16,9 @@ What the plain tools get wrong, and why this module exists:
 - jsonschema matches `pattern` with re.search, where `$` also matches before a
   final newline ("tiny\n" passes '^[a-z]+$'); here a pattern must match the
   whole string.
-- The schema cannot say that the GRPO curriculum's families must be task
-  families; `validate` checks them, so a typo fails before the run starts.
+- The schema cannot say that the families the corpus, the curriculum and replay
+  name must be task families (built-in, or of the `tasks` section); `validate`
+  checks them, so a typo fails before the run starts.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from jsonschema import Draft202012Validator, validators
 
 from stagetrain.errors import StageError
 from stagetrain.tasks.registry import FAMILIES
+from stagetrain.tasks.rewards import parse_function
 
 # One schema file: workflow/schemas/config.schema.yaml, which Snakemake validates against;
 # the package's schemas/config.schema.yaml is a symbolic link to it, which a wheel stores
 # as a copy, so an installed (not editable) stagetrain validates with the same schema.
 SCHEMA_PATH = Path(str(resources.files("stagetrain") / "schemas" / "config.schema.yaml"))
 SECTIONS = (
-    "run", "model", "tokenizer", "data", "hardware",
+    "run", "model", "tokenizer", "data", "tasks", "hardware",
     "parallelism", "deepspeed", "pretrain", "grpo", "tracking", "consolidate",
 )  # fmt: skip
 
@@ -175,19 +177,23 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"{path}: {error.message}"
 
 
-def validate(config: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
-    """Return a validated deep copy of `config` with every default filled in.
+def validate(config: Mapping[str, Any], source: str = "config", *, families: bool = True) -> dict[str, Any]:
+    """Return a validated deep copy of `config` with every default filled in. `families`:
+    check the family names other sections give against the tasks section (the whole config;
+    a section validated alone has no tasks section to check against).
 
     Raises:
         StageError: one line naming the first offending dotted key.
     """
+    _refuse_replaced_keys(config, source)
     filled = copy.deepcopy(dict(config))
     validator = _StrictValidator(schema())
     best = jsonschema.exceptions.best_match(validator.iter_errors(filled))
     if best is not None:
         raise StageError(f"{source}: {_describe(best)}")
-    _check_task_file_names(filled, source)
-    _check_curriculum_families(filled, source)
+    _check_tasks(filled, source)
+    if families:
+        _check_family_names(filled, source)
     _check_grpo_settings(filled, source)
     _check_positions(filled, source)
     return filled
@@ -215,11 +221,6 @@ def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
     from stagetrain.grpo.tree import TreeConfig
 
     grpo = config["grpo"]
-    for family in grpo["replay"]["families"] or ():
-        if family not in FAMILIES:
-            raise StageError(f"{source}: grpo.replay.families: unknown family {family!r} (known: {', '.join(FAMILIES)})")
-        if family in grpo["curriculum"]["families"]:
-            raise StageError(f"{source}: grpo.replay.families: {family!r} is in grpo.curriculum.families; replay is for the others")
     try:
         CurriculumConfig(**{k: v for k, v in grpo["curriculum"].items() if k != "families"})
         if grpo["rollout"] == "tree":
@@ -229,41 +230,65 @@ def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
         raise StageError(f"{source}: {err}") from None
 
 
-def _check_task_file_names(config: Mapping[str, Any], source: str) -> None:
-    """A task file's family is named after the file: one named like a built-in family (or like
-    another task file) would silently replace it in the corpus and double its share."""
-    seen: dict[str, str] = {}
-    for i, path in enumerate(config["data"]["generated"]["task_files"]):
-        family = Path(path).stem
-        key = f"data.generated.task_files.{i}"
-        if family in FAMILIES:
-            raise StageError(f"{source}: {key}: {path!r} would be the family {family!r}, a built-in family's name; rename the file")
-        if family in seen:
-            raise StageError(f"{source}: {key}: {path!r} would be the family {family!r}, as {seen[family]!r} is; rename one")
-        seen[family] = path
+def _refuse_replaced_keys(config: Mapping[str, Any], source: str) -> None:
+    """Keys of earlier versions that moved: one line saying where to, not 'unknown key'."""
+    generated = (config.get("data") or {}).get("generated") if isinstance(config.get("data"), Mapping) else None
+    if isinstance(generated, Mapping) and "task_files" in generated:
+        raise StageError(
+            f"{source}: data.generated.task_files: replaced by tasks.families (one entry per family: "
+            "{name, files: [...]}), which GRPO reads too; list the family in data.generated.families for the corpus"
+        )
 
 
-def _check_curriculum_families(config: Mapping[str, Any], source: str) -> None:
-    """GRPO draws its prompts from the task registry: refuse other names before the run starts.
+def _check_tasks(config: Mapping[str, Any], source: str) -> None:
+    """Each tasks.families entry is one kind (a generator, or files), its name its own, and
+    each reward one verifier or one function."""
+    seen: set[str] = set()
+    for i, family in enumerate(config["tasks"]["families"]):
+        key, name = f"{source}: tasks.families.{i}", family["name"]
+        if name in seen:
+            raise StageError(f"{key}.name: {name!r} is listed twice")
+        seen.add(name)
+        generator = family.get("generator")
+        if generator is not None:
+            if name != generator:
+                raise StageError(f"{key}.name: a generator family is named after its generator ({generator!r}), not {name!r}")
+            extra = [k for k in ("files", "level_edges") if family.get(k)]
+            if extra:
+                raise StageError(f"{key}.{extra[0]}: a generator family ({generator}) reads no files")
+        elif "files" not in family:
+            raise StageError(f"{key}: expected files (your problems) or generator (a built-in family)")
+        elif name in FAMILIES:
+            raise StageError(f"{key}.name: {name!r} is a built-in family's name; name your family otherwise")
+        for j, reward in enumerate(family["rewards"] or ()):
+            kinds = [k for k in ("verifier", "function") if k in reward]
+            if len(kinds) != 1:
+                raise StageError(f"{key}.rewards.{j}: expected exactly one of verifier or function")
+            if "function" in reward:
+                parse_function(reward["function"], f"{key}.rewards.{j}.function")
 
-    A task file's family (data.generated.task_files, named after the file) feeds
-    only the pretraining corpus, so it gets its own explanation.
-    """
-    key = "grpo.curriculum.families"
-    families = config["grpo"]["curriculum"]["families"]
-    allowed = ", ".join(sorted(FAMILIES))
-    file_families = {Path(f).stem for f in config["data"]["generated"]["task_files"]}
-    for i, name in enumerate(families):
-        if name in families[:i]:
-            raise StageError(f"{source}: {key}: {name!r} is listed twice")
-        if name in FAMILIES:
-            continue
-        if name in file_families:
-            raise StageError(
-                f"{source}: {key}: {name!r} is a family of data.generated.task_files, which "
-                f"only the pretraining corpus uses; GRPO draws from: {allowed}"
-            )
-        raise StageError(f"{source}: {key}: unknown family {name!r} (allowed: {allowed})")
+
+def family_names(config: Mapping[str, Any]) -> list[str]:
+    """Every family the config can name: the built-in generators and the tasks section's."""
+    return list(dict.fromkeys([*FAMILIES, *(f["name"] for f in config["tasks"]["families"])]))
+
+
+def _check_family_names(config: Mapping[str, Any], source: str) -> None:
+    """The families the corpus, the curriculum and replay name exist, once each; replay names
+    none of the curriculum's."""
+    known = family_names(config)
+    curriculum = config["grpo"]["curriculum"]["families"]
+    for key, names in (("data.generated.families", config["data"]["generated"]["families"]),
+                       ("grpo.curriculum.families", curriculum),
+                       ("grpo.replay.families", config["grpo"]["replay"]["families"] or ())):  # fmt: skip
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise StageError(f"{source}: {key}: {name!r} is listed twice")
+            if name not in known:
+                raise StageError(f"{source}: {key}: unknown family {name!r} (known: {', '.join(known)}; "
+                                 "your own go in tasks.families)")  # fmt: skip
+            if key == "grpo.replay.families" and name in curriculum:
+                raise StageError(f"{source}: {key}: {name!r} is in grpo.curriculum.families; replay is for the others")
 
 
 def validate_section(name: str, section: Any) -> dict[str, Any]:
@@ -272,7 +297,7 @@ def validate_section(name: str, section: Any) -> dict[str, Any]:
         raise StageError(
             f"config: unknown section {name!r} (expected one of {', '.join(SECTIONS)})"
         )
-    return validate({name: section})[name]
+    return validate({name: section}, families=False)[name]
 
 
 def read_file(path: str | Path) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Snakemake reruns a job when a declared input changes, so every file a stage
 reads must be declared: the parallelism table, the corpus globs, the task
-files, a local tokenizer and a local init_from model. A hub id is not a file
+files and reward files, a local tokenizer and a local init_from model. A hub id is not a file
 and yields nothing. A local path that names nothing is one line naming its key
 here, before any job runs, instead of a failure deep inside a stage.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stagetrain.errors import StageError
+from stagetrain.tasks.rewards import check_function
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -59,12 +60,13 @@ def local_inputs(config: Mapping[str, Any]) -> dict[str, list[str]]:
     """The local files each part of `config` names, by kind, each list sorted.
 
     Kinds: `table` (parallelism.table_path), `data_files` (data.files globs),
-    `task_files` (data.generated.task_files), `tokenizer` (a local
+    `task_files` (the local files of tasks.families), `reward_files` (their reward functions'
+    files, read here without running them: each must define its function), `tokenizer` (a local
     tokenizer.path, read only by a pretrained source), `init_from` (the files of a local model.init_from folder)
     and `init_from_config` (those of them that are not weights).
     """
     found: dict[str, list[str]] = {kind: [] for kind in
-                                   ("table", "data_files", "task_files", "tokenizer", "init_from", "init_from_config")}  # fmt: skip
+                                   ("table", "data_files", "task_files", "reward_files", "tokenizer", "init_from", "init_from_config")}  # fmt: skip
     table = config["parallelism"]["table_path"]
     if table:
         if not Path(table).is_file():
@@ -77,12 +79,20 @@ def local_inputs(config: Mapping[str, Any]) -> dict[str, list[str]]:
             raise StageError(f"config: data.files.{index}.path: no file matches {entry['path']!r}")
         files.update(matches)
     found["data_files"] = sorted(files)
-    for index, task_file in enumerate(config["data"]["generated"]["task_files"]):
-        if not Path(task_file).is_file():
-            raise StageError(
-                f"config: data.generated.task_files.{index}: no such file {task_file!r}"
-            )
-        found["task_files"].append(task_file)
+    tasks, rewards = set(), set()
+    for index, family in enumerate(config["tasks"]["families"]):
+        key = f"tasks.families.{index}"
+        for i, entry in enumerate(family.get("files", ())):
+            if not isinstance(entry, str):
+                continue  # a hub file
+            matches = [p for p in glob.glob(entry, recursive=True) if Path(p).is_file()]
+            if not matches:
+                raise StageError(f"config: {key}.files.{i}: no file matches {entry!r}")
+            tasks.update(matches)
+        for i, reward in enumerate(family["rewards"] or ()):
+            if "function" in reward:
+                rewards.add(check_function(reward["function"], f"{key}.rewards.{i}.function"))
+    found["task_files"], found["reward_files"] = sorted(tasks), sorted(rewards)
     tokenizer = config["tokenizer"]["path"]
     if config["tokenizer"]["source"] == "pretrained" and tokenizer:
         refuse_misspelt_folder("tokenizer.path", tokenizer)

@@ -23,6 +23,7 @@ from stagetrain.corpus.shards import sha256_file, token_dtype, write_split
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, atomic_write_text
 from stagetrain.model_config import training_config
+from stagetrain.tasks.families import load_tasks
 from stagetrain.tokenizer import load_pretrained, save, train_bpe
 
 log = logging.getLogger("stagetrain")
@@ -133,13 +134,17 @@ def prepare(
     tokenizer_cfg: Mapping[str, Any],
     data: Mapping[str, Any],
     tp: int,
+    tasks: Mapping[str, Any] | None = None,
     outputs: Mapping[str, str],
 ) -> dict[str, Any]:
     """Write every output of the stage; return data/meta.json's content.
 
-    `tp` is plan/vocab.json's: the padded vocabulary must divide by it.
+    `tp` is plan/vocab.json's: the padded vocabulary must divide by it. Every family of the
+    `tasks` section (default: none beyond the built-in ones) is loaded and checked here, those
+    the corpus does not hold too: a bad task file stops the first stage, not GRPO after
+    pretraining.
     """
-    sources = corpus_sources.build(data, run["seed"])
+    sources = corpus_sources.build(data, run["seed"], load_tasks(tasks or {}))
     tokenizer = make_tokenizer(tokenizer_cfg, sources)
     special = {
         f"{k}_id": getattr(tokenizer, f"{k}_id") for k in ("bos_token", "eos_token", "pad_token")

@@ -76,8 +76,10 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     if isinstance(hint, type) and issubclass(hint, _Section):
         return hint.from_config(value, where)
     if origin in (typing.Union, types.UnionType) and value is not None:
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _convert(inner, value, where)
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(inner[0], value, where)
+        return value  # str | Mapping (a task file): kept as given
     if origin is tuple and isinstance(value, list | tuple):
         item = typing.get_args(hint)[0]
         return tuple(_convert(item, v, _key(where, i)) for i, v in enumerate(value))
@@ -128,7 +130,6 @@ class GeneratedData(_Section):
     families: tuple[str, ...]
     max_level: int
     prose_share: float
-    task_files: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,35 @@ class DataSettings(_Section):
     generated: GeneratedData
     files: tuple[FileData, ...]
     hub: tuple[HubData, ...]
+
+
+@dataclass(frozen=True)
+class TaskColumns(_Section):
+    prompt: str
+    answer: str
+    level: str | None
+    solution: str | None
+
+
+@dataclass(frozen=True)
+class TaskFamilySettings(_Section):
+    """One tasks.families entry: a generator, or files (local paths or globs as strings, hub
+    files as {repo, file, revision} mappings); rewards stay mappings, one verifier or function each."""
+
+    name: str
+    columns: TaskColumns
+    level_edges: tuple[float, ...] | None
+    rewards: tuple[Mapping[str, Any], ...] | None
+    success_at: float | None
+    generator: str | None = None
+    files: tuple[str | Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class TasksSettings(_Section):
+    families: tuple[TaskFamilySettings, ...]
+    chat_template: bool
+    success_at: float
 
 
 @dataclass(frozen=True)
@@ -329,6 +359,7 @@ class Settings(_Section):
     model: ModelSettings
     tokenizer: TokenizerSettings
     data: DataSettings
+    tasks: TasksSettings
     hardware: HardwareSettings
     parallelism: ParallelismSettings
     deepspeed: DeepSpeedSettings

@@ -19,6 +19,7 @@ rule prepare_tokenizer:
         model=config["model"],
         tokenizer=config["tokenizer"],
         data=config["data"],
+        tasks=get_tasks_data(),
     conda:
         "../envs/stagetrain.yaml"
     script:

@@ -21,7 +21,8 @@ from typing import Any, Literal
 from stagetrain.corpus.prose import paragraph
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
-from stagetrain.tasks import FAMILIES, load_user_tasks, sample, split_of, training_text
+from stagetrain.tasks import sample, training_text
+from stagetrain.tasks.families import TaskSet, load_tasks
 
 Split = Literal["train", "val"]
 log = logging.getLogger("stagetrain")
@@ -47,53 +48,29 @@ def text_split(text: str, val_share: float) -> Split:
     return "val" if digest % 1_000_000 < val_share * 1_000_000 else "train"
 
 
-def generated(cfg: Mapping[str, Any], seed: int) -> Source:
-    """Task problems with worked answers (built-in families and task files), mixed with templated prose."""
-    unknown = [f for f in cfg["families"] if f not in FAMILIES]
-    if unknown:
-        raise StageError(
-            f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(FAMILIES)})"
-        )
-    user, used = [], {}
-    for i, path in enumerate(cfg["task_files"]):
-        tasks = load_user_tasks(path)
-        kept = [p for p in tasks if p.level <= cfg["max_level"]]
-        if not kept:
-            raise StageError(
-                f"data.generated.task_files.{i}: {path}: none of its {len(tasks)} tasks is at or below "
-                f"data.generated.max_level {cfg['max_level']}, so it would add nothing to the corpus"
-            )
-        log.info("task file %s: %d of its %d tasks in the corpus (levels <= %d)", path, len(kept),
-                 len(tasks), cfg["max_level"])  # fmt: skip
-        user += kept
-        used[str(path)] = len(kept)
-    families = [*cfg["families"], *sorted({p.family for p in user})]
+def generated(cfg: Mapping[str, Any], seed: int, tasks: TaskSet) -> Source:
+    """Task problems with worked answers, mixed with templated prose: each document a family
+    of `cfg["families"]` (built-in, or of the tasks section) drawn uniformly, then a level up
+    to max_level, then a problem of the split."""
+    unknown = [f for f in cfg["families"] if f not in tasks.families]
+    if unknown:  # the config check names them first; a stage run on a section alone lands here
+        raise StageError(f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(tasks.families)})")
+    families = {name: tasks.families[name].family for name in cfg["families"]}
+    record = {"kind": "generated", **cfg, "tasks": tasks.record()}
 
     def documents(split: Split) -> Iterator[str]:
         rng = random.Random(f"{seed}:generated:{split}")
-        own = {
-            f: [p for p in user if p.family == f and split_of(p.key) == split]
-            for f in families[len(cfg["families"]) :]
-        }
-        pool = [f for f in families if f in FAMILIES or own[f]]
+        names = list(families)
         while True:
             if rng.random() < cfg["prose_share"]:
                 yield paragraph(rng)
                 continue
-            family = rng.choice(pool)
-            if family in own:
-                yield training_text(rng.choice(own[family]))
-                continue
-            level = rng.randint(1, min(cfg["max_level"], FAMILIES[family].max_level))
-            yield training_text(sample(family, level, split, rng))
+            family = families[rng.choice(names)]
+            level = rng.randint(1, min(cfg["max_level"], family.max_level))
+            yield training_text(sample(family.name, level, split, rng))
 
-    return Source(
-        name="generated",
-        weight=cfg["weight"],
-        documents=documents,
-        record={"kind": "generated", **cfg, "task_files_used": used},
-        controls=True,
-    )
+    return Source(name="generated", weight=cfg["weight"], documents=documents, record=record,
+                  controls=True)  # fmt: skip
 
 
 def _not_utf8(where: str, data: bytes, err: UnicodeDecodeError, offset: int) -> StageError:
@@ -170,12 +147,14 @@ def hub(cfg: Mapping[str, Any], index: int, val_share: float) -> Source:
     return _file_source(f"hub:{cfg['repo']}", paths, cfg, val_share, record)
 
 
-def build(data: Mapping[str, Any], seed: int) -> list[Source]:
-    """Every source the `data` section names, with a positive weight."""
+def build(data: Mapping[str, Any], seed: int, tasks: TaskSet | None = None) -> list[Source]:
+    """Every source the `data` section names, with a positive weight; `tasks` holds the
+    families the generated source may name (default: the built-in ones)."""
+    tasks = tasks or load_tasks({})
     val_share = data["val_tokens"] / (data["train_tokens"] + data["val_tokens"])
     sources = []
     if data["generated"]["weight"] > 0:
-        sources.append(generated(data["generated"], seed))
+        sources.append(generated(data["generated"], seed, tasks))
     sources.extend(files(cfg, i, val_share) for i, cfg in enumerate(data["files"]))
     sources.extend(hub(cfg, i, val_share) for i, cfg in enumerate(data["hub"]))
     if not sources:

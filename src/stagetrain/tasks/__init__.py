@@ -8,7 +8,9 @@ problems never appear in training, whoever generated them.
 
 Modules: `problem` (the Problem dataclass, markers, splits), `arithmetic` and
 `text` (the generated families), `registry` (families by name, reproducible
-draws), `verify` (answer extraction and the verifiers), `user` (jsonl tasks).
+draws), `verify` (answer extraction and the verifiers), `families` (the config's
+`tasks` section: the user's task files as families), `files` (their readers), `rewards`
+(verifiers and user reward functions, weighted), `prompts` (rendering, chat templates).
 """
 
 from stagetrain.tasks.problem import (
@@ -22,8 +24,15 @@ from stagetrain.tasks.problem import (
     split_of,
     training_text,
 )
-from stagetrain.tasks.registry import FAMILIES, Family, get_family, problems, sample
-from stagetrain.tasks.user import load_user_tasks
+from stagetrain.tasks.registry import (
+    FAMILIES,
+    Family,
+    get_family,
+    heldout,
+    known,
+    problems,
+    sample,
+)
 from stagetrain.tasks.verify import (
     EOS_TOKEN,
     VERIFIERS,
@@ -45,7 +54,8 @@ __all__ = [
     "Split",
     "extract_answer",
     "get_family",
-    "load_user_tasks",
+    "heldout",
+    "known",
     "normalise",
     "problems",
     "prompt",

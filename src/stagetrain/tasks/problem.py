@@ -9,8 +9,9 @@ problem agrees on which split it belongs to.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from stagetrain.errors import StageError
 
@@ -43,6 +44,10 @@ class Problem:
     """A name in `stagetrain.tasks.verify.VERIFIERS`."""
     key: str
     """The problem's identity: two problems with the same key are the same problem."""
+    origin: str = ""
+    """Where a file family's problem came from ('tasks/sort.parquet:row 12'), for messages."""
+    columns: Mapping[str, Any] = field(default_factory=dict)
+    """A file family's unmapped columns of the row, which its reward functions receive."""
 
     def __post_init__(self) -> None:
         if self.level < 1:

@@ -1,0 +1,243 @@
+"""The `tasks` section: the families the corpus and GRPO draw from, loaded from the config.
+
+A family is a built-in generator (`{name: comparison, generator: comparison}`; the three
+generators are families under their own names whether listed or not) or the user's
+problems in files: local paths or globs, or `{repo, file, revision}` of a hub dataset, as
+.jsonl, .jsonl.gz, .jsonl.zst or .parquet. `columns` says which column holds the prompt,
+the answer, the level and (optionally) the worked solution the corpus trains on; every
+other column is handed to the family's reward functions under its own name. A numeric
+difficulty can be bucketed into levels by `level_edges` (level = 1 + the edges <= it).
+
+Problems split train/val/test by a hash of the prompt, like the generated ones, so a
+held-out problem never reaches training or the corpus. Loading checks every row and
+every level (levels 1..max without a gap, and enough validation and held-out problems
+in each) and names the file and row of the first fault, so a bad file stops the first
+stage that reads it (the corpus), before anything trains.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stagetrain.errors import StageError
+from stagetrain.hub import HubError, fetch
+from stagetrain.tasks import rewards as task_rewards
+from stagetrain.tasks.files import MAX_ROW_CHARACTERS, read_rows
+from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, split_of
+from stagetrain.tasks.registry import FAMILIES, Family, register
+from stagetrain.tasks.verify import END_MARKERS
+
+log = logging.getLogger("stagetrain")
+KEY = "tasks.families"
+CONTROL_TOKENS = (*TASK_TOKENS, *END_MARKERS, "<|bos|>", "<|pad|>")
+"""Strings a task row must not hold: its text goes into the generated corpus, where these are
+control tokens (stagetrain.tokenizer.SPECIAL_TOKENS and the task markers), so a prompt with
+"<|pad|>" would become a pad token, and one with "<|problem|>" a second, fake problem."""
+MIN_HELD_OUT = 10
+"""Test-split problems each level of a file family needs: fewer measure nothing (one
+standard error of 10 problems is up to 0.16)."""
+MIN_VALIDATION = 1
+"""Validation-split problems each level needs (the corpus's val.bin draws from them)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskFamily:
+    """One family of the tasks section, loaded."""
+
+    name: str
+    key: str
+    """Its place in the config ('tasks.families.0'; 'tasks' for an unlisted built-in)."""
+    rewards: Sequence[Mapping[str, Any]] | None
+    success_at: float
+    family: Family
+    record: dict[str, Any] = field(default_factory=dict)
+    """Provenance for data/meta.json and the GRPO summary: files (hub ones with the commit they
+    resolved to) and problems per level and split."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSet:
+    """Every family a run can draw from, and how prompts are rendered."""
+
+    families: dict[str, TaskFamily]
+    chat_template: bool
+    _built: dict[str, tuple[task_rewards.Reward, ...]] = field(default_factory=dict, repr=False)
+
+    def rewards(self, name: str) -> tuple[task_rewards.Reward, ...]:
+        """The family's weighted reward terms, user functions imported (once per process)."""
+        if name not in self._built:
+            family = self.families[name]
+            self._built[name] = task_rewards.build(family.rewards, f"{family.key}.rewards")
+        return self._built[name]
+
+    def success_at(self, name: str) -> float:
+        """The weighted reward at or above which a completion counts as solving its problem."""
+        return self.families[name].success_at
+
+    def record(self) -> dict[str, Any]:
+        """{family: provenance} of the file families."""
+        return {name: f.record for name, f in self.families.items() if f.record}
+
+
+def data_part(tasks: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of `tasks` that decide the problems (not the rewards or prompt rendering): what
+    the corpus stage reads, so that editing a reward reruns GRPO and nothing upstream."""
+    keep = ("name", "generator", "files", "columns", "level_edges")
+    return {"families": [{k: v for k, v in f.items() if k in keep} for f in tasks.get("families", [])]}
+
+
+def reward_digests(tasks: Mapping[str, Any]) -> dict[str, str]:
+    """{reward file: sha256 of its content}: part of what GRPO computes, so of its checkpoints'
+    fingerprint (an edited reward must not resume a run trained on the old one)."""
+    paths = {task_rewards.parse_function(r["function"], KEY)[0]
+             for f in tasks.get("families", []) for r in f.get("rewards") or () if "function" in r}  # fmt: skip
+    out = {}
+    for path in sorted(paths):
+        try:
+            out[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError as err:
+            raise StageError(f"{KEY}: reward file {path}: cannot read ({err.strerror or err})") from None
+    return out
+
+
+def load_tasks(tasks: Mapping[str, Any], *, pins: Mapping[str, str] | None = None) -> TaskSet:
+    """Every family of the validated `tasks` section, file families read, checked and
+    registered with `stagetrain.tasks.registry`. `pins` maps a hub file ('repo/file@revision')
+    to the commit an earlier stage resolved it to, so every stage reads the same files."""
+    success_at = tasks.get("success_at", 1.0)
+    out: dict[str, TaskFamily] = {
+        name: TaskFamily(name=name, key="tasks", rewards=None, success_at=success_at, family=family)
+        for name, family in FAMILIES.items()
+    }
+    file_families = []
+    for index, entry in enumerate(tasks.get("families", [])):
+        key = f"{KEY}.{index}"
+        own_success = entry.get("success_at")
+        common = {"name": entry["name"], "key": key, "rewards": entry.get("rewards"),
+                  "success_at": success_at if own_success is None else own_success}  # fmt: skip
+        if entry.get("generator"):
+            out[entry["name"]] = TaskFamily(family=FAMILIES[entry["generator"]], **common)
+            continue
+        family, record = _file_family(entry, key, pins or {})
+        file_families.append(family)
+        out[entry["name"]] = TaskFamily(family=family, record=record, **common)
+    register(file_families)
+    return TaskSet(families=out, chat_template=tasks.get("chat_template", True))
+
+
+def hub_name(entry: Mapping[str, Any]) -> str:
+    """How a hub file entry is named in pins and messages: 'repo/file@revision'."""
+    return f"{entry['repo']}/{entry['file']}@{entry.get('revision', 'main')}"
+
+
+def _resolved(entry: Mapping[str, Any], key: str, pins: Mapping[str, str]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(path to read, name for messages, record) of each file of the family, in config order
+    (a glob's matches sorted)."""
+    out = []
+    for i, item in enumerate(entry["files"]):
+        if isinstance(item, str):
+            matches = sorted(glob.glob(item, recursive=True))
+            if not matches:
+                raise StageError(f"{key}.files.{i}: {item!r} matches no file")
+            out.extend((m, m, {"path": m}) for m in matches)
+            continue
+        name = hub_name(item)
+        revision = pins.get(name, item.get("revision", "main"))
+        try:
+            path, commit = fetch(item["repo"], item["file"], revision=revision, repo_type="dataset")
+        except HubError as err:
+            raise StageError(f"{key}.files.{i}: {err}") from None
+        out.append((str(path), f"{item['repo']}/{item['file']}", {"hub": name, "commit": commit}))
+    return out
+
+
+def _file_family(entry: Mapping[str, Any], key: str, pins: Mapping[str, str]) -> tuple[Family, dict[str, Any]]:
+    columns = entry["columns"]
+    by_key: dict[str, str] = {}
+    pool: dict[tuple[int, str], list[Problem]] = {}
+    files = _resolved(entry, key, pins)
+    for path, shown, _ in files:
+        for where, row in read_rows(path, shown):
+            problem = _problem(entry, key, columns, where, row)
+            if problem.key in by_key:
+                raise StageError(f"{where}: {key} ({entry['name']}): duplicate prompt, first given at {by_key[problem.key]}")
+            by_key[problem.key] = where
+            pool.setdefault((problem.level, split_of(problem.key)), []).append(problem)
+    if not by_key:
+        raise StageError(f"{key} ({entry['name']}): its files hold no problem")
+    top = max(level for level, _ in pool)
+    counts = {lv: {s: len(pool.get((lv, s), ())) for s in SPLITS} for lv in range(1, top + 1)}
+    for level, count in counts.items():
+        total = sum(count.values())
+        shown = f"{total} problems ({', '.join(f'{n} {s}' for s, n in count.items())})"
+        if not total:
+            raise StageError(f"{key} ({entry['name']}): level {level} has no problem, though level {top} has some; "
+                             "levels must run from 1 without a gap (level_edges can bucket a difficulty)")  # fmt: skip
+        if count["train"] < 1 or count["val"] < MIN_VALIDATION or count["test"] < MIN_HELD_OUT:
+            raise StageError(f"{key} ({entry['name']}): level {level} has {shown}; each level needs at least 1 train, "
+                             f"{MIN_VALIDATION} validation and {MIN_HELD_OUT} held-out (test) problems: add problems "
+                             "or merge levels (level_edges)")  # fmt: skip
+    log.info("task family %s: %d problems at levels 1-%d from %d files", entry["name"], len(by_key), top, len(files))
+    record = {"files": [r for _, _, r in files], "problems": {str(lv): c for lv, c in counts.items()}}
+    return Family(name=entry["name"], max_level=top, pool=pool), record
+
+
+def _column(row: Mapping[str, Any], where: str, key: str, role: str, column: str) -> Any:
+    if column not in row:
+        raise StageError(f"{where}: no column {column!r} ({key}.columns.{role}); the row has: {', '.join(map(str, row)) or 'no column'}")
+    return row[column]
+
+
+def _text(value: Any, where: str, column: str, *, numbers: bool = False) -> str:
+    if numbers and isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        kind = "a non-empty string" + (" or a number" if numbers else "")
+        raise StageError(f"{where}: column {column!r} must be {kind}, got {value!r}"[:300])
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON's "\ud800": a lone surrogate, no character at all
+        raise StageError(f"{where}: column {column!r} holds a lone surrogate ({value[err.start]!r} at character {err.start}), not text") from None
+    return value
+
+
+def _level(value: Any, edges: Sequence[float] | None, where: str, column: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise StageError(f"{where}: column {column!r} (the level) must be a number, got {value!r}")
+    if edges:
+        return 1 + sum(1 for edge in edges if value >= edge)
+    if not isinstance(value, int) or value < 1:
+        raise StageError(f"{where}: column {column!r} (the level) must be an integer >= 1, got {value!r} "
+                         "(level_edges buckets other difficulties)")  # fmt: skip
+    return value
+
+
+def _problem(entry: Mapping[str, Any], key: str, columns: Mapping[str, Any], where: str, row: Mapping[str, Any]) -> Problem:
+    question = _text(_column(row, where, key, "prompt", columns["prompt"]), where, columns["prompt"])
+    answer = _text(_column(row, where, key, "answer", columns["answer"]), where, columns["answer"], numbers=True)
+    level = 1
+    if columns.get("level"):
+        level = _level(_column(row, where, key, "level", columns["level"]), entry.get("level_edges"), where, columns["level"])
+    solution = answer
+    if columns.get("solution"):
+        solution = _text(_column(row, where, key, "solution", columns["solution"]), where, columns["solution"])
+    size = len(question) + len(answer) + len(solution)
+    if size > MAX_ROW_CHARACTERS:
+        raise StageError(f"{where}: a row of {size:,} characters; a task row holds at most {MAX_ROW_CHARACTERS:,}")
+    for marker in CONTROL_TOKENS:
+        if marker in question or marker in answer or marker in solution:
+            raise StageError(f"{where}: prompt, answer and solution must not contain the control token {marker!r}")
+    mapped = {c for c in columns.values() if c}
+    extra = {c: v for c, v in row.items() if c not in mapped}
+    for name in extra:
+        if name in task_rewards.RESERVED:
+            raise StageError(f"{where}: column {name!r} is not mapped, and reward functions already get an argument "
+                             f"of that name; rename the column or map it in {key}.columns")  # fmt: skip
+    return Problem(family=entry["name"], level=level, question=question, answer=answer, solution=solution,
+                   key=question, origin=where, columns=extra)  # fmt: skip

@@ -1,0 +1,62 @@
+"""What the model is shown for a problem, and what rewards are shown of its answer.
+
+Without a chat template a prompt is the pipeline's own markup,
+`<|problem|>question<|answer|>`, which the generated corpus teaches. When the tokenizer
+has a chat template (an `init_from` chat model, or `tokenizer.source: pretrained`) and
+`tasks.chat_template` is true, the question is the user turn of a conversation rendered
+by `apply_chat_template(..., add_generation_prompt=True)`, token for token as the model
+was tuned to read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from stagetrain.errors import StageError
+from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem, prompt
+from stagetrain.tasks.rewards import Completion
+
+
+class Prompter:
+    """Prompt token ids of problems for one tokenizer, and completions decoded for rewards."""
+
+    def __init__(self, tokenizer: Any, *, chat_template: bool, limit: int) -> None:
+        self.tokenizer = tokenizer
+        self.chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        self.limit = limit
+        """grpo.max_prompt_len: the prompt tokens the plan counted."""
+        stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(PROBLEM_TOKEN)}
+        self.stops = stops - {None, tokenizer.unk_token_id}
+
+    def full(self, problem: Problem) -> list[int]:
+        """The whole rendered prompt."""
+        if self.chat:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": problem.question}], add_generation_prompt=True, tokenize=True
+            )
+            return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        return self.tokenizer(prompt(problem), add_special_tokens=False)["input_ids"]
+
+    def ids(self, problem: Problem) -> list[int]:
+        """The prompt as the model is given it: its last `limit` tokens. A generated family's
+        prompts are short by design; a file family's are checked whole by `check_lengths`."""
+        return self.full(problem)[-self.limit :]
+
+    def check_lengths(self, problems: Sequence[Problem], key: str) -> None:
+        """Refuse a problem whose rendered prompt is longer than `limit`: cut, it would ask
+        another question than the one its reward checks."""
+        for problem in problems:
+            length = len(self.full(problem))
+            if length > self.limit:
+                where = problem.origin or problem.family
+                raise StageError(f"{where}: its prompt is {length} tokens{' with the chat template' if self.chat else ''}, "
+                                 f"more than grpo.max_prompt_len ({self.limit}); raise it ({key}) or shorten the prompt")  # fmt: skip
+
+    def completion(self, ids: Sequence[int]) -> Completion:
+        """A completion's tokens up to its end (eos, or a new problem begun), decoded."""
+        ids = list(ids)
+        end = next((i for i, t in enumerate(ids) if t in self.stops), None)
+        kept = ids if end is None else ids[:end]
+        text = self.tokenizer.decode(kept, skip_special_tokens=False)
+        return Completion(text=text, finished=end is not None, ids=kept)

@@ -1,0 +1,337 @@
+"""The tasks section: the user's task files as families, their rewards, prompts and chat templates.
+
+These run the loaders, reward calls and prompt rendering the stages run, on files
+written here in every supported format; the whole GRPO stage on such families is in
+tests/test_grpo_tasks.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from harness.workflow import default_config
+
+from stagetrain import config as stconfig
+from stagetrain.errors import StageError
+from stagetrain.inputs import local_inputs
+from stagetrain.tasks import get_family, heldout, split_of
+from stagetrain.tasks.families import CONTROL_TOKENS, load_tasks
+from stagetrain.tasks.judge import Judge
+from stagetrain.tasks.prompts import Prompter
+from stagetrain.tasks.rewards import RESERVED, Completion, check_function
+from stagetrain.tokenizer import SPECIAL_TOKENS, train_bpe
+
+
+def rows(n: int = 1800, levels: int = 3) -> list[dict[str, Any]]:
+    """n problems 'What is i doubled?', level 1 + i % levels, with an extra column `i`."""
+    return [{"q": f"What is {i} doubled?", "a": str(2 * i), "difficulty": 1 + i % levels, "i": i} for i in range(n)]
+
+
+def write(path: Path, content: list[dict[str, Any]]) -> Path:
+    """`content` in the format `path`'s suffix names."""
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(content), path)
+        return path
+    data = "".join(json.dumps(r) + "\n" for r in content).encode()
+    if path.name.endswith(".gz"):
+        data = gzip.compress(data)
+    elif path.name.endswith(".zst"):
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def family(files: list[Any], **changes: Any) -> dict[str, Any]:
+    return {"name": "doubles", "files": files, "columns": {"prompt": "q", "answer": "a", "level": "difficulty"}, **changes}
+
+
+def tasks(*families: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A validated tasks section."""
+    config = default_config()
+    config["tasks"] = {"families": list(families), **changes}
+    return stconfig.validate(config)["tasks"]
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst", "t.parquet"])
+def test_every_format_loads_the_same_family(tmp_path: Path, name: str) -> None:
+    loaded = load_tasks(tasks(family([str(write(tmp_path / name, rows()))])))
+    pool = get_family("doubles").pool
+    assert pool is not None and get_family("doubles").max_level == 3
+    problems = sorted((p for ps in pool.values() for p in ps), key=lambda p: p.columns["i"])
+    assert [p.question for p in problems] == [r["q"] for r in rows()]
+    first = problems[0]
+    assert (first.answer, first.level, first.solution, dict(first.columns)) == ("0", 1, "0", {"i": 0})
+    assert all(split_of(p.key) == split for (_, split), ps in pool.items() for p in ps)
+    counts = loaded.record()["doubles"]["problems"]
+    assert sum(sum(c.values()) for c in counts.values()) == 1800
+    assert first.origin == f"{tmp_path / name}:{'row 1' if name.endswith('parquet') else '1'}"
+
+
+def test_globs_and_level_edges_bucket_a_difficulty(tmp_path: Path) -> None:
+    content = rows(2400)
+    write(tmp_path / "a.jsonl", content[:1200])
+    write(tmp_path / "b.parquet", content[1200:])
+    for r in content:
+        r["difficulty"] = [0.5, 2.5, 7.0][r["i"] % 3]
+    write(tmp_path / "a.jsonl", content[:1200])
+    write(tmp_path / "b.parquet", content[1200:])
+    load_tasks(tasks(family([str(tmp_path / "a.jsonl"), str(tmp_path / "*.parquet")], level_edges=[1, 5])))
+    by_level = {lv: len(ps) for (lv, split), ps in get_family("doubles").pool.items() if split == "train"}
+    assert set(by_level) == {1, 2, 3} and sum(by_level.values()) > 2000
+
+
+def test_heldout_problems_are_the_test_split_once_each(tmp_path: Path) -> None:
+    load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", rows()))])))
+    held = heldout("doubles", 1, 10_000, seed=1)
+    assert held and len({p.key for p in held}) == len(held)
+    assert {split_of(p.key) for p in held} == {"test"} and {p.level for p in held} == {1}
+    assert heldout("doubles", 1, 5, seed=1) == held[:5]
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        ({"a": "1", "difficulty": 1}, "no column 'q' (tasks.families.0.columns.prompt); the row has: a, difficulty"),
+        ({"q": "x?", "difficulty": 1}, "no column 'a' (tasks.families.0.columns.answer)"),
+        ({"q": "  ", "a": "1", "difficulty": 1}, "column 'q' must be a non-empty string"),
+        ({"q": "x?", "a": True, "difficulty": 1}, "column 'a' must be a non-empty string or a number, got True"),
+        ({"q": "x?", "a": "1", "difficulty": 0}, "column 'difficulty' (the level) must be an integer >= 1, got 0"),
+        ({"q": "x?", "a": "1", "difficulty": "2"}, "column 'difficulty' (the level) must be a number, got '2'"),
+        ({"q": "x <|pad|>?", "a": "1", "difficulty": 1}, "must not contain the control token '<|pad|>'"),
+        ({"q": "x?", "a": "1", "difficulty": 1, "finished": 1}, "column 'finished' is not mapped, and reward functions already get"),
+        ({"q": "What is 3 doubled?", "a": "6", "difficulty": 1}, "duplicate prompt, first given at"),
+        ({"q": "x" * 70_000, "a": "1", "difficulty": 1}, "a task row holds at most 65,536"),
+        ({"q": "x\ud800?", "a": "1", "difficulty": 1}, "column 'q' holds a lone surrogate ('\\ud800' at character 1), not text"),
+    ],
+)
+def test_a_bad_row_is_one_line_naming_file_and_row(tmp_path: Path, row: dict[str, Any], expected: str) -> None:
+    path = write(tmp_path / "t.jsonl", [*rows()[:5], row])
+    with pytest.raises(StageError) as err:
+        load_tasks(tasks(family([str(path)])))
+    message = str(err.value)
+    assert message.startswith(f"{path}:6: ") and expected in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ([], "tasks.families.0 (doubles): its files hold no problem"),
+        ([r for r in rows() if r["difficulty"] != 2], "level 2 has no problem, though level 3 has some"),
+        (rows(300), "level 1 has 100 problems ("),
+    ],
+)
+def test_an_empty_family_a_gap_or_a_small_level_is_refused(tmp_path: Path, content: list, expected: str) -> None:
+    with pytest.raises(StageError) as err:
+        load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", content))])))
+    assert expected in str(err.value), err.value
+    if "100 problems" in expected:  # the counts per split, and what each level needs
+        assert "train, " in str(err.value) and "at least 1 train, 1 validation and 10 held-out" in str(err.value)
+
+
+def test_unreadable_files_are_one_line(tmp_path: Path) -> None:
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(b'{"q": 1}\n')[:12])
+    (tmp_path / "t.parquet").write_bytes(b"not parquet")
+    (tmp_path / "t.csv").write_text("q,a\n")
+    for name, expected in (("t.jsonl.gz", "cannot read"), ("t.parquet", "not a readable parquet file"),
+                           ("t.csv", "not a task file; expected one of .jsonl, .jsonl.gz, .jsonl.zst, .parquet")):  # fmt: skip
+        with pytest.raises(StageError, match=expected):
+            load_tasks(tasks(family([str(tmp_path / name)])))
+
+
+def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
+    from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+
+    assert {*SPECIAL_TOKENS.values(), PROBLEM_TOKEN, ANSWER_TOKEN} <= set(CONTROL_TOKENS)
+
+
+# --- config -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"data": {"generated": {"task_files": ["x.jsonl"]}}}, "data.generated.task_files: replaced by tasks.families"),
+        ({"tasks": {"families": [{"name": "sums"}]}}, "tasks.families.0: expected files (your problems) or generator"),
+        ({"tasks": {"families": [{"name": "cmp", "generator": "comparison"}]}}, "named after its generator ('comparison'), not 'cmp'"),
+        ({"tasks": {"families": [{"name": "counting", "files": ["x.jsonl"]}]}}, "'counting' is a built-in family's name"),
+        ({"tasks": {"families": [{"name": "a", "files": ["x"]}, {"name": "a", "files": ["y"]}]}}, "tasks.families.1.name: 'a' is listed twice"),
+        ({"tasks": {"families": [{"name": "a", "files": ["x"], "rewards": [{"verifier": "exact", "function": "r.py:f"}]}]}},
+         "tasks.families.0.rewards.0: expected exactly one of verifier or function"),
+        ({"tasks": {"families": [{"name": "a", "files": ["x"], "rewards": [{"function": "r.py"}]}]}},
+         "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name', got 'r.py'"),
+        ({"grpo": {"curriculum": {"families": ["mine"]}}}, "grpo.curriculum.families: unknown family 'mine' (known: arithmetic, counting, comparison; your own go in tasks.families)"),
+        ({"data": {"generated": {"families": ["comparison", "comparison"]}}}, "data.generated.families: 'comparison' is listed twice"),
+    ],
+)
+def test_config_mistakes_are_one_line(change: dict[str, Any], expected: str) -> None:
+    from harness.configs import merge
+
+    with pytest.raises(StageError) as err:
+        stconfig.validate(merge(default_config(), change))
+    assert expected in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_a_tasks_family_may_be_trained_replayed_and_in_the_corpus(tmp_path: Path) -> None:
+    config = default_config()
+    config["tasks"] = {"families": [family(["x.jsonl"]), {"name": "arithmetic", "generator": "arithmetic"}]}
+    config["data"]["generated"]["families"] = ["counting", "doubles"]
+    config["grpo"]["curriculum"]["families"] = ["doubles"]
+    config["grpo"]["replay"] = {"share": 0.25, "families": ["counting"]}
+    stconfig.validate(config)
+
+
+def test_local_task_and_reward_files_are_declared_inputs(tmp_path: Path) -> None:
+    write(tmp_path / "a.jsonl", rows())
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    config = default_config()
+    config["tasks"] = {"families": [family([str(tmp_path / "*.jsonl"), {"repo": "org/data", "file": "t.jsonl"}],
+                                           rewards=[{"function": f"{reward}:score"}, {"verifier": "format"}])]}  # fmt: skip
+    found = local_inputs(stconfig.validate(config))
+    assert found["task_files"] == [str(tmp_path / "a.jsonl")] and found["reward_files"] == [str(reward)]
+    for spec, expected in ((f"{reward}:missing", "defines no function 'missing' (its top-level names: score)"),
+                           (f"{tmp_path}/nope.py:score", "no such reward file")):  # fmt: skip
+        with pytest.raises(StageError, match=re.escape(expected)):
+            check_function(spec, "tasks.families.0.rewards.0.function")
+
+
+# --- rewards ----------------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    """Decodes ids as characters (eos 0): enough for the reward path, which only decodes."""
+
+    eos_token_id, unk_token_id, chat_template = 0, None, None
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def ids(text: str, finished: bool = True) -> list[int]:
+    return [ord(c) for c in text] + ([0] if finished else [])
+
+
+def judge_for(tmp_path: Path, body: str, rewards: list[dict[str, Any]], **changes: Any) -> tuple[Judge, list]:
+    """A Judge of a 'doubles' family whose reward file holds `body`; and the family's level-1 problems."""
+    (tmp_path / "reward.py").write_text(body)
+    path = write(tmp_path / "t.jsonl", rows())
+    rewards = [{**r, "function": r["function"].replace("FILE", str(tmp_path / "reward.py"))} if "function" in r else r
+               for r in rewards]  # fmt: skip
+    loaded = load_tasks(tasks(family([str(path)], rewards=rewards, **changes)))
+    problems = sorted(get_family("doubles").pool[(1, "train")], key=lambda p: p.columns["i"])
+    return Judge(loaded, FakeTokenizer(), max_prompt_len=64), problems
+
+
+def test_user_rewards_get_the_extra_columns_and_are_weighted(tmp_path: Path) -> None:
+    body = (
+        "CALLS = []\n"
+        "def by_column(prompts, completions, answer, level, finished, completion_ids, i, **kw):\n"
+        "    CALLS.append({'prompts': prompts, 'completions': completions, 'answer': answer, 'level': level,\n"
+        "                  'finished': finished, 'i': i})\n"
+        "    return [1.0 if c == str(2 * n) else None if n % 2 else 0.0 for c, n in zip(completions, i)]\n"
+    )
+    rewards = [{"function": "FILE:by_column", "weight": 2.0}, {"verifier": "format", "weight": 0.25}]
+    judge, problems = judge_for(tmp_path, body, rewards, success_at=2.0)
+    even, odd = (next(p for p in problems if p.columns["i"] % 2 == k) for k in (0, 1))
+    done = [ids(even.answer), ids("7"), ids(odd.answer + "?", finished=False), ids(odd.answer)]
+    scores = judge.rewards([even, even, odd, odd], done)
+    assert scores == [2.25, 0.25, 0.0, 2.25]  # None (odd, wrong) leaves the user term out
+    assert [judge.solved(p, s) for p, s in zip([even, even, odd, odd], scores, strict=True)] == [True, False, False, True]
+    from stagetrain.tasks.rewards import _module
+
+    (call,) = _module(str(tmp_path / "reward.py")).CALLS
+    assert call["prompts"] == [even.question, even.question, odd.question, odd.question]
+    assert call["i"] == [even.columns["i"], even.columns["i"], odd.columns["i"], odd.columns["i"]]
+    assert call["answer"] == [even.answer, even.answer, odd.answer, odd.answer] and call["level"] == [1] * 4
+    assert call["finished"] == [True, True, False, True] and call["completions"][2] == odd.answer + "?"
+    assert set(RESERVED) - {"prompts", "completions"} <= set(call) | {"completion_ids"}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("def f(prompts, completions, **kw):\n    return [1.0 / (kw['i'][0] % 3) for _ in prompts]\n",
+         "reward FILE:f: raised ZeroDivisionError: float division by zero on the row (T:1) with prompt 'What is 0 doubled?'"),
+        ("def f(prompts, completions, **kw):\n    return [1.0]\n", "reward FILE:f: returned 1 values for 2 completions"),
+        ("def f(prompts, completions, **kw):\n    return [1.0, float('nan')]\n",
+         "reward FILE:f: returned nan on the row (T:4) with prompt 'What is 3 doubled?'; expected a finite number or None"),
+        ("def f(prompts, completions, **kw):\n    return ['1', 1]\n", "returned '1' on the row (T:1)"),
+        ("def f(prompts, completions, **kw):\n    return 1.0\n", "returned float, expected a list of floats or None"),
+        ("import no_such_module\ndef f(prompts, completions, **kw):\n    return []\n",
+         "importing the reward file failed (ModuleNotFoundError: No module named 'no_such_module')"),
+        ("def f(:\n", "importing the reward file failed (SyntaxError"),
+    ],
+)
+def test_a_failing_reward_function_is_one_line_naming_file_function_and_row(tmp_path: Path, body: str, expected: str) -> None:
+    with pytest.raises(StageError) as err:
+        judge, problems = judge_for(tmp_path, body, [{"function": "FILE:f"}])
+        first, second = sorted(problems, key=lambda p: p.columns["i"])[:2]  # i = 0 and 3 (level 1)
+        judge.rewards([first, second], [ids("0"), ids("6")])
+    message = str(err.value).replace(str(tmp_path / "reward.py"), "FILE").replace(str(tmp_path / "t.jsonl"), "T")
+    assert expected in message and "\n" not in message, message
+
+
+def test_the_built_in_verifiers() -> None:
+    from stagetrain.tasks.problem import Problem
+    from stagetrain.tasks.rewards import VERIFIERS
+
+    half = Problem(family="f", level=1, question="1/2?", answer="\\frac{1}{2}", solution="", key="k")
+    number = Problem(family="f", level=1, question="?", answer="46", solution="", key="k")
+    done = {text: Completion(text=text, finished=True, ids=[]) for text in ("0.5", "Answer: 1/2", "0.25", "Answer: 046", "no")}
+    assert [VERIFIERS["math"](done[t], half) for t in ("0.5", "Answer: 1/2", "0.25", "no")] == [1.0, 1.0, 0.0, 0.0]
+    assert VERIFIERS["numeric"](done["Answer: 046"], number) == 1.0 and VERIFIERS["exact"](done["Answer: 046"], number) == 0.0
+    assert VERIFIERS["format"](done["Answer: 046"], number) == 1.0 and VERIFIERS["format"](done["no"], number) == 0.0
+    unfinished = Completion(text="46", finished=False, ids=[])
+    assert VERIFIERS["format"](unfinished, number) == 0.0 and VERIFIERS["default"](unfinished, number) == 1.0
+
+
+# --- prompts ----------------------------------------------------------------------------
+
+TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>{% endfor %}"
+            "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return train_bpe(iter([f"<|problem|>What is {i} doubled?<|answer|>{2 * i}" for i in range(300)] * 3), 400)
+
+
+def test_a_chat_template_renders_prompts_token_for_token(tokenizer: Any, tmp_path: Path) -> None:
+    load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", rows()))])))
+    problem = get_family("doubles").pool[(1, "train")][0]
+    plain = Prompter(tokenizer, chat_template=True, limit=64)
+    assert not plain.chat and tokenizer.decode(plain.ids(problem)) == f"<|problem|>{problem.question}<|answer|>"
+    tokenizer.chat_template = TEMPLATE
+    try:
+        chat = Prompter(tokenizer, chat_template=True, limit=64)
+        expected = tokenizer.apply_chat_template([{"role": "user", "content": problem.question}],
+                                                 add_generation_prompt=True, tokenize=True)["input_ids"]  # fmt: skip
+        assert chat.chat and chat.ids(problem) == list(expected)
+        assert tokenizer.decode(expected).endswith("<|bos|>assistant\n")
+        assert Prompter(tokenizer, chat_template=False, limit=64).ids(problem) == plain.ids(problem)
+        with pytest.raises(StageError) as err:
+            Prompter(tokenizer, chat_template=True, limit=8).check_lengths([problem], "grpo.max_prompt_len")
+        assert str(err.value).startswith(f"{problem.origin}: its prompt is {len(expected)} tokens with the chat template, "
+                                         "more than grpo.max_prompt_len (8)")  # fmt: skip
+    finally:
+        tokenizer.chat_template = None
+
+
+def test_completions_end_at_eos_or_a_new_problem(tokenizer: Any) -> None:
+    prompter = Prompter(tokenizer, chat_template=False, limit=64)
+    body = tokenizer("12", add_special_tokens=False)["input_ids"]
+    problem = tokenizer.convert_tokens_to_ids("<|problem|>")
+    for tail, finished in (([tokenizer.eos_token_id, 5, 6], True), ([problem, 7], True), ([], False)):
+        done = prompter.completion(body + tail)
+        assert (done.text, done.finished, done.ids) == ("12", finished, body)
