@@ -109,6 +109,15 @@ def test_duplicate_yaml_keys_are_rejected_with_file_and_line(tmp_path: Path) -> 
 
 
 
+def test_yaml_merge_keys_are_read_and_explicit_keys_win(tmp_path: Path) -> None:
+    """`<<: *anchor` is YAML Snakemake accepts; the strict loader refused it as invalid."""
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b\n  lr: 1.0e-3\n  warmup_steps: 5\noptimizer:\n  <<: *b\n  lr: 2.0e-3\n")
+    assert stconfig.load_yaml(path)["optimizer"] == {"lr": 2.0e-3, "warmup_steps": 5}
+    path.write_text("base: &b\n  lr: 1.0e-3\noptimizer:\n  <<: *b\n  lr: 2.0e-3\n  lr: 3.0e-3\n")
+    with pytest.raises(StageError, match=r"merge.yaml:6: duplicate key 'lr' \(first at line 5\)"):
+        stconfig.load_yaml(path)
+
 def test_invalid_yaml_and_missing_files_name_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("run: [unclosed\n")
