@@ -51,7 +51,7 @@ from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import read_json
 from stagetrain.tasks import sample, score
-from stagetrain.training.evaluation import prompt_ids
+from stagetrain.tasks.prompts import Prompter
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = ((2, 4), (2, 8), (4, 8), (2, 16))
@@ -116,7 +116,8 @@ def _compare(
     model, tok, grpo: dict, problems: list, seed: int, batch: int, shapes, variants: bool = False
 ) -> tuple[dict, list[Group]]:  # noqa: ANN001
     """Flat sampling, then each tree shape with flat's tokens per prompt as its budget."""
-    ids = [prompt_ids(tok, p, grpo["max_prompt_len"]) for p in problems]
+    prompter = Prompter(tok, chat_template=False, limit=grpo["max_prompt_len"])
+    ids = [prompter.ids(p) for p in problems]
     common = {
         "keys": [(seed, i) for i in range(len(ids))],
         "temperature": grpo["temperature"],

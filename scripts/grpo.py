@@ -15,11 +15,11 @@ from stagetrain.training.launch import launch_stage
 
 
 def main(io: StageIO) -> None:
-    extra = {"grpo": io.sections["grpo"], "seed": io.sections["run"]["seed"]}
+    extra = {"grpo": io.sections["grpo"], "tasks": io.sections["tasks"], "seed": io.sections["run"]["seed"]}
     launch_stage(
         stage="grpo",
         module="stagetrain.grpo.train",
-        inputs=io.inputs,
+        inputs={k: v for k, v in io.inputs.items() if k not in ("task_files", "reward_files")},  # read through tasks
         outputs=io.outputs,
         extra=extra,
         tracking=io.sections["tracking"],
@@ -32,5 +32,5 @@ run_stage(
     doc=__doc__,
     inputs=["model", "plan", "deepspeed_config", "tokenizer", "model_config", "meta", "val"],
     outputs=["summary", "metrics", "reward_plot"],
-    sections=["run", "grpo", "tracking"],
+    sections=["run", "grpo", "tasks", "tracking"],
 )

@@ -10,11 +10,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from harness.configs import small_grpo, small_run
-from harness.workflow import copy_workflow, snakemake
+from harness.configs import apply_config, small_grpo, small_run
+from harness.workflow import REPO, copy_workflow, snakemake
+
+from stagetrain.config import read_file
 
 if TYPE_CHECKING:
     from harness.training import SharedRuns
+
+EXAMPLE_FAMILY = read_file(REPO / "config/presets/own-tasks.yaml")["tasks"]["families"][0]
+"""The worked example's family, as the own-tasks preset declares it (paths relative to a workflow copy)."""
 
 
 @pytest.fixture
@@ -25,10 +30,13 @@ def workdir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def finished_small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A workflow copy whose shrunk default pipeline has run to the end, shared by the tests that read it."""
+    """A workflow copy whose shrunk default pipeline has run to the end, shared by the tests that
+    read it. Its tasks section declares the worked example's family (examples/largest), which
+    neither the corpus nor GRPO uses: its data and reward file are inputs all the same."""
     root = copy_workflow(tmp_path_factory.mktemp("finished") / "wf")
     small_run(root, steps=4)
     small_grpo(root)
+    apply_config(root / "config/config.yaml", tasks={"families": [EXAMPLE_FAMILY]})
     snakemake(root, "all")
     return root
 
@@ -57,6 +65,15 @@ def data(comm_op: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     from harness.training import prepare_data
 
     return prepare_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def scoring_start(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A consolidated fp32 model that scores on harness.training.SCORING_FAMILIES, trained once
+    per session for the GRPO tests (read only)."""
+    from harness.training import scoring_model
+
+    return scoring_model(data, tmp_path_factory.mktemp("scoring"))
 
 
 @pytest.fixture(scope="session")

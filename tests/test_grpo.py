@@ -22,7 +22,6 @@ from harness.training import (
     final_params,
     launch_grpo,
     run_grpo,
-    scoring_model,
 )
 from harness.training import grpo_config as harness_grpo_config
 from safetensors.torch import load_file
@@ -37,9 +36,9 @@ FAMILIES = set(SCORING_FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def start(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str]:
+def start(data: dict[str, str], scoring_start: str) -> tuple[dict[str, str], str]:
     """The shared data and a consolidated (fp32) model that scores on SCORING_FAMILIES."""
-    return data, scoring_model(data, tmp_path_factory.mktemp("grpo"))
+    return data, scoring_start
 
 
 def grpo_config(**changes: Any) -> dict[str, Any]:

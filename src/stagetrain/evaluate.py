@@ -4,9 +4,15 @@ standard error; against a baseline folder, the gain.
     python -m stagetrain.evaluate results/tiny/model/grpo [--levels 1 2] [--problems 278]
     python -m stagetrain.evaluate results/tiny/model/grpo --baseline results/tiny/model/pretrain \\
         --families comparison counting --json gain.json
+    python -m stagetrain.evaluate results/own-tasks/model/grpo --config config/presets/own-tasks.yaml \\
+        --baseline results/own-tasks/model/pretrain
 
 Greedy completions of held-out (test-split) problems, which no training stage
-ever saw, scored by the tasks' verifiers. Prints one line per family and level;
+ever saw, scored by each family's rewards and `tasks.success_at`. With --config,
+the run's tasks section gives its own families (files, rewards, chat template)
+and grpo.max_prompt_len / max_new_tokens the lengths; by default every family
+the config names is scored. A file family's level is scored on each of its
+held-out problems once, up to --problems. Prints one line per family and level;
 `--json` also writes the figures in the form of GRPO's summary (`accuracy` by
 family and level, and with `--baseline` the `gain` report of stagetrain.heldout).
 The default number of problems keeps one standard error <= 0.03 at any accuracy.
@@ -22,33 +28,41 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stagetrain import config as stconfig
+from stagetrain.errors import StageError
 from stagetrain.heldout import accuracy_entry, gains, problems_for
 from stagetrain.io import atomic_write_json
-from stagetrain.tasks import FAMILIES, problems
+from stagetrain.tasks import FAMILIES, get_family, heldout, known
+from stagetrain.tasks.families import TaskSet, load_tasks
+from stagetrain.tasks.judge import Judge
 from stagetrain.training.evaluation import greedy_scores
 
 Scores = dict[tuple[str, int], tuple[float, int, int]]
 """(family, level) -> (accuracy, problems scored, distinct problems among them)."""
 
 
-def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: int) -> Scores:
-    """Accuracy by (family, level) on `n` held-out problems each."""
+def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: int, *,
+             tasks: TaskSet | None = None, lengths: tuple[int, int] = (64, 32)) -> Scores:  # fmt: skip
+    """Accuracy by (family, level) on `n` held-out problems each (a file family: its held-out
+    problems, at most n), for the levels a family has; `tasks` holds the families (default: the
+    built-in ones), `lengths` the prompt and completion token limits."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    judge = Judge(tasks or load_tasks({}), tokenizer, max_prompt_len=lengths[0])
     out = {}
     with torch.no_grad():
         for family in families:
-            for level in levels:
-                batch = problems([family], [level], "test", n, seed=seed)
-                scores = greedy_scores(
-                    model, tokenizer, batch, max_prompt_len=64, max_new_tokens=32, chunk_size=64
-                )
-                out[(family, level)] = (sum(scores) / len(scores), n, len({p.key for p in batch}))
+            for level in (lv for lv in levels if lv <= get_family(family).max_level):
+                batch = heldout(family, level, n, seed=seed)
+                scores = greedy_scores(model, judge, batch, max_new_tokens=lengths[1], chunk_size=64)
+                out[(family, level)] = (sum(scores) / len(scores), len(batch), len({p.key for p in batch}))
     return out
 
 
-def report(results: Scores, baseline: Scores | None, n: int, level: int) -> dict[str, Any]:
-    """The --json document: accuracy (and the baseline's) by family and level, and the gain."""
+def report(results: Scores, baseline: Scores | None, n: int, level: int,
+           curriculum: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The --json document: accuracy (and the baseline's) by family and level, and the gain
+    (its mean over `curriculum`, default every family, as GRPO's summary has it)."""
 
     def nested(values: Scores) -> dict[str, dict[str, dict[str, Any]]]:
         out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -65,7 +79,7 @@ def report(results: Scores, baseline: Scores | None, n: int, level: int) -> dict
     doc: dict[str, Any] = {"problems": n, "accuracy": nested(results)}
     if baseline is not None:
         doc["baseline_accuracy"] = nested(baseline)
-        doc["gain"] = gains(measured(baseline), measured(results), level=level)
+        doc["gain"] = gains(measured(baseline), measured(results), level=level, families=curriculum)
     return doc
 
 
@@ -73,17 +87,16 @@ def _table(doc: dict[str, Any]) -> list[str]:
     """The printed lines; without a baseline the accuracy is the last column."""
     if "gain" not in doc:
         lines = [
-            f"{'family':<12} {'level':>5} {'se':>6} {'accuracy':>9}  ({doc['problems']} held-out problems each)"
+            f"{'family':<12} {'level':>5} {'problems':>8} {'se':>6} {'accuracy':>9}"
         ]
         for family, levels in doc["accuracy"].items():
             for lv, e in levels.items():
-                lines.append(f"{family:<12} {lv:>5} {e['se']:>6.3f} {e['accuracy']:>9.3f}")
+                lines.append(f"{family:<12} {lv:>5} {e['problems']:>8} {e['se']:>6.3f} {e['accuracy']:>9.3f}")
         return lines
-    lines = [f"{'family':<12} {'level':>5} {'baseline':>9} {'model':>7} {'gain':>7} {'se':>6}  "
-             f"({doc['problems']} held-out problems each)"]  # fmt: skip
+    lines = [f"{'family':<12} {'level':>5} {'problems':>8} {'baseline':>9} {'model':>7} {'gain':>7} {'se':>6}"]
     for family, levels in doc["gain"]["by_family"].items():
         for lv, e in levels.items():
-            lines.append(f"{family:<12} {lv:>5} {e['start']:>9.3f} {e['end']:>7.3f} "
+            lines.append(f"{family:<12} {lv:>5} {e['problems']:>8} {e['start']:>9.3f} {e['end']:>7.3f} "
                          f"{e['gain']:>+7.3f} {e['se']:>6.3f}")  # fmt: skip
     mean = doc["gain"]["mean"]
     if mean is not None:
@@ -105,32 +118,52 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline",
         help="a model folder to measure the gain against (e.g. results/tiny/model/pretrain)",
     )
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES))
+    parser.add_argument("--config", help="the run's config: its tasks section, families and prompt lengths")
+    parser.add_argument("--families", nargs="+", help="default: every family the config names (without one: the built-in families)")
     parser.add_argument("--levels", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--problems", type=int, default=problems_for(),
                         help="held-out problems per family and level (default: one se <= 0.03)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    unknown = [f for f in args.families if f not in FAMILIES]
+    try:
+        config = stconfig.load(args.config) if args.config else stconfig.validate({})
+        tasks = load_tasks(config["tasks"])
+    except StageError as err:
+        sys.exit(f"error: {err}")
+    families = args.families or (_named_families(config) if args.config else list(FAMILIES))
+    unknown = [f for f in families if f not in known()]
     if unknown:
-        sys.exit(f"error: --families: unknown family {unknown[0]!r} (known: {', '.join(FAMILIES)})")
+        sys.exit(f"error: --families: unknown family {unknown[0]!r} (known: {', '.join(known())}; "
+                 "your own need --config with their tasks section)")  # fmt: skip
     if args.problems < 1:
         sys.exit(f"error: --problems: expected a positive number of problems, not {args.problems}")
     for name, folder in (("model", args.model), ("--baseline", args.baseline)):
         # transformers reads a path that is not a folder as a hub repo id, and fails deep inside.
         if folder is not None and not (Path(folder) / "config.json").is_file():
             sys.exit(f"error: {name}: {folder} is not a model folder (no config.json in it)")
-    results = accuracy(args.model, args.families, args.levels, args.problems, args.seed)
-    baseline = None
-    if args.baseline:
-        baseline = accuracy(args.baseline, args.families, args.levels, args.problems, args.seed)
-    doc = report(results, baseline, args.problems, level=min(args.levels))
+    lengths = (config["grpo"]["max_prompt_len"], config["grpo"]["max_new_tokens"]) if args.config else (64, 32)
+    measure = {"tasks": tasks, "lengths": lengths}  # without a config: the default run's
+    try:
+        results = accuracy(args.model, families, args.levels, args.problems, args.seed, **measure)
+        baseline = None
+        if args.baseline:
+            baseline = accuracy(args.baseline, families, args.levels, args.problems, args.seed, **measure)
+    except StageError as err:  # a reward function that fails
+        sys.exit(f"error: {err}")
+    curriculum = list(config["grpo"]["curriculum"]["families"]) if args.config else None
+    doc = report(results, baseline, args.problems, level=min(args.levels), curriculum=curriculum)
     print("\n".join(_table(doc)))
     if args.json:
         atomic_write_json(
             args.json, {"model": args.model, "baseline": args.baseline, "seed": args.seed, **doc}
         )
+
+
+def _named_families(config: dict[str, Any]) -> list[str]:
+    """Every family a config names: the curriculum's, the corpus's, the tasks section's."""
+    return list(dict.fromkeys([*config["grpo"]["curriculum"]["families"], *config["data"]["generated"]["families"],
+                               *(f["name"] for f in config["tasks"]["families"])]))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def prepare_data(out: Path) -> dict[str, str]:
         "tokenizer": out / "tokenizer", "train": out / "data/train.bin", "val": out / "data/val.bin",
         "meta": out / "data/meta.json", "model_config": out / "model_config.json",
     }  # fmt: skip
-    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
+    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tasks=cfg["tasks"],
             tp=vocab_padding(plan_for(cfg, cpu_hardware()))["tp"],
             outputs={k: str(v) for k, v in paths.items()})  # fmt: skip
     return {k: str(v) for k, v in paths.items()}
@@ -180,7 +180,7 @@ def launch_grpo(
         inputs={**data, "model": model_dir, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"},
         outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "reward_plot": out / "reward.png"},
         checkpoints=checkpoints or out / "checkpoints",
-        extra={"grpo": cfg["grpo"], "seed": cfg["run"]["seed"]},
+        extra={"grpo": cfg["grpo"], "tasks": cfg["tasks"], "seed": cfg["run"]["seed"]},
     )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return torchrun("stagetrain.grpo.train", out / "job.json", world, popen=popen)

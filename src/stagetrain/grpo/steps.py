@@ -21,9 +21,8 @@ from stagetrain.grpo.curriculum import (
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
 from stagetrain.grpo.sampling import policy_scores
-from stagetrain.tasks import Problem, sample, score
+from stagetrain.tasks import Problem, sample
 from stagetrain.training.engine import gathered
-from stagetrain.training.evaluation import prompt_ids
 
 if TYPE_CHECKING:  # grpo.train imports this module; the type only, at check time
     from stagetrain.grpo.train import Run
@@ -260,6 +259,8 @@ class Row(NamedTuple):
     family: str
     level: int
     rewards: list[float]
+    solved: list[bool]
+    """Whether each completion's reward reaches its family's `tasks.success_at`."""
     varies: bool
     generated: int
     flat: int
@@ -270,6 +271,8 @@ class Row(NamedTuple):
     """Prompt and completion tokens one optimisation pass runs through the model."""
     key: str
     """The problem's identity (for the debug prompt log)."""
+    prompt_ids: list[int]
+    """What the model was given (for the debug prompt log)."""
 
 
 def _gather(values: list[Any], dp_rank: int) -> list[Any]:
@@ -317,27 +320,28 @@ def step(
     step_no: int,
 ) -> dict[str, Any]:
     """Rollouts, training and the curriculum update of one step; its metrics record."""
-    cfg, tok = run.cfg, run.tokenizer
+    cfg, judge = run.cfg, run.judge
     batch, first = draw_problems(run, curriculum, step_no)
-    prompts = [prompt_ids(tok, p, cfg.max_prompt_len) for p in batch]
+    prompts = [judge.prompt_ids(p) for p in batch]
     keys = [(run.spec["seed"], step_no, first + i) for i in range(len(batch))]
 
     def reward(i: int, completion: list[int]) -> float:
-        return score(tok.decode(completion, skip_special_tokens=False), batch[i])
+        return judge.rewards([batch[i]], [completion])[0]
 
     groups = _rollouts(run, prompts, reward, keys)
     loss, clip = train_on(run, groups)
     rows: list[Row] = _gather([
-        Row(family=p.family, level=p.level, rewards=g.rewards, varies=g.varies, generated=g.generated_tokens,
+        Row(family=p.family, level=p.level, rewards=g.rewards, solved=[judge.solved(p, r) for r in g.rewards],
+            varies=g.varies, generated=g.generated_tokens,
             flat=g.flat_tokens, nodes=g.nodes, lengths=[len(c) for c in g.completions],
-            trained=sum(len(g.prompt) + len(c) for c in g.completions), key=p.key)
+            trained=sum(len(g.prompt) + len(c) for c in g.completions), key=p.key, prompt_ids=g.prompt)
         for g, p in zip(groups, batch, strict=True)
     ], run.dp_rank)  # fmt: skip
 
     rewards = [r for row in rows for r in row.rewards]
     levels = curriculum.levels()  # those the step's prompts were drawn at
     # A prompt succeeds when most of its completions do; only current-level ones reach the window.
-    outcomes = [(row.family, row.level, float(np.mean(row.rewards) >= 0.5)) for row in rows]
+    outcomes = [(row.family, row.level, float(np.mean(row.solved) >= 0.5)) for row in rows]
     events = update_all(curriculum, run.curriculum, step_no, outcomes)
     decided = {e["family"]: e["success_rate"] for e in events}  # the window a change emptied
     record = {
@@ -368,6 +372,7 @@ def step(
     trained = sum(row.trained for row in rows) * cfg.passes
     record["_tokens"] = record["rollout/generated_tokens"] + trained
     record["_prompts"] = [row.key for row in rows]
+    record["_prompt_ids"] = [row.prompt_ids for row in rows]
     return record
 
 

@@ -4,7 +4,8 @@ Per step: each data-parallel rank draws its share of the prompts from the
 curriculum (a family, then a level from that family's own curriculum), rolls
 them out (flat or tree) with the policy's KV-cached `generate` (under ZeRO-3
 with the parameters gathered for the whole phase and released after it, as
-TRL's ds3 gather does), scores them with the verifiers, and trains through the
+TRL's ds3 gather does), scores them with each family's rewards (built-in
+verifiers and the user's functions, `stagetrain.tasks.rewards`), and trains through the
 DeepSpeed engine: `engine.backward` and `engine.step` for exactly the
 configured accumulation steps, `passes` times. Outcomes are gathered from all
 ranks so every rank updates the same per-family curriculum states.
@@ -34,7 +35,9 @@ from stagetrain.heldout import gains
 from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import GrpoSettings
-from stagetrain.tasks import FAMILIES, Problem, problems
+from stagetrain.tasks import Problem, get_family, heldout
+from stagetrain.tasks.families import load_tasks, reward_digests
+from stagetrain.tasks.judge import Judge
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import window_count
 from stagetrain.training.checkpoints import Checkpoints
@@ -48,6 +51,7 @@ log = logging.getLogger("stagetrain")
 PROMPT_RECORD = {
     "step": "GRPO steps completed",
     "prompts": "problem keys of the step, dp ranks in order",
+    "prompt_ids": "the token ids each prompt was given as (chat template included), in the same order",
 }
 NOT_MATHS = (
     "eval_problems",
@@ -71,6 +75,8 @@ class Run:
     engine: Any
     reference: Any
     tokenizer: Any
+    judge: Judge
+    """The prompts and rewards of the task families (training and evaluation alike)."""
     device: torch.device
     layout: Layout
     dp_rank: int
@@ -111,11 +117,13 @@ def setup(spec: dict[str, Any]) -> Run:
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg = GrpoSettings.from_config(spec["grpo"], "grpo")
     layout = Layout.from_plan(plan, "grpo")
+    tasks = load_tasks(spec["tasks"], pins=hub_pins(meta))
     manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
     components = {  # the start model by content: a resharded folder of the same weights resumes
         "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
         "tokenizer": meta["tokenizer_sha256"],
         "training": fingerprinted(spec["grpo"]),
+        "tasks": {"config": spec["tasks"], "data": tasks.record(), "reward_code": reward_digests(spec["tasks"])},
         "precision": layout.precision, "seed": spec["seed"],
     }  # fmt: skip
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components,
@@ -129,6 +137,10 @@ def setup(spec: dict[str, Any]) -> Run:
     dtype = next(engine.module.parameters()).dtype
     reference = _reference(spec["model"], ds_config, device, dtype) if cfg.kl_coef > 0 else None
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    judge = Judge(tasks, tokenizer, max_prompt_len=cfg.max_prompt_len)
+    replay = replay_of(cfg, meta)
+    used = evaluated_families(cfg.curriculum.families, meta) + sorted(replay.levels if replay else ())
+    check_families(judge, used)
     curriculum = CurriculumConfig(
         **{k: v for k, v in asdict(cfg.curriculum).items() if k != "families"}
     )
@@ -139,31 +151,52 @@ def setup(spec: dict[str, Any]) -> Run:
     seq = layout.seq_len  # the plan's: max_prompt_len + max_new_tokens
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
     eval_set = [p for family in evaluated_families(cfg.curriculum.families, meta)
-                for p in problems([family], [min(curriculum.start_level, top_level(curriculum, family))], "test",
-                                  cfg.eval_problems, seed=spec["seed"])]  # fmt: skip
+                for p in heldout(family, min(curriculum.start_level, top_level(curriculum, family)),
+                                 cfg.eval_problems, seed=spec["seed"])]  # fmt: skip
     return Run(
-        spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, device=device, layout=layout,
+        spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, judge=judge, device=device,
+        layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
         loop=StageLoop(stage="grpo", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
-        generation_batch=_generation_batch(plan), replay=replay_of(cfg, meta),
+        generation_batch=_generation_batch(plan), replay=replay,
     )  # fmt: skip
 
 
-def corpus_families(meta: dict[str, Any]) -> dict[str, int]:
-    """{built-in family: the highest level of it the pretraining corpus holds}, from
-    data/meta.json's generated source."""
+def hub_pins(meta: dict[str, Any]) -> dict[str, str]:
+    """{hub task file: commit} as the corpus stage resolved them (data/meta.json), so GRPO reads
+    the same files even if a branch has moved since."""
     return {
-        f: min(s["record"]["max_level"], FAMILIES[f].max_level)
+        f["hub"]: f["commit"]
         for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
-        for f in s["record"]["families"] if f in FAMILIES
+        for family in s["record"].get("tasks", {}).values() for f in family["files"] if "hub" in f
+    }  # fmt: skip
+
+
+def check_families(judge: Judge, families: Sequence[str]) -> None:
+    """Before any step: each family's reward functions import, and every prompt of a file
+    family fits grpo.max_prompt_len as rendered (chat template included)."""
+    for family in dict.fromkeys(families):
+        judge.tasks.rewards(family)
+        pool = get_family(family).pool
+        if pool is not None:
+            judge.prompter.check_lengths([p for problems in pool.values() for p in problems], "grpo.max_prompt_len")
+
+
+def corpus_families(meta: dict[str, Any]) -> dict[str, int]:
+    """{family: the highest level of it the pretraining corpus holds}, from data/meta.json's
+    generated source (built-in families and the tasks section's, which are loaded by then)."""
+    return {
+        f: min(s["record"]["max_level"], get_family(f).max_level)
+        for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
+        for f in s["record"]["families"]
     }  # fmt: skip
 
 
 def evaluated_families(curriculum: Sequence[str], meta: dict[str, Any]) -> list[str]:
-    """The families the held-out evaluation scores: the curriculum's, then every other built-in
-    family the pretraining corpus taught, so that what GRPO on some families costs the others
-    is measured, not only what it gains."""
+    """The families the held-out evaluation scores: the curriculum's, then every other family
+    the pretraining corpus taught, so that what GRPO on some families costs the others is
+    measured, not only what it gains."""
     return list(dict.fromkeys([*curriculum, *corpus_families(meta)]))
 
 
@@ -194,10 +227,8 @@ def accuracy(run: Run) -> dict[str, float]:
     """Greedy accuracy per family on the fixed held-out problems (every rank evaluates all of them)."""
     run.engine.eval()
     with gathered(run.engine), torch.no_grad():
-        correct = greedy_scores(
-            run.engine.module, run.tokenizer, run.eval_set, max_prompt_len=run.cfg.max_prompt_len,
-            max_new_tokens=run.cfg.max_new_tokens, chunk_size=run.generation_batch,
-        )  # fmt: skip
+        correct = greedy_scores(run.engine.module, run.judge, run.eval_set, max_new_tokens=run.cfg.max_new_tokens,
+                                chunk_size=run.generation_batch)  # fmt: skip
     run.engine.train()
     families = sorted({p.family for p in run.eval_set})
     return {
@@ -240,9 +271,9 @@ def loop(run: Run) -> dict[str, Any]:
                      precision=run.layout.precision)  # fmt: skip
         record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
         record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
-        prompts = record.pop("_prompts")
+        prompts, prompt_ids = record.pop("_prompts"), record.pop("_prompt_ids")
         if prompts_log:
-            prompts_log.write({"step": step, "prompts": prompts})
+            prompts_log.write({"step": step, "prompts": prompts, "prompt_ids": prompt_ids})
         if stage.evaluates(step):
             record.update(_accuracy_record(accuracy(run)))
         if stage.metrics and (
@@ -290,6 +321,7 @@ def summarise(
                                            level=run.curriculum.start_level, families=run.cfg.curriculum.families)},
         "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
         "sampler": sampler_summary(trained, run.cfg),
+        "tasks": run.judge.tasks.record(),
         "dtypes": engines.dtypes(run.engine),
     }  # fmt: skip
 

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stagetrain.tasks import Problem, prompt, score
+from stagetrain.tasks import Problem
+from stagetrain.tasks.judge import Judge
 from stagetrain.training.batches import read_windows
 
 
@@ -58,25 +59,21 @@ def validation_loss(
     return float(np.mean(losses))
 
 
-def prompt_ids(tokenizer: Any, problem: Problem, limit: int) -> list[int]:
-    """The prompt's token ids, keeping its last `limit` tokens (the question's end and the answer marker)."""
-    return tokenizer(prompt(problem), add_special_tokens=False)["input_ids"][-limit:]
-
-
 def greedy_scores(
     model: Any,
-    tokenizer: Any,
+    judge: Judge,
     batch: Sequence[Problem],
     *,
-    max_prompt_len: int,
     max_new_tokens: int,
     chunk_size: int,
 ) -> list[float]:
-    """Verifier scores of greedy completions (KV cache), `chunk_size` problems per `generate` call."""
+    """1.0 for each problem whose greedy completion (KV cache) solves it (`Judge.solved` on its
+    family's weighted reward), else 0.0; `chunk_size` problems per `generate` call."""
     out = []
+    tokenizer = judge.prompter.tokenizer
     for start in range(0, len(batch), chunk_size):
         chunk = batch[start : start + chunk_size]
-        ids = [prompt_ids(tokenizer, p, max_prompt_len) for p in chunk]
+        ids = [judge.prompt_ids(p) for p in chunk]
         width = max(map(len, ids))
         pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
         device = next(model.parameters()).device
@@ -84,6 +81,6 @@ def greedy_scores(
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
         gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=False)  # fmt: skip
-        texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=False)
-        out.extend(score(t, p) for t, p in zip(texts, chunk, strict=True))
+        rewards = judge.rewards(chunk, gen[:, width:].tolist())
+        out.extend(float(judge.solved(p, r)) for p, r in zip(chunk, rewards, strict=True))
     return out

@@ -1,0 +1,179 @@
+"""The GRPO stage on the user's own task families, run for real on two CPU ranks.
+
+The families here come from a local parquet file and a jsonl.gz file on the loopback
+hub; their reward functions read an extra dataset column and are weighted; the
+tokenizer has a chat template. The rewards are chosen to depend only on the problem
+(a column of its row), so what each step and each evaluation must report is known
+exactly from the prompts the stage drew: the test checks the figures, not only that
+the stage ran.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from harness.hub import commit_sha, serve_hub
+from harness.training import grpo_config as harness_grpo_config
+from harness.training import launch_grpo, run_grpo
+from transformers import AutoTokenizer
+
+from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig
+from stagetrain.grpo.steps import step_prompts
+from stagetrain.tasks import heldout
+from stagetrain.tasks.families import load_tasks
+from stagetrain.tasks.judge import Judge
+
+pytestmark = pytest.mark.slow
+TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}<|eos|>{% endfor %}"
+            "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}")  # fmt: skip
+REWARDS = '''
+def even(prompts, completions, i, **kw):
+    """1 for a row whose `i` is even; not applicable (None) to the others."""
+    return [1.0 if n % 2 == 0 else None for n in i]
+
+
+def thirds(prompts, completions, i, **kw):
+    """1 for a row whose `i` divides by 3, else 0; raises on the row RAISE_ON names."""
+    if RAISE_ON in prompts:
+        raise ValueError("a row it cannot score")
+    return [float(n % 3 == 0) for n in i]
+
+
+RAISE_ON = None
+'''
+
+
+def expected_reward(i: int) -> float:
+    """What the weighted rewards below give a problem whose row has `i`."""
+    return 2.0 * (i % 2 == 0) + 0.5 * (i % 3 == 0)
+
+
+def rows(name: str, n: int = 1200) -> list[dict[str, Any]]:
+    return [{"question": f"{name} {i}?", "solution": str(i), "difficulty": 1 + i % 2, "i": i} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def start(data: dict[str, str], scoring_start: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str]:
+    """The shared data with a chat-templated copy of its tokenizer, and the scoring start model."""
+    root = tmp_path_factory.mktemp("grpo-tasks")
+    tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(root / "chat-tokenizer")
+    return {**data, "tokenizer": str(root / "chat-tokenizer")}, scoring_start
+
+
+def tasks_section(root: Path, hub_repo: str | None) -> dict[str, Any]:
+    """Two families with weighted rewards: parity from a local parquet file, remote from a jsonl.gz
+    file of the loopback hub (`hub_repo`; None: a local copy of the same file, for this process,
+    whose hub client was set up before the loopback hub started)."""
+    pq.write_table(pa.Table.from_pylist(rows("parity")), root / "parity.parquet")
+    (root / "remote.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows("remote")).encode()))
+    remote = {"repo": hub_repo, "file": "data/remote.jsonl.gz"} if hub_repo else str(root / "remote.jsonl.gz")
+    (root / "rewards.py").write_text(REWARDS)
+    weighted = [{"function": f"{root / 'rewards.py'}:even", "weight": 2.0},
+                {"function": f"{root / 'rewards.py'}:thirds", "weight": 0.5}]  # fmt: skip
+    columns = {"prompt": "question", "answer": "solution", "level": "difficulty"}
+    return {
+        "families": [
+            {"name": "parity", "files": [str(root / "parity.parquet")], "columns": columns, "rewards": weighted},
+            {"name": "remote", "files": [remote], "columns": columns, "rewards": weighted},
+        ],
+        "success_at": 2.0,  # solved: an even i
+    }  # fmt: skip
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    body = gzip.compress("".join(json.dumps(r) + "\n" for r in rows("remote")).encode())
+    sha = commit_sha("remote-tasks")
+    with serve_hub({"datasets/org/tasks": {"main": (sha, {"data/remote.jsonl.gz": body})}}) as server:
+        for key in ("HF_TOKEN", "HF_HUB_OFFLINE"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        monkeypatch.setenv("STAGETRAIN_WINDOW_LOG", "1")
+        yield server, sha
+
+
+def config(tasks: dict[str, Any], **grpo: Any) -> dict[str, Any]:
+    cfg = harness_grpo_config(curriculum={"families": ["parity", "remote"]}, steps=2, eval_every=2,
+                              checkpoint_every=1, max_prompt_len=48, **grpo)  # fmt: skip
+    return {**cfg, "tasks": tasks}
+
+
+def test_grpo_trains_on_own_families_with_their_rewards_and_template(start: tuple, tmp_path: Path, hub: Any) -> None:
+    data, model = start
+    _, sha = hub
+    tasks = tasks_section(tmp_path, "org/tasks")
+    cfg = config(tasks)
+    summary = run_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg)
+    loaded = load_tasks(tasks_section(tmp_path, None))
+    problems = {p.key: p for f in ("parity", "remote") for ps in loaded.families[f].family.pool.values() for p in ps}
+    tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
+    judge = Judge(loaded, tokenizer, max_prompt_len=48)
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    (folder,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()]
+    drawn = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines()]
+    for entry in drawn:
+        step = records[entry["step"]]
+        expected = [expected_reward(problems[k].columns["i"]) for k in entry["prompts"]]
+        assert step["reward/mean"] == pytest.approx(sum(expected) / len(expected))
+        for key, ids in zip(entry["prompts"], entry["prompt_ids"], strict=True):
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": problems[key].question}],
+                                                     add_generation_prompt=True, tokenize=True)["input_ids"]  # fmt: skip
+            assert ids == list(rendered) == judge.prompt_ids(problems[key])
+    assert {problems[k].family for e in drawn for k in e["prompts"]} == {"parity", "remote"}
+    for moment in ("start_by_family", "end_by_family"):  # held-out: solved = an even i (weighted >= 2.0)
+        for family in ("parity", "remote"):
+            held = heldout(family, 1, cfg["grpo"]["eval_problems"], seed=cfg["run"]["seed"])
+            assert summary["accuracy"][moment][family] == pytest.approx(
+                sum(p.columns["i"] % 2 == 0 for p in held) / len(held))
+    assert summary["tasks"]["remote"]["files"] == [{"hub": "org/tasks/data/remote.jsonl.gz@main", "commit": sha}]
+    assert summary["tasks"]["parity"]["files"] == [{"path": str(tmp_path / "parity.parquet")}]
+    # The evaluation script, on the start model, scores the families through the same rewards.
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"tasks": tasks, "grpo": {"max_prompt_len": 48}}))
+    proc = subprocess.run([sys.executable, "-m", "stagetrain.evaluate", model, "--config", str(tmp_path / "config.yaml"),
+                           "--families", "parity", "remote", "--levels", "1", "--json", str(tmp_path / "eval.json")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "eval.json").read_text())
+    for family in ("parity", "remote"):
+        held = heldout(family, 1, 278, seed=1234)
+        assert doc["accuracy"][family]["1"]["accuracy"] == pytest.approx(sum(p.columns["i"] % 2 == 0 for p in held) / len(held))
+        assert doc["accuracy"][family]["1"]["problems"] == len(held)
+
+
+def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(start: tuple, tmp_path: Path, hub: Any) -> None:
+    """The row the function raises on is drawn at step 2, not at step 1 (the draws are a pure
+    function of seed, step and curriculum), so step 1 is saved and step 2 must not be."""
+    data, model = start
+    tasks = tasks_section(tmp_path, "org/tasks")
+    cfg = config(tasks)
+    load_tasks(tasks_section(tmp_path, None))
+    settings = {k: v for k, v in cfg["grpo"]["curriculum"].items() if k != "families"}
+    curriculum = CurriculumConfig(**settings)
+    state = Curriculum.start(curriculum, ["parity", "remote"])
+    first, second = (step_prompts(state, curriculum, prompts=cfg["grpo"]["prompts_per_step"], seed=cfg["run"]["seed"], step=s)
+                     for s in (1, 2))  # fmt: skip
+    culprit = next(p for p in second if p.key not in {q.key for q in first} and p.family == "parity")
+    (tmp_path / "rewards.py").write_text(REWARDS.replace("RAISE_ON = None", f"RAISE_ON = {culprit.question!r}"))
+    proc = launch_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg)
+    assert proc.returncode != 0
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
+    assert errors == {f"error: reward {tmp_path / 'rewards.py'}:thirds: raised ValueError: a row it cannot score on the "
+                      f"row ({culprit.origin}) with prompt {culprit.question!r}"}, proc.stderr[-3000:]  # fmt: skip
+    (folder,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()]
+    assert json.loads((folder / "latest.json").read_text())["step"] == 1
+    assert not (tmp_path / "summary.json").exists()
+    shutil.rmtree(tmp_path / "checkpoints")
