@@ -72,6 +72,8 @@ READERS: list[tuple[str, set[str]]] = [
     ("tokenizer.vocab_size", {"plan_parallelism", "prepare_tokenizer"}),
     ("tokenizer.", {"prepare_tokenizer"}),
     ("data.", {"prepare_tokenizer"}),
+    ("tasks.families", {"prepare_tokenizer", "grpo"}),  # the problems feed the corpus; the rewards only GRPO
+    ("tasks.", {"grpo"}),
     ("hardware.", {"detect_hardware", "plan_parallelism"}),
     ("parallelism.", {"plan_parallelism"}),
     ("deepspeed.", {"plan_parallelism", *RENDER}),
@@ -88,7 +90,7 @@ READERS: list[tuple[str, set[str]]] = [
 ALONE = re.compile(
     r"tokenizer\.vocab_size|pretrain\.(seq_len|global_batch_size|global_batch_unit|steps)|"
     r"grpo\.(prompts_per_step|group_size|max_prompt_len|max_new_tokens|kl_coef|steps|passes)|"
-    r"parallelism\.table_path|model\.init_from|tokenizer\.path|data\.(files|generated\.task_files)|run\..*"
+    r"parallelism\.table_path|model\.init_from|tokenizer\.path|data\.files|tasks\.families|run\..*"
 )
 # Changed values the generic rule below cannot find: other keys that must change with them.
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -202,7 +204,7 @@ def local_files(root: Path) -> dict[str, dict[str, Any]]:
     return {
         "parallelism.table_path": {"parallelism.table_path": str(root / "table.json")},
         "data.files": {"data.files": [{"path": str(root / "corpus/*.txt")}]},
-        "data.generated.task_files": {"data.generated.task_files": [str(root / "capitals.jsonl")]},
+        "tasks.families": {"tasks.families": [{"name": "capitals", "files": [str(root / "capitals.jsonl")]}]},
         "tokenizer.path": {"tokenizer.source": "pretrained", "tokenizer.path": str(root / "model")},
         "model.init_from": {"model.init_from": str(root / "model"), **dict.fromkeys(shape, DROP)},
     }  # fmt: skip
@@ -331,6 +333,16 @@ def test_an_edited_table_reruns_the_planner(finished_small_run: Path, tmp_path: 
     table.write_text('{"H100": {}}\n')
     reason = scheduled(dry_run(workdir, None).stdout)["plan_parallelism"]["reason"]
     assert reason == f"Updated input files: {table}"
+
+
+def test_an_edited_reward_file_reruns_grpo_and_nothing_upstream(finished_copy: Path) -> None:
+    """The finished run declares examples/largest with its reward file: the user's reward code is a
+    declared input of GRPO, and of nothing before it."""
+    reward = finished_copy / "examples/largest/reward.py"
+    reward.write_text(reward.read_text() + "\n# edited\n")
+    jobs = scheduled(dry_run(finished_copy, None).stdout)
+    assert set(jobs) == downstream({"grpo"})
+    assert jobs["grpo"]["reason"] == "Updated input files: examples/largest/reward.py"
 
 
 @pytest.mark.parametrize(

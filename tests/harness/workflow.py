@@ -20,7 +20,7 @@ from stagetrain import config as stconfig
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles")
+WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "examples")
 
 
 def default_config() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from stagetrain.codedeps import code_digest
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
 from stagetrain.settings import training_settings
+from stagetrain.tasks.families import data_part
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
@@ -104,6 +105,22 @@ def get_table(wildcards):
 def get_corpus_files(wildcards):
     """The files of the data.files globs, the task files and a local pretrained tokenizer."""
     return [*LOCAL_INPUTS["data_files"], *LOCAL_INPUTS["task_files"], *LOCAL_INPUTS["tokenizer"]]
+
+
+def get_task_files(wildcards):
+    """The local files of tasks.families: GRPO draws its prompts from them."""
+    return LOCAL_INPUTS["task_files"]
+
+
+def get_reward_files(wildcards):
+    """The files of the tasks' reward functions: editing one reruns GRPO, nothing upstream (and
+    GRPO's checkpoint fingerprint holds their content, so the edit retrains, not resumes)."""
+    return LOCAL_INPUTS["reward_files"]
+
+
+def get_tasks_data():
+    """What the corpus stage reads of the tasks section: its problems, not its rewards."""
+    return data_part(config["tasks"])
 
 
 def get_init_config(wildcards):

@@ -7,6 +7,8 @@ rule grpo:
         model_config=rules.prepare_tokenizer.output.model_config,
         meta=rules.prepare_tokenizer.output.meta,
         val=rules.prepare_tokenizer.output.val,
+        task_files=get_task_files,
+        reward_files=get_reward_files,
     output:
         summary=f"{RUN}/grpo/summary.json",
         metrics=f"{RUN}/grpo/metrics.jsonl",
@@ -23,6 +25,7 @@ rule grpo:
         code=code_of("grpo"),
         run=config["run"],
         grpo=config["grpo"],
+        tasks=config["tasks"],
         tracking=config["tracking"],
     # The ranks use every core; running other jobs beside them would only slow both.
     threads: all_cores()
