@@ -88,7 +88,7 @@ def tasks_section(root: Path, hub_repo: str | None) -> dict[str, Any]:
             {"name": "parity", "files": [str(root / "parity.parquet")], "columns": columns, "rewards": weighted},
             {"name": "remote", "files": [remote], "columns": columns, "rewards": weighted},
         ],
-        "success_at": 2.0,  # solved: an even i
+        "success_at": 2.5,  # solved: both terms, an i that divides by 6
     }  # fmt: skip
 
 
@@ -134,11 +134,11 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(start: tupl
                                                      add_generation_prompt=True, tokenize=True)["input_ids"]  # fmt: skip
             assert ids == list(rendered) == judge.prompt_ids(problems[key])
     assert {problems[k].family for e in drawn for k in e["prompts"]} == {"parity", "remote"}
-    for moment in ("start_by_family", "end_by_family"):  # held-out: solved = an even i (weighted >= 2.0)
+    for moment in ("start_by_family", "end_by_family"):  # held-out: solved = i divides by 6 (weighted >= 2.5)
         for family in ("parity", "remote"):
             held = heldout(family, 1, cfg["grpo"]["eval_problems"], seed=cfg["run"]["seed"])
             assert summary["accuracy"][moment][family] == pytest.approx(
-                sum(p.columns["i"] % 2 == 0 for p in held) / len(held))
+                sum(p.columns["i"] % 6 == 0 for p in held) / len(held))
     assert summary["tasks"]["remote"]["files"] == [{"hub": "org/tasks/data/remote.jsonl.gz@main", "commit": sha}]
     assert summary["tasks"]["parity"]["files"] == [{"path": str(tmp_path / "parity.parquet")}]
     # The evaluation script, on the start model, scores the families through the same rewards.
@@ -150,7 +150,7 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(start: tupl
     doc = json.loads((tmp_path / "eval.json").read_text())
     for family in ("parity", "remote"):
         held = heldout(family, 1, 278, seed=1234)
-        assert doc["accuracy"][family]["1"]["accuracy"] == pytest.approx(sum(p.columns["i"] % 2 == 0 for p in held) / len(held))
+        assert doc["accuracy"][family]["1"]["accuracy"] == pytest.approx(sum(p.columns["i"] % 6 == 0 for p in held) / len(held))
         assert doc["accuracy"][family]["1"]["problems"] == len(held)
 
 

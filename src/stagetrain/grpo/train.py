@@ -139,8 +139,8 @@ def setup(spec: dict[str, Any]) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     judge = Judge(tasks, tokenizer, max_prompt_len=cfg.max_prompt_len)
     replay = replay_of(cfg, meta)
-    used = evaluated_families(cfg.curriculum.families, meta) + sorted(replay.levels if replay else ())
-    check_families(judge, used)
+    evaluated = evaluated_families(cfg.curriculum.families, meta)
+    check_families(judge, [*evaluated, *sorted(replay.levels if replay else ())])
     curriculum = CurriculumConfig(
         **{k: v for k, v in asdict(cfg.curriculum).items() if k != "families"}
     )
@@ -150,7 +150,7 @@ def setup(spec: dict[str, Any]) -> Run:
                           max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer.eos_token_id)  # fmt: skip
     seq = layout.seq_len  # the plan's: max_prompt_len + max_new_tokens
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
-    eval_set = [p for family in evaluated_families(cfg.curriculum.families, meta)
+    eval_set = [p for family in evaluated
                 for p in heldout(family, min(curriculum.start_level, top_level(curriculum, family)),
                                  cfg.eval_problems, seed=spec["seed"])]  # fmt: skip
     return Run(

@@ -37,7 +37,7 @@ from typing import Any
 
 from stagetrain.errors import StageError
 from stagetrain.tasks.problem import Problem
-from stagetrain.tasks.verify import _integer, extract_answer, normalise, score
+from stagetrain.tasks.verify import extract_answer, is_integer, score
 
 RESERVED = ("prompts", "completions", "answer", "level", "finished", "completion_ids")
 """The keyword names every reward call passes; a dataset column may not take one of them."""
@@ -52,10 +52,6 @@ class Completion:
     finished: bool
     """The model ended it itself, before the token budget ran out."""
     ids: list[int]
-
-
-def _is_integer(answer: str) -> bool:
-    return _integer(normalise(answer)) is not None
 
 
 def _math(text: str, answer: str) -> float:
@@ -77,7 +73,7 @@ VERIFIERS: dict[str, Callable[[Completion, Problem], float]] = {
     "exact": lambda c, p: score(c.text, replace(p, verifier="exact")),
     "numeric": lambda c, p: score(c.text, replace(p, verifier="numeric")),
     "format": lambda c, p: float(
-        c.finished and extract_answer(c.text, numeric=_is_integer(p.answer)) is not None
+        c.finished and extract_answer(c.text, numeric=is_integer(p.answer)) is not None
     ),
     "math": lambda c, p: _math(c.text, p.answer),
 }

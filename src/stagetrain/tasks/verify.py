@@ -51,6 +51,12 @@ def _integer(text: str) -> tuple[str, str] | None:
     return ("" if digits == "0" else match[1]), digits
 
 
+def is_integer(answer: str) -> bool:
+    """Whether a reference answer is an integer ('46', '-3', '1,000'): its completion's answer is
+    then the last number given."""
+    return _integer(normalise(answer)) is not None
+
+
 def extract_answer(text: str, *, numeric: bool = True) -> str | None:
     """The answer a completion gives, or None if it gives none.
 
@@ -90,8 +96,7 @@ def score(completion: str, problem: Problem) -> float:
         verifier = VERIFIERS.get(problem.verifier)
         if not isinstance(completion, str) or verifier is None:
             return 0.0
-        is_integer = _integer(normalise(problem.answer)) is not None
-        candidate = extract_answer(completion, numeric=is_integer)
+        candidate = extract_answer(completion, numeric=is_integer(problem.answer))
         return 0.0 if candidate is None else verifier(candidate, problem.answer)
     except Exception:  # a reward must not stop a training step; unexpected input scores 0
         return 0.0
