@@ -120,6 +120,16 @@ def test_a_bad_config_file_is_one_line_naming_it(
     assert "Traceback" not in proc.stderr and not (workdir / "results").exists()
 
 
+def test_a_dotted_config_entry_is_one_line_saying_what_works(workdir: Path) -> None:
+    """`--config pretrain.steps=5` ended in Snakemake's ValueError traceback."""
+    proc = snakemake(workdir, "-n", "--config", "pretrain.steps=5", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --config pretrain.steps=5: --config takes top-level keys only (KEY=VALUE, no dots); put the key "
+        "in a file instead, `pretrain: {steps: 5}`, and pass --configfile config/config.yaml that-file.yaml"
+    )
+
+
 def test_a_target_after_configfile_is_explained(workdir: Path) -> None:
     """--configfile takes every word after it: `--configfile my.yaml plan` reads `plan` as a file."""
     proc = snakemake(workdir, "-n", "--configfile", "config/config.yaml", "plan", check=False)
