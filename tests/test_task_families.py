@@ -197,6 +197,8 @@ def test_local_task_and_reward_files_are_declared_inputs(tmp_path: Path) -> None
                                            rewards=[{"function": f"{reward}:score"}, {"verifier": "format"}])]}  # fmt: skip
     found = local_inputs(stconfig.validate(config))
     assert found["task_files"] == [str(tmp_path / "a.jsonl")] and found["reward_files"] == [str(reward)]
+    (tmp_path / "reexport.py").write_text("from reward import score as graded\n")
+    assert check_function(f"{tmp_path / 'reexport.py'}:graded", "k") == str(tmp_path / "reexport.py")
     for spec, expected in ((f"{reward}:missing", "defines no function 'missing' (its top-level names: score)"),
                            (f"{tmp_path}/nope.py:score", "no such reward file")):  # fmt: skip
         with pytest.raises(StageError, match=re.escape(expected)):

@@ -114,6 +114,8 @@ def check_function(spec: str, key: str) -> str:
         raise StageError(f"config: {key}: cannot read reward file {path!r}{line} ({getattr(err, 'msg', err)})") from None
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
     defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined |= {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)
+                for a in n.names}  # a function imported from elsewhere: `from mylib import score`
     if name not in defined:
         shown = ", ".join(sorted(defined)) or "none"
         raise StageError(f"config: {key}: {path} defines no function {name!r} (its top-level names: {shown})")
