@@ -140,7 +140,9 @@ def test_unreadable_files_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(b'{"q": 1}\n')[:12])
     (tmp_path / "t.parquet").write_bytes(b"not parquet")
     (tmp_path / "t.csv").write_text("q,a\n")
+    (tmp_path / "t.jsonl.zst").write_bytes(b"not a zstandard frame\n")
     for name, expected in (("t.jsonl.gz", "cannot read"), ("t.parquet", "not a readable parquet file"),
+                           ("t.jsonl.zst", r"cannot read \(zstd decompress error"),
                            ("t.csv", "not a task file; expected one of .jsonl, .jsonl.gz, .jsonl.zst, .parquet")):  # fmt: skip
         with pytest.raises(StageError, match=expected):
             load_tasks(tasks(family([str(tmp_path / name)])))

@@ -1,4 +1,4 @@
-"""Atomic file writes.
+"""Atomic file writes, and the JSON-lines reader the stages share.
 
 Every artifact is written to a temporary file in the same directory and then
 renamed over the target, so a killed stage never leaves a half-written file that
@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from stagetrain.errors import StageError
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -84,3 +87,32 @@ def write_json_if_changed(path: str | os.PathLike[str], obj: Any) -> bool:
         pass
     atomic_write_bytes(path, data)
     return True
+
+
+def not_utf8(where: str, data: bytes, err: UnicodeDecodeError, offset: int = 0) -> StageError:
+    """The one-line error for bytes that are not UTF-8: the first bad byte and its offset in the
+    file (`offset`: where `data` starts in it)."""
+    return StageError(
+        f"{where}: not UTF-8 text (byte 0x{data[err.start]:02x} at byte offset {offset + err.start})"
+    )
+
+
+def json_lines(lines: Iterable[bytes], shown: str) -> Iterator[tuple[str, Any]]:
+    """(where, value) of each non-blank line of a JSON-lines stream read as bytes (so a bad
+    byte's offset in the file is known); `where` is 'shown:line'. A line that is not UTF-8 or
+    not JSON is a one-line StageError naming it."""
+    offset = 0
+    for number, raw in enumerate(lines, 1):
+        where = f"{shown}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise not_utf8(where, raw, err, offset) from None
+        offset += len(raw)
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise StageError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+        yield where, value

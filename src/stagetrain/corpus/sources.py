@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import logging
 import random
 from collections.abc import Callable, Iterator, Mapping
@@ -21,6 +20,7 @@ from typing import Any, Literal
 from stagetrain.corpus.prose import paragraph
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
+from stagetrain.io import json_lines, not_utf8
 from stagetrain.tasks import sample, training_text
 from stagetrain.tasks.families import TaskSet, load_tasks
 
@@ -73,12 +73,6 @@ def generated(cfg: Mapping[str, Any], seed: int, tasks: TaskSet) -> Source:
                   controls=True)  # fmt: skip
 
 
-def _not_utf8(where: str, data: bytes, err: UnicodeDecodeError, offset: int) -> StageError:
-    return StageError(
-        f"{where}: not UTF-8 text (byte 0x{data[err.start]:02x} at byte offset {offset + err.start})"
-    )
-
-
 def _read_documents(path: Path, text_field: str) -> Iterator[str]:
     """Documents of one file: a whole .txt file, or one per line of a .jsonl file."""
     if path.suffix == ".txt":
@@ -86,29 +80,15 @@ def _read_documents(path: Path, text_field: str) -> Iterator[str]:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise _not_utf8(str(path), data, err, 0) from None
+            raise not_utf8(str(path), data, err) from None
         yield text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as text mode reads them
         return
     if path.suffix != ".jsonl":
         raise StageError(f"{path}: expected a .txt or .jsonl file")
-    with open(path, "rb") as handle:  # bytes, so a bad byte's offset in the file is known
-        offset = 0
-        for number, raw in enumerate(handle, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise _not_utf8(f"{path}:{number}", raw, err, offset) from None
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise StageError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+    with open(path, "rb") as handle:
+        for where, row in json_lines(handle, str(path)):
             if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                raise StageError(
-                    f"{path}:{number}: expected an object with a string field {text_field!r}"
-                )
+                raise StageError(f"{where}: expected an object with a string field {text_field!r}")
             yield row[text_field]
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
 from stagetrain.tasks import rewards as task_rewards
-from stagetrain.tasks.files import MAX_ROW_CHARACTERS, read_rows
+from stagetrain.tasks.files import read_rows
 from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, split_of
 from stagetrain.tasks.registry import FAMILIES, Family, register
 from stagetrain.tasks.verify import END_MARKERS
@@ -39,6 +39,9 @@ CONTROL_TOKENS = (*TASK_TOKENS, *END_MARKERS, "<|bos|>", "<|pad|>")
 """Strings a task row must not hold: its text goes into the generated corpus, where these are
 control tokens (stagetrain.tokenizer.SPECIAL_TOKENS and the task markers), so a prompt with
 "<|pad|>" would become a pad token, and one with "<|problem|>" a second, fake problem."""
+MAX_ROW_CHARACTERS = 65_536
+"""A task is a question and its answer: a row longer than this is a mistake (a 30 MB row ran BPE
+training for more than five minutes, a 1 MB one made train.bin 6.7x train_tokens)."""
 MIN_HELD_OUT = 10
 """Test-split problems each level of a file family needs: fewer measure nothing (one
 standard error of 10 problems is up to 0.16)."""

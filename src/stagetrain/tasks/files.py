@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from stagetrain.errors import StageError
+from stagetrain.io import json_lines
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-MAX_ROW_CHARACTERS = 65_536
-"""A task is a question and its answer: a row longer than this is a mistake (a 30 MB row ran BPE
-training for more than five minutes, a 1 MB one made train.bin 6.7x train_tokens)."""
 
 
 def suffix_of(path: str | Path) -> str | None:
@@ -38,18 +35,19 @@ def read_rows(path: str | Path, shown: str | None = None) -> Iterator[tuple[str,
     kind = suffix_of(path)
     if kind is None:
         raise StageError(f"{shown}: not a task file; expected one of {', '.join(SUFFIXES)}")
+    if kind == ".parquet":
+        yield from _parquet_rows(path, shown)
+        return
+    corrupt: tuple[type[Exception], ...] = (OSError, EOFError)  # a truncated .gz, an unreadable file
+    if kind == ".jsonl.zst":
+        import zstandard
+
+        corrupt += (zstandard.ZstdError,)
     try:
-        if kind == ".parquet":
-            yield from _parquet_rows(path, shown)
-            return
         with _opened(path, kind) as handle:
             yield from _json_lines(handle, shown)
-    except (OSError, EOFError) as err:  # a truncated or corrupt .gz or .zst stream, an unreadable file
+    except corrupt as err:
         raise StageError(f"{shown}: cannot read ({getattr(err, 'strerror', None) or err})") from None
-    except Exception as err:  # zstandard's own ZstdError for a corrupt frame
-        if type(err).__name__ != "ZstdError":
-            raise
-        raise StageError(f"{shown}: not a readable zstandard stream ({err})") from None
 
 
 def _opened(path: Path, kind: str) -> IO[bytes]:
@@ -64,20 +62,7 @@ def _opened(path: Path, kind: str) -> IO[bytes]:
 
 
 def _json_lines(handle: IO[bytes], shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    for number, raw in enumerate(handle, 1):
-        where = f"{shown}:{number}"
-        if len(raw) > MAX_ROW_CHARACTERS:
-            raise StageError(f"{where}: a row of {len(raw):,} bytes; a task row holds at most {MAX_ROW_CHARACTERS:,}")
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise StageError(f"{where}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise StageError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    for where, row in json_lines(handle, shown):
         if not isinstance(row, dict):
             raise StageError(f"{where}: expected a JSON object, got {type(row).__name__}")
         yield where, row
