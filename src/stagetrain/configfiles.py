@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from stagetrain import config as stconfig
 from stagetrain.errors import StageError
@@ -41,40 +40,28 @@ def check(paths: Iterable[str | Path], option: str = "") -> None:
             sys.exit(f"error: {option}{err}{hint}")
 
 
-def _parsed(argv: Sequence[str]) -> Any:
-    """Snakemake's own reading of a command line, or None when it names no config file or entry
-    (building Snakemake's parser takes ~0.2 s: only when there is something to check)."""
-    if not any(arg.startswith(("--configf", "--config", "-C")) for arg in argv):
-        return None
-    from snakemake.cli import get_argument_parser  # the profile hook runs inside Snakemake
-
-    args, _ = get_argument_parser().parse_known_args(list(argv))
-    return args
-
-
-def command_line_configfiles(argv: Sequence[str]) -> list[str]:
-    """The --configfile arguments of a Snakemake command line, as Snakemake's own parser reads them."""
-    args = _parsed(argv)
-    return [str(path) for path in (args.configfile or [])] if args is not None else []
-
-
-def check_config_entries(argv: Sequence[str]) -> None:
+def _check_config_entry(entry: str) -> None:
     """`--config KEY=VALUE` sets a top-level key; a dotted key (`pretrain.steps=5`) ends in
     Snakemake's traceback ("Config entry must start with a valid identifier"). Say what works."""
-    args = _parsed(argv)
-    for entry in (args.config or []) if args is not None else []:
-        key, _, value = str(entry).partition("=")
-        if "." in key:
-            section, _, rest = key.partition(".")
-            sys.exit(
-                f"error: --config {entry}: --config takes top-level keys only (KEY=VALUE, no dots); put the key "
-                f"in a file instead, `{section}: {{{rest}: {value}}}`, and pass --configfile config/config.yaml that-file.yaml"
-            )
+    key, _, value = entry.partition("=")
+    if "." in key:
+        section, _, rest = key.partition(".")
+        sys.exit(
+            f"error: --config {entry}: --config takes top-level keys only (KEY=VALUE, no dots); put the key "
+            f"in a file instead, `{section}: {{{rest}: {value}}}`, and pass --configfile config/config.yaml that-file.yaml"
+        )
 
 
 def check_command_line(argv: Sequence[str] | None = None) -> None:
-    """Check the --configfile files and --config entries of this Snakemake process's command
-    line (the profile hook)."""
-    argv = sys.argv[1:] if argv is None else argv
-    check_config_entries(argv)
-    check(command_line_configfiles(argv), "--configfile ")
+    """Check the --config entries and --configfile files of this Snakemake process's command
+    line, as Snakemake's own parser reads them (the profile hook). Building that parser takes
+    ~0.2 s, so it is built only for a command line that has either, and once."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(arg.startswith(("--config", "-C")) for arg in argv):
+        return
+    from snakemake.cli import get_argument_parser  # the profile hook runs inside Snakemake
+
+    args, _ = get_argument_parser().parse_known_args(argv)
+    for entry in args.config or []:
+        _check_config_entry(str(entry))
+    check([str(path) for path in args.configfile or []], "--configfile ")
