@@ -242,7 +242,7 @@ def test_user_rewards_get_the_extra_columns_and_are_weighted(tmp_path: Path) -> 
         "CALLS = []\n"
         "def by_column(prompts, completions, answer, level, finished, completion_ids, i, **kw):\n"
         "    CALLS.append({'prompts': prompts, 'completions': completions, 'answer': answer, 'level': level,\n"
-        "                  'finished': finished, 'i': i})\n"
+        "                  'finished': finished, 'completion_ids': completion_ids, 'i': i})\n"
         "    return [1.0 if c == str(2 * n) else None if n % 2 else 0.0 for c, n in zip(completions, i)]\n"
     )
     rewards = [{"function": "FILE:by_column", "weight": 2.0}, {"verifier": "format", "weight": 0.25}]
@@ -259,7 +259,8 @@ def test_user_rewards_get_the_extra_columns_and_are_weighted(tmp_path: Path) -> 
     assert call["i"] == [even.columns["i"], even.columns["i"], odd.columns["i"], odd.columns["i"]]
     assert call["answer"] == [even.answer, even.answer, odd.answer, odd.answer] and call["level"] == [1] * 4
     assert call["finished"] == [True, True, False, True] and call["completions"][2] == odd.answer + "?"
-    assert set(RESERVED) - {"prompts", "completions"} <= set(call) | {"completion_ids"}
+    assert set(RESERVED) <= set(call)
+    assert call["completion_ids"] == [d[:-1] if d[-1] == 0 else d for d in done]  # up to eos (0), without it
 
 
 @pytest.mark.parametrize(
