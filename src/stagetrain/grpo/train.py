@@ -129,6 +129,11 @@ def setup(spec: dict[str, Any]) -> Run:
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components,
                               layout.checkpoint_layout, cfg.keep_checkpoints)  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    judge = Judge(tasks, tokenizer, max_prompt_len=cfg.max_prompt_len)
+    replay = replay_of(cfg, meta)
+    evaluated = evaluated_families(cfg.curriculum.families, meta)
+    check_families(judge, [*evaluated, *sorted(replay.levels if replay else ())])  # before the engines are built
     config = engines.load_model_config(spec["model_config"])
     engine, _, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
@@ -136,11 +141,6 @@ def setup(spec: dict[str, Any]) -> Run:
     )  # fmt: skip
     dtype = next(engine.module.parameters()).dtype
     reference = _reference(spec["model"], ds_config, device, dtype) if cfg.kl_coef > 0 else None
-    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
-    judge = Judge(tasks, tokenizer, max_prompt_len=cfg.max_prompt_len)
-    replay = replay_of(cfg, meta)
-    evaluated = evaluated_families(cfg.curriculum.families, meta)
-    check_families(judge, [*evaluated, *sorted(replay.levels if replay else ())])
     curriculum = CurriculumConfig(
         **{k: v for k, v in asdict(cfg.curriculum).items() if k != "families"}
     )
