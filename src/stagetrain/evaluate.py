@@ -126,12 +126,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
+    # Without a config: the built-in families at the default run's lengths, the mean over all.
+    named, lengths, curriculum, tasks_section = list(FAMILIES), (64, 32), None, {}
     try:
-        config = stconfig.load(args.config) if args.config else stconfig.validate({})
-        tasks = load_tasks(config["tasks"])
+        if args.config:
+            config = stconfig.load(args.config)
+            named, curriculum, tasks_section = _named_families(config), config["grpo"]["curriculum"]["families"], config["tasks"]
+            lengths = (config["grpo"]["max_prompt_len"], config["grpo"]["max_new_tokens"])
+        tasks = load_tasks(tasks_section)
     except StageError as err:
         sys.exit(f"error: {err}")
-    families = args.families or (_named_families(config) if args.config else list(FAMILIES))
+    families = args.families or named
     unknown = [f for f in families if f not in known()]
     if unknown:
         sys.exit(f"error: --families: unknown family {unknown[0]!r} (known: {', '.join(known())}; "
@@ -142,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         # transformers reads a path that is not a folder as a hub repo id, and fails deep inside.
         if folder is not None and not (Path(folder) / "config.json").is_file():
             sys.exit(f"error: {name}: {folder} is not a model folder (no config.json in it)")
-    lengths = (config["grpo"]["max_prompt_len"], config["grpo"]["max_new_tokens"]) if args.config else (64, 32)
-    measure = {"tasks": tasks, "lengths": lengths}  # without a config: the default run's
+    measure = {"tasks": tasks, "lengths": lengths}
     try:
         results = accuracy(args.model, families, args.levels, args.problems, args.seed, **measure)
         baseline = None
@@ -151,7 +155,6 @@ def main(argv: list[str] | None = None) -> None:
             baseline = accuracy(args.baseline, families, args.levels, args.problems, args.seed, **measure)
     except StageError as err:  # a reward function that fails
         sys.exit(f"error: {err}")
-    curriculum = list(config["grpo"]["curriculum"]["families"]) if args.config else None
     doc = report(results, baseline, args.problems, level=min(args.levels), curriculum=curriculum)
     print("\n".join(_table(doc)))
     if args.json:
