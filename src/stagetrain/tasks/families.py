@@ -51,9 +51,8 @@ MIN_VALIDATION = 1
 
 @dataclass(frozen=True, kw_only=True)
 class TaskFamily:
-    """One family of the tasks section, loaded."""
+    """One family of the tasks section, loaded (its name is `family.name`)."""
 
-    name: str
     key: str
     """Its place in the config ('tasks.families.0'; 'tasks' for an unlisted built-in)."""
     rewards: Sequence[Mapping[str, Any]] | None
@@ -115,14 +114,14 @@ def load_tasks(tasks: Mapping[str, Any], *, pins: Mapping[str, str] | None = Non
     to the commit an earlier stage resolved it to, so every stage reads the same files."""
     success_at = tasks.get("success_at", 1.0)
     out: dict[str, TaskFamily] = {
-        name: TaskFamily(name=name, key="tasks", rewards=None, success_at=success_at, family=family)
+        name: TaskFamily(key="tasks", rewards=None, success_at=success_at, family=family)
         for name, family in FAMILIES.items()
     }
     file_families = []
     for index, entry in enumerate(tasks.get("families", [])):
         key = f"{KEY}.{index}"
         own_success = entry.get("success_at")
-        common = {"name": entry["name"], "key": key, "rewards": entry.get("rewards"),
+        common = {"key": key, "rewards": entry.get("rewards"),
                   "success_at": success_at if own_success is None else own_success}  # fmt: skip
         if entry.get("generator"):
             out[entry["name"]] = TaskFamily(family=FAMILIES[entry["generator"]], **common)
