@@ -107,8 +107,8 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def config(tasks: dict[str, Any], **grpo: Any) -> dict[str, Any]:
-    cfg = harness_grpo_config(curriculum={"families": ["parity", "remote"]}, steps=2, eval_every=2,
-                              checkpoint_every=1, max_prompt_len=48, **grpo)  # fmt: skip
+    cfg = harness_grpo_config(**{"curriculum": {"families": ["parity", "remote"]}, "steps": 2, "eval_every": 2,
+                                 "checkpoint_every": 1, "max_prompt_len": 48, **grpo})  # fmt: skip
     return {**cfg, "tasks": tasks}
 
 
@@ -177,3 +177,18 @@ def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(st
     assert json.loads((folder / "latest.json").read_text())["step"] == 1
     assert not (tmp_path / "summary.json").exists()
     shutil.rmtree(tmp_path / "checkpoints")
+
+
+def test_a_prompt_too_long_as_rendered_stops_before_the_engines(start: tuple, tmp_path: Path, hub: Any) -> None:
+    """With the chat template a parity prompt is longer than max_prompt_len: cut, it would ask
+    another question than its reward checks. One line naming the row, before any step."""
+    data, model = start
+    tasks = tasks_section(tmp_path, "org/tasks")
+    cfg = config(tasks, max_prompt_len=8)
+    proc = launch_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg)
+    assert proc.returncode != 0
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
+    assert len(errors) == 1, proc.stderr[-3000:]
+    (line,) = errors
+    assert line.startswith(f"error: {tmp_path / 'parity.parquet'}:row ") and "tokens with the chat template, more than grpo.max_prompt_len (8)" in line, line
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
