@@ -191,3 +191,53 @@ def test_a_save_never_prunes_a_tag_its_pointer_did_not_list(tmp_path: Path) -> N
     small = saved(tmp_path, [8], keep=2)
     assert small.folder == ckpt.folder
     assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000002", "step00000006", "step00000008"]
+
+
+class FullDiskEngine(FakeEngine):
+    """A save that writes its first file halfway and fails as torch.save does on a full disk."""
+
+    def __init__(self, layout: dict[str, int], error: Exception) -> None:
+        super().__init__(layout)
+        self.error = error
+
+    def save_checkpoint(self, folder: str, *, tag: str, client_state: dict, save_latest: bool) -> None:
+        base = Path(folder) / tag
+        base.mkdir(parents=True)
+        (base / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+     PermissionError(13, "Permission denied")],
+    ids=["full-disk", "read-only"],
+)  # fmt: skip
+def test_a_save_that_cannot_be_written_is_one_line_and_leaves_no_partial_tag(
+    tmp_path: Path, error: Exception
+) -> None:
+    """The stage's own save path: the partial tag (8 MB of the tiny model's 16 on a real full
+    disk) is removed, the pointer and the complete tags are untouched, and the line says so."""
+    ckpt = saved(tmp_path, [2, 4])
+    before = (ckpt.folder / "latest.json").read_bytes()
+    with pytest.raises(StageError, match=r"checkpoint step00000006: could not be written in .* MiB free "
+                       r"there\); the partial save was removed, and the run resumes from step00000004"):  # fmt: skip
+        ckpt.save(FullDiskEngine(ZERO2, error), 6, {"step": 6})
+    assert not (ckpt.folder / "step00000006").exists()
+    assert (ckpt.folder / "latest.json").read_bytes() == before
+    assert ckpt.latest()["tag"] == "step00000004"
+
+
+def test_a_pointer_that_cannot_be_written_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = saved(tmp_path, [2])
+    from stagetrain.training import checkpoints
+
+    def no_space(path: Path, obj: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "atomic_write_json", no_space)
+    with pytest.raises(StageError, match=r"step00000004: could not be written .*No space left on device.*resumes from step00000002"):
+        ckpt.save(FakeEngine(ZERO2), 4, {"step": 4})
+    assert not (ckpt.folder / "step00000004").exists()

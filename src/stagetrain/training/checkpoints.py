@@ -190,14 +190,25 @@ class Checkpoints:
             dist.barrier()
         if os.environ.get(KILL_DURING_SAVE) == f"{self.rank}:{step}":
             _die_in_first_file(engine)
-        engine.save_checkpoint(
-            str(self.folder), tag=tag, client_state=dict(client_state), save_latest=False
-        )
+        try:
+            engine.save_checkpoint(
+                str(self.folder), tag=tag, client_state=dict(client_state), save_latest=False
+            )
+        # torch.save reports a full disk as a RuntimeError ("unexpected pos 576 vs 534").
+        except (OSError, RuntimeError) as err:
+            raise self._failed(tag, err) from None
         if dist.is_initialized():
             dist.barrier()
         if self.rank != 0:
             return
-        atomic_write_json(self.folder / "components.json", self.components)
+        try:
+            atomic_write_json(self.folder / "components.json", self.components)
+            self._point_at(tag, step)
+        except OSError as err:
+            raise self._failed(tag, err) from None
+
+    def _point_at(self, tag: str, step: int) -> None:
+        """Replace the pointer with one at `tag`, and drop the tags that fall out of `keep`."""
         pointer = self.folder / POINTER
         earlier = read_pointer(pointer) if pointer.exists() else {"complete": [], "layouts": {}}
         # Only tags older than this one: after a fallback, a damaged newer tag is not complete.
@@ -212,6 +223,25 @@ class Checkpoints:
             if old.is_dir() and reshard.source_tag(old.name) in dropped:
                 shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s saved in %s", tag, self.folder)
+
+    def _failed(self, tag: str, err: BaseException) -> StageError:
+        """The one line for a save that could not be written (a full disk, a read-only folder),
+        after removing what it left: a partial tag is never pointed at, but it would take the
+        space the next attempt needs, and it was 8 MB of the tiny model's 16."""
+        shutil.rmtree(self.folder / tag, ignore_errors=True)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+        where = self.folder if self.folder.exists() else self.folder.parent
+        free = shutil.disk_usage(where).free if where.exists() else 0
+        try:
+            kept = read_pointer(self.folder / POINTER)["tag"]
+        except (OSError, StageError):
+            kept = None
+        return StageError(
+            f"checkpoint {tag}: could not be written in {self.folder} ({why}; {free / 2**20:.0f} MiB "
+            f"free there); the partial save was removed, and "
+            + (f"the run resumes from {kept}" if kept else "no earlier checkpoint exists")
+            + ": free space or make the folder writable, then rerun"
+        )
 
 
 def _die_in_first_file(engine: Any) -> None:
