@@ -96,6 +96,25 @@ def test_a_filesystem_without_locks_is_a_one_line_error(
     assert "\n" not in str(err.value) and str(tmp_path / LOCK_NAME) in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("call", "code", "expected"),
+    [("flock", errno.EIO, "cannot lock the lock file (flock: Input/output error)"),
+     ("fsync", errno.ENOSPC, "cannot record the holder in the lock file (No space left on device)")],
+)  # fmt: skip
+def test_any_other_failure_of_the_lock_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, code: int, expected: str
+) -> None:
+    """flock's and the holder record's other errnos (EIO, ENOSPC, ...) were tracebacks."""
+
+    def fails(*args: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(stage_lock.fcntl if call == "flock" else stage_lock.os, call, fails)
+    with pytest.raises(StageError) as err:
+        StageLock(tmp_path).acquire()
+    assert str(err.value) == f"{tmp_path / LOCK_NAME}: {expected}"
+
+
 STAGE = """
 import subprocess, sys, time
 from stagetrain.training.launch import tied_to_this_process

@@ -54,9 +54,13 @@ class StageLock:
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder, sort_keys=True) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder, sort_keys=True) + "\n").encode(), 0)
+            os.fsync(fd)
+        except OSError as err:
+            os.close(fd)
+            raise StageError(f"{self.path}: cannot record the holder in the lock file ({err.strerror})") from None
         self._fd = fd
 
     def check_free(self) -> None:
@@ -91,7 +95,7 @@ class StageLock:
                     "could write one checkpoint folder; mount it with lock support (Lustre: -o flock) or put "
                     "results/ on a filesystem that has it"
                 ) from None
-            raise
+            raise StageError(f"{self.path}: cannot lock the lock file (flock: {os.strerror(err.errno)})") from None
         return fd
 
 
