@@ -353,3 +353,22 @@ def test_replay_families_are_checked_with_the_config(replay: dict[str, Any], mes
     with pytest.raises(StageError) as err:
         stconfig.validate(config)
     assert str(err.value).startswith(f"config: {message}")
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [("GPT2Config", "is a 'gpt2' model whose config.json has no intermediate_size"),
+     ("T5Config", "is a 't5' model, not a decoder-only causal LM")],
+)  # fmt: skip
+def test_init_from_a_model_the_planner_cannot_count_is_one_line(
+    tmp_path: Path, config: str, expected: str
+) -> None:
+    """Both crashed the planner with a traceback; the line says what it trains."""
+    import transformers
+
+    getattr(transformers, config)().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    model = {"init_from": str(tmp_path), "architecture": None, "vocab_multiple": 64}
+    with pytest.raises(StageError) as err:
+        build_config(model, 512)
+    assert str(err.value).startswith(f"model.init_from: {str(tmp_path)!r} {expected}; stagetrain trains Llama-style decoders")

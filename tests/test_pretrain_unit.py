@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from harness.checkpoints import fake_checkpoint
 
 from stagetrain.errors import StageError
@@ -278,3 +281,34 @@ def test_init_from_weights_that_do_not_match_their_config_are_one_line(
         load_pretrained(str(tmp_path))
     assert str(err.value).startswith(f"model.init_from: {tmp_path}: ") and "\n" not in str(err.value)
     assert f" {kind} weight(s) against its config.json, the first {first!r}" in str(err.value)
+
+
+class _RunsCode:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("this ran",))
+
+
+@pytest.mark.parametrize("damage", ["truncated-safetensors", "pickle-that-runs-code"])
+def test_a_damaged_or_unsafe_init_from_weight_file_is_one_line_naming_it(
+    tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both were tracebacks from safetensors or torch inside the ranks; the pickle's never ran."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stagetrain.training.engine import load_pretrained
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    if damage == "truncated-safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        expected = re.escape(f"model.init_from: {weights}: does not read as safetensors (") + ".*not fully covered"
+    else:
+        weights.unlink()
+        torch.save({**model.state_dict(), "extra": _RunsCode()}, tmp_path / "pytorch_model.bin")
+        expected = re.escape(f"model.init_from: {tmp_path}: a .bin weight file was refused: loading it would run code (GLOBAL print)")
+    with pytest.raises(StageError, match=expected) as err:
+        load_pretrained(str(tmp_path))
+    assert "\n" not in str(err.value) and "this ran" not in capsys.readouterr().out

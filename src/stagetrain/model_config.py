@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from stagetrain.errors import StageError
 
@@ -25,6 +26,10 @@ MOE_KEYS = {
     "qwen2_moe": ("num_experts", "experts_per_token", "moe_intermediate_size"),
 }
 ALL_MOE_KEYS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+DECODER_FIELDS = (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+)  # fmt: skip
+SUPPORTED = "llama, mistral, qwen2, mixtral, qwen2_moe and others with the same config fields"
 
 
 def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
@@ -129,6 +134,7 @@ def _load_pretrained(model: Mapping[str, Any], vocab_size: int) -> PretrainedCon
         raise StageError(
             f"model.init_from: {folder} has a config.json but no weight files (*.safetensors or *.bin)"
         )
+    _check_decoder(config, model["init_from"])
     if model["architecture"] and config.model_type != model["architecture"]:
         raise StageError(
             f"model.architecture: {model['architecture']!r} but {model['init_from']!r} is a "
@@ -136,6 +142,24 @@ def _load_pretrained(model: Mapping[str, Any], vocab_size: int) -> PretrainedCon
         )
     config.vocab_size = max(config.vocab_size, vocab_size)
     return config
+
+
+def _check_decoder(config: PretrainedConfig, source: str) -> None:
+    """A continued model must be a decoder-only causal LM with the Llama family's config fields,
+    which the planner counts from and the engine resizes: GPT-2 names them differently (n_inner,
+    often None) and T5 is an encoder-decoder, and both crashed the planner with a traceback."""
+    kind = config.model_type
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise StageError(
+            f"model.init_from: {source!r} is a {kind!r} model, not a decoder-only causal LM; "
+            f"stagetrain trains Llama-style decoders ({SUPPORTED})"
+        )
+    missing = [k for k in DECODER_FIELDS if getattr(config, k, None) is None]
+    if missing:
+        raise StageError(
+            f"model.init_from: {source!r} is a {kind!r} model whose config.json has no {missing[0]}; "
+            f"stagetrain trains Llama-style decoders ({SUPPORTED})"
+        )
 
 
 def training_config(

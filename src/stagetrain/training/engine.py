@@ -25,6 +25,8 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
@@ -33,6 +35,7 @@ from typing import Any
 
 import deepspeed
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -153,11 +156,29 @@ def local_elements(model: torch.nn.Module) -> tuple[int, int]:
 def load_pretrained(folder: str) -> PreTrainedModel:
     """The model of `folder` (model.init_from, or the consolidated model GRPO starts from), in
     fp32, refused in one line when its weights do not match its config.json: transformers
-    only warns, and leaves a missing tensor (a fifth layer of a four-layer file) random."""
-    model, info = AutoModelForCausalLM.from_pretrained(
-        folder, trust_remote_code=False, dtype=torch.float32, output_loading_info=True,
-        ignore_mismatched_sizes=True,  # reported in the loading info, refused below in one line
-    )
+    only warns, and leaves a missing tensor (a fifth layer of a four-layer file) random. A
+    damaged weight file, or a pickle that would run code, is refused in one line naming it."""
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):  # parses the header: a cut file is "not fully covered"
+                pass
+        except SafetensorError as err:
+            raise StageError(
+                f"model.init_from: {path}: does not read as safetensors ({err}): truncated or "
+                "damaged; copy it again"
+            ) from None
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, trust_remote_code=False, dtype=torch.float32, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported in the loading info, refused below in one line
+        )
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"Unsupported global: (GLOBAL \S+)", str(err))
+        raise StageError(
+            f"model.init_from: {folder}: a .bin weight file was refused: loading it would run "
+            f"code ({refused.group(1) if refused else 'not plain tensors'}), and weights are only "
+            "loaded as plain tensors; save the model as safetensors from a copy you trust"
+        ) from None
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         keys = sorted(k[0] if isinstance(k, tuple) else k for k in info.get(kind) or ())
         if keys:
