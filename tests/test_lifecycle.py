@@ -181,16 +181,17 @@ def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_sn
         assert len(ranks) == 3  # torchrun's agent and two ranks, training
 
         spec_written = (root / "job.json").stat().st_mtime_ns
+        live_log = workdir / "results/tiny/logs/pretrain.log"
+        logged = live_log.read_text()
         second = snakemake(workdir, "--nolock", "pretrain", check=False)
         holder = json.loads((root / LOCK_NAME).read_text())
-        last = (workdir / "results/tiny/logs/pretrain.log").read_text().strip().splitlines()[-1]
         assert second.returncode != 0 and holder["pid"] in ranks
-        assert last == (
+        assert second.stderr.strip().splitlines()[-1] == (
             f"error: {root}: another run of this stage is writing here (pid {holder['pid']} on host "
             f"{holder['host']} since {holder['since']}); wait for it to end or stop it, then rerun"
         )
-        # the refused run wrote nothing, not even its job spec
-        assert (root / "job.json").stat().st_mtime_ns == spec_written
+        # refused before Snakemake deleted the live run's log, and it wrote nothing, not even a job spec
+        assert live_log.read_text().startswith(logged) and (root / "job.json").stat().st_mtime_ns == spec_written
 
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

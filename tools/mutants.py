@@ -141,6 +141,9 @@ MUTANTS = (
     Mutant("lock", "a second run of a stage stops before it writes",
            "src/stagetrain/training/checkpoints.py", "            raise StageError(error)\n", "            pass\n",
            (GRPO + "test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line",)),
+    Mutant("lock-before-outputs", "a second run is refused before Snakemake deletes the live run's log",
+           "workflow/rules/common.smk", '        refuse_while_running(Path(RUN) / "checkpoints", TRAINING_STAGES)', "        pass",
+           ("tests/test_lifecycle.py::test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_snakemake",)),
 )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from stagetrain import config as stconfig
 from stagetrain import configfiles, slurm
 from stagetrain.codedeps import code_digest
 from stagetrain.errors import StageError
+from stagetrain.training.lock import refuse_while_running
 from stagetrain.inputs import local_inputs
 from stagetrain.settings import training_settings
 from stagetrain.tasks.families import data_part
@@ -46,6 +47,16 @@ PLAN_KEYS = {
 
 wildcard_constraints:
     stage="|".join(TRAINING_STAGES),
+
+
+# Before Snakemake deletes any job's outputs and log: with --nolock, a second run of a
+# training stage would otherwise wipe the live run's log and metrics before the stage's
+# own lock could refuse it. Runs only when jobs are to run (not on -n).
+onstart:
+    try:
+        refuse_while_running(Path(RUN) / "checkpoints", TRAINING_STAGES)
+    except StageError as _err:
+        sys.exit(f"error: {_err}")
 
 
 def all_cores():

@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from stagetrain.errors import StageError
@@ -97,6 +98,18 @@ class StageLock:
                 ) from None
             raise StageError(f"{self.path}: cannot lock the lock file (flock: {os.strerror(err.errno)})") from None
         return fd
+
+
+def refuse_while_running(checkpoints: Path, stages: Iterable[str]) -> None:
+    """Raise `acquire`'s one line if a run of any of `stages` holds its lock under `checkpoints`.
+
+    Snakemake calls it before it touches any output (workflow/rules/common.smk): it deletes a
+    job's log and outputs before the job starts, so a second run under --nolock wiped the live
+    run's log and metrics before the stage's own refusal. Creates nothing where no lock exists.
+    """
+    for stage in stages:
+        if (checkpoints / stage / LOCK_NAME).exists():
+            StageLock(checkpoints / stage).check_free()
 
 
 def _holder(raw: bytes) -> str:
