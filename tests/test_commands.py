@@ -199,3 +199,13 @@ def test_every_readme_command_works_as_written(finished_small_run: Path) -> None
             base64.b64decode(embedded.group(1))
             == (finished_small_run / "results/tiny" / plot).read_bytes()
         )
+
+
+def test_a_report_after_a_run_that_stopped_before_grpo_shows_what_exists(finished_copy: Path) -> None:
+    """Snakemake refused it ("... reward.png marked for report but does not exist")."""
+    (finished_copy / "results/tiny/grpo/reward.png").unlink()
+    proc = subprocess.run([SNAKEMAKE, "--report", "report.html"], cwd=finished_copy,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (finished_copy / "report.html").read_text()
+    assert "filename=loss.png;base64," in report and "filename=reward.png" not in report

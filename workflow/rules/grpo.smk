@@ -12,7 +12,7 @@ rule grpo:
     output:
         summary=f"{RUN}/grpo/summary.json",
         metrics=f"{RUN}/grpo/metrics.jsonl",
-        reward_plot=report(
+        reward_plot=reported(
             f"{RUN}/grpo/reward.png",
             caption="../report/grpo_reward.rst",
             category="GRPO",

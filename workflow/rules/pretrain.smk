@@ -11,7 +11,7 @@ rule pretrain:
     output:
         summary=f"{RUN}/pretrain/summary.json",
         metrics=f"{RUN}/pretrain/metrics.jsonl",
-        loss_plot=report(
+        loss_plot=reported(
             f"{RUN}/pretrain/loss.png",
             caption="../report/pretrain_loss.rst",
             category="Pretrain",
