@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,21 @@ def test_a_diverged_run_stops_with_one_line_before_saving(
     [line] = _error_lines(proc)
     assert re.fullmatch(r"error: pretrain: the training loss is nan at step 5 \(fp32\): the run diverged; lower pretrain.optimizer.lr .*", line), line  # fmt: skip
     assert not list((tmp_path / "checkpoints").glob("*/latest.json"))
+
+
+@pytest.mark.parametrize(("source", "target"), [("zero0", 2), ("zero2", 0)])
+def test_a_complete_stage_rerun_under_a_zero_change_no_format_carries_loads_its_weights_alone(
+    shared_runs: SharedRuns, tmp_path: Path, source: str, target: int
+) -> None:
+    """A zero_stage set for GRPO reruns the finished pretraining; resuming needed the optimizer
+    across ZeRO-0 and another stage, which no format carries, and it was refused. At its final
+    step it trains nothing: the weights alone are loaded, the summary is the finished run's."""
+    done = shared_runs[source]
+    shutil.copytree(Path(done["checkpoint"]["folder"]).parent, tmp_path / "checkpoints")
+    proc = launch(shared_runs.data, tmp_path, world=2, layout=dp2(target))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "is the stage's last, so only its weights are loaded" in proc.stdout + proc.stderr
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["resumed_from_step"] == again["final_step"] == done["final_step"]
+    assert again["layout"] == done["layout"] and again["losses"] == done["losses"]
+    assert again["final_eval_loss"] == pytest.approx(done["final_eval_loss"], rel=1e-6)

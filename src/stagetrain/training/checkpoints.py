@@ -122,14 +122,15 @@ class Checkpoints:
         )
         return f"config changed since checkpoint {others[-1].parent.name} ({', '.join(changed)}): starting fresh"
 
-    def latest(self) -> dict[str, Any] | None:
+    def latest(self, final_step: int | None = None) -> dict[str, Any] | None:
         """The pointer to the newest complete, intact checkpoint, made loadable under this run's layout.
 
         Rank 0 checks the files (`integrity.resume_point`: a damaged newest
         checkpoint falls back to an earlier complete one), converts a checkpoint
         of another layout (`reshard`; `load_tag` is then the folder to load) and
         tells every rank its decision, so all ranks load the same folder or all
-        stop with the same line.
+        stop with the same line. A checkpoint at `final_step` (the stage is complete) under a
+        layout change no format carries is loaded for its weights alone (`module_only`).
         """
         outcome: tuple[str, Any] = ("ok", None)
         wide = dist.is_initialized() and dist.get_world_size() > 1
@@ -138,7 +139,7 @@ class Checkpoints:
         group = dist.new_group(backend="gloo", timeout=RESUME_DECISION_TIMEOUT) if wide else None
         if self.rank == 0:
             try:
-                outcome = ("ok", self._loadable(resume_point(self.folder, self.layout)))
+                outcome = ("ok", self._loadable(resume_point(self.folder, self.layout), final_step))
             except StageError as err:
                 outcome = ("error", str(err))
         if wide:
@@ -150,11 +151,20 @@ class Checkpoints:
             raise StageError(outcome[1])
         return outcome[1]
 
-    def _loadable(self, point: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _loadable(self, point: dict[str, Any] | None, final_step: int | None) -> dict[str, Any] | None:
         """`point` with the tag folder this run's layout loads (`load_tag`), converted if it must be."""
         if point is None:
             return None
-        how = reshard.plan(point["layout"], self.layout)
+        try:
+            how = reshard.plan(point["layout"], self.layout)
+        except StageError:
+            # A finished ZeRO-0 pretraining rerun for a zero_stage set for GRPO's sake trains
+            # nothing: it needs the weights, not the optimizer no format could carry across.
+            if point["step"] != final_step or not reshard.module_only(point["layout"], self.layout):
+                raise
+            log.info("%s -> %s: the checkpoint at step %d is the stage's last, so only its weights are loaded",
+                     reshard.describe(point["layout"]), reshard.describe(self.layout), point["step"])  # fmt: skip
+            return {**point, "load_tag": point["tag"], "module_only": True}
         if how == "as_is":
             log.info("%s -> %s: the ZeRO-0 checkpoint at step %d holds the whole state; loading it as it is",
                      reshard.describe(point["layout"]), reshard.describe(self.layout), point["step"])  # fmt: skip
@@ -172,7 +182,9 @@ class Checkpoints:
         config.load_universal_checkpoint = options["universal"]
         try:
             with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
-                _, client = engine.load_checkpoint(str(self.folder), tag=options["tag"])
+                _, client = engine.load_checkpoint(
+                    str(self.folder), tag=options["tag"], load_module_only=options["module_only"]
+                )
         finally:
             config.load_universal_checkpoint = before
         return client

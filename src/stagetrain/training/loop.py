@@ -55,7 +55,7 @@ class StageLoop:
         `start` is then its step. The log keeps only the records up to it.
         """
         client = None
-        pointer = self.checkpoints.latest()
+        pointer = self.checkpoints.latest(final_step=self.cfg.steps)
         if pointer:
             client = self.checkpoints.load(self.engine, pointer)
             self.start, self.resumed_tag = client["step"], pointer["tag"]

@@ -75,6 +75,12 @@ def plan(old: Mapping[str, int], new: Mapping[str, int]) -> str:
     return "universal"
 
 
+def module_only(old: Mapping[str, int], new: Mapping[str, int]) -> bool:
+    """Whether a checkpoint of layout `old` gives its whole module to `new` without the optimizer:
+    under ZeRO 0-2 each tp rank's model file holds its module weights (ZeRO-3's, placeholders)."""
+    return old["zero_stage"] != 3 and old["tp"] == new["tp"]
+
+
 def universal_tag(tag: str) -> str:
     """The tag folder of `tag`'s universal copy."""
     return f"{tag}{SUFFIX}"
@@ -260,4 +266,4 @@ def _size(folder: Path) -> str:
 def load_options(pointer: Mapping[str, Any]) -> dict[str, Any]:
     """What `engine.load_checkpoint` needs for `pointer`: the tag folder and whether it is universal."""
     tag = pointer.get("load_tag", pointer["tag"])
-    return {"tag": tag, "universal": tag.endswith(SUFFIX)}
+    return {"tag": tag, "universal": tag.endswith(SUFFIX), "module_only": pointer.get("module_only", False)}
