@@ -7,7 +7,7 @@
 # consolidated models' verification and DeepSpeed's op build time. tools/gpu/README.md says
 # how to call it on the GPU machine.
 #
-#   tools/gpu/check.sh                  # there: one H200, $OUT set by the device tool
+#   tools/gpu/check.sh                  # on the GPU machine: one H200; the report goes to $OUT if set
 #   tools/gpu/check.sh --simulate-cpu   # here: the same flow in a Python 3.12 venv holding
 #                                       # the GPU image's versions, on two CPU ranks
 #   ... --resume                        # keep the run folder: Snakemake redoes only the
@@ -169,7 +169,7 @@ json.dump(result, open(sys.argv[1], "w"))
 print(result)
 EOF
 
-# Logs and small artifacts, in one archive (the device tool brings back at most 8 files).
+# Logs and small artifacts, in one archive (a handful of files to copy off the GPU machine).
 budget=$((budget + 30))  # the 30 s kept for the report are now the report's
 tar -czf "$out/artifacts.tar.gz" --exclude='*.bin' --exclude='*.safetensors' --exclude='*.pt' \
   --exclude='tokenizer' --exclude='checkpoints' --exclude='tensorboard' "$run" 2>/dev/null
