@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from harness.workflow import default_config
 from stagetrain import config as stconfig
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
-from stagetrain.tasks import get_family, heldout, split_of
+from stagetrain.tasks import get_family, heldout, sample, split_of
 from stagetrain.tasks.families import CONTROL_TOKENS, load_tasks
 from stagetrain.tasks.judge import Judge
 from stagetrain.tasks.prompts import Prompter
@@ -327,11 +328,28 @@ def test_a_chat_template_renders_prompts_token_for_token(tokenizer: Any, tmp_pat
         assert tokenizer.decode(expected).endswith("<|bos|>assistant\n")
         assert Prompter(tokenizer, chat_template=False, limit=64).ids(problem) == plain.ids(problem)
         with pytest.raises(StageError) as err:
-            Prompter(tokenizer, chat_template=True, limit=8).check_lengths([problem], "grpo.max_prompt_len")
+            Prompter(tokenizer, chat_template=True, limit=8).check_lengths([problem])
         assert str(err.value).startswith(f"{problem.origin}: its prompt is {len(expected)} tokens with the chat template, "
                                          "more than grpo.max_prompt_len (8)")  # fmt: skip
     finally:
         tokenizer.chat_template = None
+
+
+def test_a_generated_familys_prompts_longer_than_max_prompt_len_stop_grpo_before_any_step(tokenizer: Any) -> None:
+    """They were cut from the left: "Which is smaller: 705 or 272?" became " 272?". GRPO's own
+    check samples every level it draws; a prompt drawn later is refused, never cut."""
+    from stagetrain.grpo.train import check_families
+
+    judge = Judge(load_tasks({}), tokenizer, max_prompt_len=30)  # this tokenizer: levels 1-2 at most 27, level 3 37
+    check_families(judge, {"comparison": 2})
+    with pytest.raises(StageError) as err:
+        check_families(judge, {"comparison": 3})
+    assert re.fullmatch(r"comparison level 3: its prompt is \d+ tokens, more than grpo.max_prompt_len \(30\); "
+                        r"raise it or shorten the prompt", str(err.value))  # fmt: skip
+    long = next(p for p in (sample("comparison", 3, "train", random.Random(i)) for i in range(99))
+                if len(judge.prompter.full(p)) > 30)  # fmt: skip
+    with pytest.raises(StageError, match="more than grpo.max_prompt_len"):
+        judge.prompt_ids(long)
 
 
 def test_completions_end_at_eos_or_a_new_problem(tokenizer: Any) -> None:

@@ -14,8 +14,9 @@ ranks so every rank updates the same per-family curriculum states.
 from __future__ import annotations
 
 import logging
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,10 @@ def setup(spec: dict[str, Any]) -> Run:
     judge = Judge(tasks, tokenizer, max_prompt_len=cfg.max_prompt_len)
     replay = replay_of(cfg, meta)
     evaluated = evaluated_families(cfg.curriculum.families, meta)
-    check_families(judge, [*evaluated, *sorted(replay.levels if replay else ())])  # before the engines are built
+    corpus = corpus_families(meta)
+    top = {f: max(cfg.curriculum.max_level if f in cfg.curriculum.families else 1, corpus.get(f, 1))
+           for f in [*evaluated, *sorted(replay.levels if replay else ())]}  # fmt: skip
+    check_families(judge, top)  # before the engines are built
     config = engines.load_model_config(spec["model_config"])
     engine, _, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
@@ -173,14 +177,27 @@ def hub_pins(meta: dict[str, Any]) -> dict[str, str]:
     }  # fmt: skip
 
 
-def check_families(judge: Judge, families: Sequence[str]) -> None:
-    """Before any step: each family's reward functions import, and every prompt of a file
-    family fits grpo.max_prompt_len as rendered (chat template included)."""
-    for family in dict.fromkeys(families):
+LENGTH_SAMPLES = 256
+"""Problems drawn per level of a generated family to check grpo.max_prompt_len before any step:
+a level's prompts vary in length only with the numbers and words drawn, so the longest is among
+these in practice, and a rarer longer one is refused when drawn (`Prompter.ids`)."""
+
+
+def check_families(judge: Judge, top: Mapping[str, int]) -> None:
+    """Before any step: each family's reward functions import, and its prompts fit
+    grpo.max_prompt_len as rendered (chat template included): every prompt of a file family,
+    LENGTH_SAMPLES per level of a generated one up to `top[family]`, the highest level GRPO
+    draws of it. The tokenizer is trained after the plan is made, so this is the first point
+    where prompt lengths are known."""
+    rng = random.Random(0)
+    for family, level in top.items():
         judge.tasks.rewards(family)
-        pool = get_family(family).pool
-        if pool is not None:
-            judge.prompter.check_lengths([p for problems in pool.values() for p in problems], "grpo.max_prompt_len")
+        fam = get_family(family)
+        if fam.pool is not None:
+            judge.prompter.check_lengths([p for problems in fam.pool.values() for p in problems])
+        else:
+            judge.prompter.check_lengths([fam.generate(rng, lv) for lv in range(1, min(level, fam.max_level) + 1)
+                                          for _ in range(LENGTH_SAMPLES)])  # fmt: skip
 
 
 def corpus_families(meta: dict[str, Any]) -> dict[str, int]:

@@ -39,19 +39,20 @@ class Prompter:
         return self.tokenizer(prompt(problem), add_special_tokens=False)["input_ids"]
 
     def ids(self, problem: Problem) -> list[int]:
-        """The prompt as the model is given it: its last `limit` tokens. A generated family's
-        prompts are short by design; a file family's are checked whole by `check_lengths`."""
-        return self.full(problem)[-self.limit :]
+        """The prompt as the model is given it, refused when longer than `limit`: cut, it would
+        ask another question than the one its reward checks ("Which is smaller: 705 or 272?"
+        cut to six tokens was " 272?"). `check_lengths` runs first, before any step."""
+        ids = self.full(problem)
+        if len(ids) > self.limit:
+            where = problem.origin or f"{problem.family} level {problem.level}"
+            raise StageError(f"{where}: its prompt is {len(ids)} tokens{' with the chat template' if self.chat else ''}, "
+                             f"more than grpo.max_prompt_len ({self.limit}); raise it or shorten the prompt")  # fmt: skip
+        return ids
 
-    def check_lengths(self, problems: Sequence[Problem], key: str) -> None:
-        """Refuse a problem whose rendered prompt is longer than `limit`: cut, it would ask
-        another question than the one its reward checks."""
+    def check_lengths(self, problems: Sequence[Problem]) -> None:
+        """`ids`' refusal for each of `problems`, before the first step."""
         for problem in problems:
-            length = len(self.full(problem))
-            if length > self.limit:
-                where = problem.origin or problem.family
-                raise StageError(f"{where}: its prompt is {length} tokens{' with the chat template' if self.chat else ''}, "
-                                 f"more than grpo.max_prompt_len ({self.limit}); raise it ({key}) or shorten the prompt")  # fmt: skip
+            self.ids(problem)
 
     def completion(self, ids: Sequence[int]) -> Completion:
         """A completion's tokens up to its end (eos, or a new problem begun), decoded."""
