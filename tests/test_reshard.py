@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from harness.checkpoints import ZERO2, FakeEngine, saved
+from harness.checkpoints import ZERO2, FakeEngine, fake_universal, saved
 
 from stagetrain.errors import StageError
 from stagetrain.training import reshard
@@ -73,7 +73,7 @@ def test_the_pointer_keeps_each_tags_layout_and_prunes_a_universal_copy_with_its
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     old = saved(tmp_path, [2], ZERO2)
-    (old.folder / "step00000002.universal").mkdir()  # as a conversion leaves it
+    fake_universal(old.folder, "step00000002")
     new = Checkpoints(tmp_path, {"seed": 1}, ZERO2_DP1, keep=2)
     with caplog.at_level(logging.INFO, logger="stagetrain"):
         point = new.latest()
@@ -92,6 +92,19 @@ def test_the_pointer_keeps_each_tags_layout_and_prunes_a_universal_copy_with_its
     new.save(FakeEngine(ZERO2_DP1), 4, {"step": 4})
     new.save(FakeEngine(ZERO2_DP1), 5, {"step": 5})
     assert sorted(p.name for p in new.folder.glob("*step*")) == ["step00000004", "step00000005"]
+
+
+def test_a_universal_copy_missing_a_file_is_converted_again_from_its_intact_tag(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reused, it stopped DeepSpeed's loader inside the ranks ("exp_avg not found"). The tags
+    here cannot convert, so the conversion tried again fails in its own one line."""
+    old = saved(tmp_path, [2], ZERO2)
+    copy = fake_universal(old.folder, "step00000002", missing="exp_avg.pt")
+    with caplog.at_level(logging.INFO, logger="stagetrain"), pytest.raises(StageError, match="cannot convert"):
+        Checkpoints(tmp_path, {"seed": 1}, ZERO2_DP1, keep=2).latest()
+    assert "the universal checkpoint step00000002.universal lacks zero/w/exp_avg.pt: converting step00000002 again" in caplog.text
+    assert not copy.exists() and "reusing" not in caplog.text
 
 
 def test_a_zero3_universal_copy_gets_what_the_zero12_loader_reads(tmp_path: Path) -> None:

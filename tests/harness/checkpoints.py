@@ -35,6 +35,20 @@ def fake_checkpoint(folder: Path, step: int, layout: dict[str, int]) -> Path:
     return base
 
 
+def fake_universal(folder: Path, tag: str, missing: str | None = None) -> Path:
+    """`tag`'s universal copy as a conversion leaves it, for one parameter `w`: its model states
+    and zero/w/ with every file but `missing`."""
+    from stagetrain.training.reshard import UNIVERSAL_FILES, universal_tag
+
+    base = folder / universal_tag(tag)
+    (base / "zero" / "w").mkdir(parents=True)
+    torch.save({"param_shapes": [{"w": torch.Size([4])}]}, base / "mp_rank_00_model_states.pt")
+    for name in UNIVERSAL_FILES:
+        if name != missing:
+            torch.save({"param": torch.zeros(4), "cat_dim": 0}, base / "zero" / "w" / name)
+    return base
+
+
 class FakeEngine:
     """engine.save_checkpoint as DeepSpeed's: every rank's files into folder/tag."""
 

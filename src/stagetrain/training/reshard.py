@@ -102,8 +102,14 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
     target = folder / universal_tag(tag)
     change = f"{describe(old)} -> {describe(new)}"
     if target.is_dir():
-        log.info("%s: reusing the universal checkpoint %s (%s)", change, target.name, _size(target))
-        return target.name
+        missing = missing_universal_file(target)
+        if missing is None:
+            log.info("%s: reusing the universal checkpoint %s (%s)", change, target.name, _size(target))
+            return target.name
+        # DeepSpeed's loader would stop on it ("exp_avg not found"); the source tag is intact.
+        log.warning("%s: the universal checkpoint %s lacks %s: converting %s again",
+                    change, target.name, missing, tag)  # fmt: skip
+        shutil.rmtree(target)
     work = folder / f".{target.name}.tmp"
     shutil.rmtree(work, ignore_errors=True)  # a killed earlier try
     began = time.monotonic()
@@ -247,6 +253,24 @@ def _param_files_for_every_stage(folder: Path) -> None:
             shutil.copytree(
                 zero / owner, zero / alias, copy_function=lambda a, b: _link(Path(a), Path(b))
             )
+
+
+UNIVERSAL_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")
+"""What a universal copy holds for each parameter, under zero/<name>/."""
+
+
+def missing_universal_file(folder: Path) -> str | None:
+    """The first file a universal copy lacks (its model states, or a parameter's of
+    UNIVERSAL_FILES, by the names the model states list), relative to `folder`; None if whole."""
+    states = next(folder.glob("*model_states.pt"), None)
+    if states is None:
+        return "its model states file"
+    for group in load_file(states)["param_shapes"]:
+        for name in group:
+            for file in UNIVERSAL_FILES:
+                if not (folder / "zero" / name / file).is_file():
+                    return f"zero/{name}/{file}"
+    return None
 
 
 def check_universal(folder: Path) -> None:
