@@ -18,7 +18,7 @@ from harness.checkpoints import ZERO2, Crafted, FakeEngine, saved, truncate
 
 from stagetrain.consolidate.weights import checkpoint_files
 from stagetrain.errors import StageError
-from stagetrain.training.checkpoints import tag_of
+from stagetrain.training.checkpoints import Checkpoints, tag_of
 
 
 def test_save_lists_the_complete_checkpoints_kept_and_prunes_the_rest(tmp_path: Path) -> None:
@@ -241,3 +241,14 @@ def test_a_pointer_that_cannot_be_written_is_one_line(
     with pytest.raises(StageError, match=r"step00000004: could not be written .*No space left on device.*resumes from step00000002"):
         ckpt.save(FakeEngine(ZERO2), 4, {"step": 4})
     assert not (ckpt.folder / "step00000004").exists()
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_one_line_before_anything_is_built(tmp_path: Path) -> None:
+    """A read-only folder failed at the first write, inside the ranks, after the engines were
+    built. Root ignores file modes, so the folder here is a path under a plain file."""
+    ckpt = Checkpoints(tmp_path, {"seed": 1}, ZERO2, keep=2)
+    ckpt.folder.write_text("")
+    with pytest.raises(StageError) as err:
+        ckpt.hold()
+    assert str(err.value) == (f"{ckpt.folder}: cannot write the stage's checkpoints here (File exists); "
+                              "make it writable, or free space, then rerun")  # fmt: skip

@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -97,6 +98,7 @@ class Checkpoints:
             try:
                 self.lock = StageLock(self.folder.parent)
                 self.lock.acquire()
+                _check_writable(self.folder)
             except StageError as err:
                 error = str(err)
         if dist.is_initialized():
@@ -254,6 +256,18 @@ class Checkpoints:
             + (f"the run resumes from {kept}" if kept else "no earlier checkpoint exists")
             + ": free space or make the folder writable, then rerun"
         )
+
+
+def _check_writable(folder: Path) -> None:
+    """A one-line error now if the run cannot write its checkpoint folder: a read-only one
+    was a traceback inside the ranks at the first write (the metrics log, after the engines)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise StageError(f"{folder}: cannot write the stage's checkpoints here ({err.strerror}); "
+                         "make it writable, or free space, then rerun") from None  # fmt: skip
 
 
 def _die_in_first_file(engine: Any) -> None:
