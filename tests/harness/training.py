@@ -151,9 +151,9 @@ def model_config(out: Path, **changes: Any) -> str:
 
 
 def grpo_config(**changes: Any) -> dict[str, Any]:
-    """The multi-rank config with tests/configs/tiny-grpo.yaml, three steps of prompts at most 32
+    """The multi-rank config with tests/configs/tiny-grpo.yaml, three steps of prompts at most 64
     tokens long; `changes` override grpo keys (nested mappings merged)."""
-    grpo = {"max_prompt_len": 32, "steps": 3, "eval_every": 3, "checkpoint_every": 3, "log_every": 1,
+    grpo = {"max_prompt_len": 64, "steps": 3, "eval_every": 3, "checkpoint_every": 3, "log_every": 1,
             "optimizer": {"lr": 1e-4}}  # fmt: skip
     cfg = named_config("tiny", "tiny-ranks", "tiny-grpo", grpo=grpo)
     return merge(cfg, {"grpo": changes})
@@ -161,11 +161,14 @@ def grpo_config(**changes: Any) -> dict[str, Any]:
 
 def launch_grpo(
     data: dict[str, str], model_dir: str, out: Path, *, world: int, layout: dict[str, Any], cfg: dict[str, Any],
-    checkpoints: Path | None = None, popen: bool = False,
+    checkpoints: Path | None = None, popen: bool = False, generation_batch: int | None = None,
 ) -> Any:  # fmt: skip
-    """Run the GRPO entry point on `world` CPU ranks; a CompletedProcess, or a Popen if `popen`."""
+    """Run the GRPO entry point on `world` CPU ranks; a CompletedProcess, or a Popen if `popen`.
+    `generation_batch` replaces the plan's (the most sequences one generate call may make)."""
     cfg = merge(copy.deepcopy(cfg), {"parallelism": {**FIXED, **layout}})
     plan = plan_for(cfg, cpu_hardware(ranks=world))
+    if generation_batch is not None:
+        plan["stages"]["grpo"]["generation"]["batch"] = generation_batch
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     training = {

@@ -15,6 +15,7 @@ METRICS: dict[str, str] = {
     "kl": "mean k3 estimate of KL(policy || reference) per sampled token, every completion of every rank (groups without reward variance too); only when kl_coef > 0",
     "completions/mean_length": "mean completion length in tokens; every record",
     "rollout/generated_tokens": "tokens generated for the step's rollouts, all ranks; every record",
+    "rollout/largest_generate_call": "most sequences one generate call made for the step's rollouts, largest over ranks: at most the plan's generation batch, whose KV cache the plan counted; every record",
     "rollout/flat_equivalent_tokens": "tokens flat sampling would have generated for the same completions; tree mode only",
     "reward/by_level": "mean reward of the step's completions by task level ({level: reward}), all ranks; every record",
     "tree/leaves": "finished leaves scored over all prompts of the step; tree mode only",

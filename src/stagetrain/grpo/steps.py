@@ -289,13 +289,15 @@ def _rollouts(
     prompts: list[list[int]],
     reward: Callable[[int, list[int]], float],
     keys: list[tuple[int, int, int]],
-) -> list[Group]:
+) -> tuple[list[Group], int]:
     """This rank's groups of the step, flat or tree, generated in eval mode with the policy
-    gathered (ZeRO-3); the engine is back in train mode after. `keys` name each prompt's
+    gathered (ZeRO-3), and the most sequences one generate call made; the engine is back in
+    train mode after. `keys` name each prompt's
     sampling stream: (seed, step, the prompt's index in the global batch), so its completions
     do not depend on which rank draws it."""
     cfg, tok = run.cfg, run.tokenizer
     run.engine.eval()
+    model = Counted(run.engine.module)
     with gathered(run.engine), torch.no_grad():
         common = {
             "keys": keys,
@@ -304,14 +306,33 @@ def _rollouts(
             "pad_id": tok.pad_token_id,
         }
         if run.tree:
-            groups = tree_groups(run.engine.module, prompts, reward, run.tree,
+            groups = tree_groups(model, prompts, reward, run.tree,
                                  max_batch=run.generation_batch, **common)  # fmt: skip
         else:
-            groups = flat_groups(run.engine.module, prompts, reward, group_size=cfg.group_size,
+            groups = flat_groups(model, prompts, reward, group_size=cfg.group_size,
                                  max_new_tokens=cfg.max_new_tokens, eos_id=tok.eos_token_id,
                                  max_batch=run.generation_batch, **common)  # fmt: skip
     run.engine.train()
-    return groups
+    return groups, model.largest
+
+
+class Counted:
+    """The policy as rollouts call it, recording the most sequences one `generate` call makes:
+    the plan's generation batch bounds it (its KV cache is what the plan counted), and the
+    metrics show that it does."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.largest = module, 0
+
+    def generate(self, **kwargs: Any) -> Any:
+        self.largest = max(self.largest, int(kwargs["input_ids"].shape[0]))
+        return self.module.generate(**kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
 
 
 def step(
@@ -328,7 +349,7 @@ def step(
     def reward(i: int, completion: list[int]) -> float:
         return judge.rewards([batch[i]], [completion])[0]
 
-    groups = _rollouts(run, prompts, reward, keys)
+    groups, largest = _rollouts(run, prompts, reward, keys)
     loss, clip = train_on(run, groups)
     rows: list[Row] = _gather([
         Row(family=p.family, level=p.level, rewards=g.rewards, solved=[judge.solved(p, r) for r in g.rewards],
@@ -350,6 +371,7 @@ def step(
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
         "rollout/generated_tokens": sum(row.generated for row in rows),
+        "rollout/largest_generate_call": _dp_max(largest),
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
@@ -382,6 +404,13 @@ def _dp_sum(run: Run, value: float) -> float:
     tensor = torch.tensor(value, dtype=torch.float64)
     dist.all_reduce(tensor)
     return tensor.item() / run.layout.tp
+
+
+def _dp_max(value: int) -> int:
+    """The largest `value` over every rank."""
+    tensor = torch.tensor(value, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
