@@ -679,7 +679,8 @@ def test_truncated_importance_is_the_capped_ratio_and_one_where_the_sampler_is_u
 
 def test_replay_puts_its_share_of_other_families_in_each_step_and_leaves_the_curriculum() -> None:
     from stagetrain.grpo.curriculum import update_all
-    from stagetrain.grpo.steps import Replay, step_prompts
+    from stagetrain.grpo.run import Replay
+    from stagetrain.grpo.steps import step_prompts
 
     cfg = _cfg(start_level=1, max_level=5, earlier_share=0.0)
     curriculum = Curriculum.start(cfg, ["comparison"])

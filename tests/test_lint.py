@@ -32,3 +32,46 @@ def test_ci_runs_the_readme_test_command() -> None:
     run, test = commands
     assert "snakemake --cores all" in run
     assert test in (REPO / ".ci" / "run").read_text().splitlines()
+
+
+def _module_imports(package: Path) -> dict[str, set[str]]:
+    """{module: the stagetrain modules it imports at its top level, `if TYPE_CHECKING:` blocks
+    included}; an import inside a function runs only when called, so it is left out."""
+    import ast
+
+    modules = {
+        ".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in package.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        statements = [*tree.body, *(s for n in tree.body if isinstance(n, ast.If) for s in n.body)]
+        found = set()
+        for node in statements:
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}  # fmt: skip
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_import_cycle_in_the_package() -> None:
+    """A cycle (grpo.steps <-> grpo.train, over Run) makes one module's meaning depend on which
+    is imported first; shared types live in a module both import."""
+    graph = _module_imports(REPO / "src" / "stagetrain")
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for other in sorted(graph[module]):
+            assert state.get(other) != "open", " -> ".join([*path[path.index(other):], other])
+            if other not in state:
+                visit(other, [*path, other])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,20 +20,10 @@ from stagetrain.grpo.curriculum import (
 )
 from stagetrain.grpo.loss import grpo_loss
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
+from stagetrain.grpo.run import Replay, Run
 from stagetrain.grpo.sampling import policy_scores
 from stagetrain.tasks import Problem, sample
 from stagetrain.training.engine import gathered
-
-if TYPE_CHECKING:  # grpo.train imports this module; the type only, at check time
-    from stagetrain.grpo.train import Run
-
-
-class Replay(NamedTuple):
-    """What `grpo.replay` mixes into each step: `share` of the prompts from `families`, each
-    at a level drawn uniformly from 1 to its `levels` (the corpus's levels of it)."""
-
-    share: float
-    levels: dict[str, int]
 
 
 def step_prompts(

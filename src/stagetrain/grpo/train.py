@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from stagetrain.errors import StageError
 from stagetrain.grpo import steps as grpo_steps
 from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
 from stagetrain.grpo.metrics import METRICS
+from stagetrain.grpo.run import Replay, Run
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.heldout import gains
 from stagetrain.io import read_json
@@ -65,31 +66,6 @@ NOT_MATHS = (
 NOT_MATHS_TREE = ("prefix_cache",)
 """grpo.tree keys that change how fast a tree is sampled, not what it samples (the cached and
 uncached trees give the same tokens): toggling one resumes the checkpoint instead of retraining."""
-
-
-@dataclass(kw_only=True)
-class Run:
-    """Everything the loop needs, built once by `setup`."""
-
-    spec: dict[str, Any]
-    cfg: GrpoSettings
-    engine: Any
-    reference: Any
-    tokenizer: Any
-    judge: Judge
-    """The prompts and rewards of the task families (training and evaluation alike)."""
-    device: torch.device
-    layout: Layout
-    dp_rank: int
-    curriculum: CurriculumConfig
-    tree: TreeConfig | None
-    eval_set: list[Problem]
-    loop: StageLoop
-    val: np.ndarray
-    eval_windows: np.ndarray
-    generation_batch: int
-    """Most sequences one `generate` call makes: the plan counted their KV cache."""
-    replay: grpo_steps.Replay | None = None
 
 
 def _reference(
@@ -217,7 +193,7 @@ def evaluated_families(curriculum: Sequence[str], meta: dict[str, Any]) -> list[
     return list(dict.fromkeys([*curriculum, *corpus_families(meta)]))
 
 
-def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> grpo_steps.Replay | None:
+def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> Replay | None:
     """`grpo.replay` resolved: its families (by default the corpus's that the curriculum leaves
     out) with the corpus's levels of each; None when it replays nothing."""
     if not cfg.replay.share:
@@ -228,7 +204,7 @@ def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> grpo_steps.Replay | No
         families = tuple(f for f in corpus if f not in cfg.curriculum.families)
     if not families:  # the names themselves were checked with the config
         raise StageError("grpo.replay.share: > 0, but no family to replay (the curriculum has every corpus family)")
-    return grpo_steps.Replay(cfg.replay.share, {f: corpus.get(f, 1) for f in families})
+    return Replay(cfg.replay.share, {f: corpus.get(f, 1) for f in families})
 
 
 def _generation_batch(plan: dict[str, Any]) -> int:
