@@ -145,7 +145,7 @@ MUTANTS = (
            "src/stagetrain/training/reshard.py", "        if missing is None:\n", "        if True:\n",
            ("tests/test_reshard.py::test_a_universal_copy_missing_a_file_is_converted_again_from_its_intact_tag",)),
     Mutant("generation-batch-from-plan", "rollouts generate at most the plan's generation batch per call",
-           "src/stagetrain/grpo/train.py", "generation_batch=_generation_batch(plan)", "generation_batch=10**6",
+           "src/stagetrain/grpo/train.py", 'generation_batch=plan["stages"]["grpo"]["generation"]["batch"]', "generation_batch=10**6",
            (GRPO + "test_flat_grpo_trains_through_the_engine_with_a_reference",)),
     Mutant("import-cycle", "no module of the package imports itself back through others",
            "src/stagetrain/grpo/steps.py", "from stagetrain.grpo.run import Replay, Run\n",

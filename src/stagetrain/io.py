@@ -45,11 +45,6 @@ def public_dir(path: str | os.PathLike[str]) -> None:
     os.chmod(path, 0o777 & ~_umask())
 
 
-def public_file(path: str | os.PathLike[str]) -> None:
-    """Give a file a library wrote through a private temp file (0600) the usual mode."""
-    os.chmod(path, 0o666 & ~_umask())
-
-
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write `text` (UTF-8) to `path` atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))

@@ -139,7 +139,7 @@ def setup(spec: dict[str, Any]) -> Run:
         dp_rank=dist.get_rank(group=engine.data_parallel_group), curriculum=curriculum, tree=tree, eval_set=eval_set,
         loop=StageLoop(stage="grpo", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
-        generation_batch=_generation_batch(plan), replay=replay,
+        generation_batch=plan["stages"]["grpo"]["generation"]["batch"], replay=replay,
     )  # fmt: skip
 
 
@@ -205,15 +205,6 @@ def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> Replay | None:
     if not families:  # the names themselves were checked with the config
         raise StageError("grpo.replay.share: > 0, but no family to replay (the curriculum has every corpus family)")
     return Replay(cfg.replay.share, {f: corpus.get(f, 1) for f in families})
-
-
-def _generation_batch(plan: dict[str, Any]) -> int:
-    if "generation" not in plan["stages"]["grpo"]:
-        raise StageError(
-            "plan.json: no grpo.generation batch (planned by an older stagetrain): "
-            "replan with `snakemake --cores all --forcerun plan_parallelism`"
-        )
-    return plan["stages"]["grpo"]["generation"]["batch"]
 
 
 def accuracy(run: Run) -> dict[str, float]:
