@@ -52,7 +52,10 @@ def grpo_changes(variant: str, kl: float, replay: float) -> dict[str, Any]:
 def run_variant(seed: int, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run (or rerun) the pipeline for one seed and variant; its GRPO summary and wall time."""
     name = f"forgetting-s{seed}"
-    overlay = {"run": {"name": name, "seed": seed}, "grpo": grpo_changes(variant, args.kl, args.replay)}
+    overlay = {
+        "run": {"name": name, "seed": seed},
+        "grpo": grpo_changes(variant, args.kl, args.replay),
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(overlay, f)
     command = [sys.executable, "-m", "snakemake", "--cores", "all", "all",
@@ -84,7 +87,9 @@ def row(seed: int, variant: str, result: dict[str, Any], base_s: float) -> dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:4]))
     parser.add_argument("--kl", type=float, default=0.05)
@@ -92,7 +97,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/forgetting")
     args = parser.parse_args()
     rows = []
-    print(f"{'seed':>5} {'variant':<7} {'gain':>7} {'se':>6}  {'other families (change, se)':<40} {'grpo s':>7} {'x none':>7}")
+    print(
+        f"{'seed':>5} {'variant':<7} {'gain':>7} {'se':>6}  {'other families (change, se)':<40} {'grpo s':>7} {'x none':>7}"
+    )
     for seed in args.seeds:
         base_s = None
         for variant in args.variants:
@@ -100,7 +107,9 @@ def main() -> None:
             base_s = base_s or result["grpo_s"]
             r = row(seed, variant, result, base_s)
             rows.append(r)
-            others = ", ".join(f"{k} {o['change']:+.3f} ({o['sigmas']:+.1f})" for k, o in r["others"].items())
+            others = ", ".join(
+                f"{k} {o['change']:+.3f} ({o['sigmas']:+.1f})" for k, o in r["others"].items()
+            )
             print(f"{seed:>5} {variant:<7} {r['gain']:>+7.3f} {r['se']:>6.3f}  {others:<40} "
                   f"{r['grpo_s']:>7.0f} {r['time_ratio']:>7.2f}", flush=True)  # fmt: skip
     print(json.dumps({"rows": rows}))

@@ -15,11 +15,17 @@ from stagetrain.training.launch import launch_stage
 
 
 def main(io: StageIO) -> None:
-    extra = {"grpo": io.sections["grpo"], "tasks": io.sections["tasks"], "seed": io.sections["run"]["seed"]}
+    extra = {
+        "grpo": io.sections["grpo"],
+        "tasks": io.sections["tasks"],
+        "seed": io.sections["run"]["seed"],
+    }
     launch_stage(
         stage="grpo",
         module="stagetrain.grpo.train",
-        inputs={k: v for k, v in io.inputs.items() if k not in ("task_files", "reward_files")},  # read through tasks
+        inputs={
+            k: v for k, v in io.inputs.items() if k not in ("task_files", "reward_files")
+        },  # read through tasks
         outputs=io.outputs,
         extra=extra,
         tracking=io.sections["tracking"],

@@ -138,7 +138,9 @@ def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_deepspeeds_own_reader_refuses_a_crafted_file_under_weights_only_loads(tmp_path: Path) -> None:
+def test_deepspeeds_own_reader_refuses_a_crafted_file_under_weights_only_loads(
+    tmp_path: Path,
+) -> None:
     """DeepSpeed's checkpoint reader passes weights_only=False (what engine.load_checkpoint
     calls); under the stages' `weights_only_loads` it goes through the weights-only
     unpickler and refuses the file, without it the file's code runs."""
@@ -171,7 +173,11 @@ def test_tags_without_a_pointer_rebuild_it_and_survive_the_next_save(
     assert "latest.json was missing; rebuilt it from the 2 intact checkpoint(s)" in caplog.text
     assert "step00000006 not intact" in caplog.text
     ckpt.save(FakeEngine(ZERO2), 6, {"step": 6})
-    assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000002", "step00000004", "step00000006"]
+    assert sorted(p.name for p in ckpt.folder.glob("step*")) == [
+        "step00000002",
+        "step00000004",
+        "step00000006",
+    ]
 
 
 def test_without_a_pointer_or_an_intact_tag_the_run_starts_fresh(tmp_path: Path) -> None:
@@ -187,10 +193,16 @@ def test_a_save_never_prunes_a_tag_its_pointer_did_not_list(tmp_path: Path) -> N
     pointer = json.loads((ckpt.folder / "latest.json").read_text())
     listed = {**pointer, "complete": ["step00000006", "step00000004"],
               "layouts": {t: ZERO2 for t in ("step00000006", "step00000004")}}  # fmt: skip
-    (ckpt.folder / "latest.json").write_text(json.dumps(listed))  # step 2 unlisted (restored by hand)
+    (ckpt.folder / "latest.json").write_text(
+        json.dumps(listed)
+    )  # step 2 unlisted (restored by hand)
     small = saved(tmp_path, [8], keep=2)
     assert small.folder == ckpt.folder
-    assert sorted(p.name for p in ckpt.folder.glob("step*")) == ["step00000002", "step00000006", "step00000008"]
+    assert sorted(p.name for p in ckpt.folder.glob("step*")) == [
+        "step00000002",
+        "step00000006",
+        "step00000008",
+    ]
 
 
 class FullDiskEngine(FakeEngine):
@@ -200,7 +212,9 @@ class FullDiskEngine(FakeEngine):
         super().__init__(layout)
         self.error = error
 
-    def save_checkpoint(self, folder: str, *, tag: str, client_state: dict, save_latest: bool) -> None:
+    def save_checkpoint(
+        self, folder: str, *, tag: str, client_state: dict, save_latest: bool
+    ) -> None:
         base = Path(folder) / tag
         base.mkdir(parents=True)
         (base / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)
@@ -238,12 +252,17 @@ def test_a_pointer_that_cannot_be_written_is_one_line(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoints, "atomic_write_json", no_space)
-    with pytest.raises(StageError, match=r"step00000004: could not be written .*No space left on device.*resumes from step00000002"):
+    with pytest.raises(
+        StageError,
+        match=r"step00000004: could not be written .*No space left on device.*resumes from step00000002",
+    ):
         ckpt.save(FakeEngine(ZERO2), 4, {"step": 4})
     assert not (ckpt.folder / "step00000004").exists()
 
 
-def test_a_checkpoint_folder_that_cannot_be_written_is_one_line_before_anything_is_built(tmp_path: Path) -> None:
+def test_a_checkpoint_folder_that_cannot_be_written_is_one_line_before_anything_is_built(
+    tmp_path: Path,
+) -> None:
     """A read-only folder failed at the first write, inside the ranks, after the engines were
     built. Root ignores file modes, so the folder here is a path under a plain file."""
     ckpt = Checkpoints(tmp_path, {"seed": 1}, ZERO2, keep=2)

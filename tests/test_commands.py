@@ -213,7 +213,9 @@ def test_every_readme_command_works_as_written(finished_small_run: Path) -> None
         )
 
 
-def test_a_report_after_a_run_that_stopped_before_grpo_shows_what_exists(finished_copy: Path) -> None:
+def test_a_report_after_a_run_that_stopped_before_grpo_shows_what_exists(
+    finished_copy: Path,
+) -> None:
     """Snakemake refused it ("... reward.png marked for report but does not exist")."""
     (finished_copy / "results/tiny/grpo/reward.png").unlink()
     proc = subprocess.run([SNAKEMAKE, "--report", "report.html"], cwd=finished_copy,

@@ -108,15 +108,17 @@ def test_duplicate_yaml_keys_are_rejected_with_file_and_line(tmp_path: Path) -> 
         stconfig.load(path)
 
 
-
 def test_yaml_merge_keys_are_read_and_explicit_keys_win(tmp_path: Path) -> None:
     """`<<: *anchor` is YAML Snakemake accepts; the strict loader refused it as invalid."""
     path = tmp_path / "merge.yaml"
-    path.write_text("base: &b\n  lr: 1.0e-3\n  warmup_steps: 5\noptimizer:\n  <<: *b\n  lr: 2.0e-3\n")
+    path.write_text(
+        "base: &b\n  lr: 1.0e-3\n  warmup_steps: 5\noptimizer:\n  <<: *b\n  lr: 2.0e-3\n"
+    )
     assert stconfig.load_yaml(path)["optimizer"] == {"lr": 2.0e-3, "warmup_steps": 5}
     path.write_text("base: &b\n  lr: 1.0e-3\noptimizer:\n  <<: *b\n  lr: 2.0e-3\n  lr: 3.0e-3\n")
     with pytest.raises(StageError, match=r"merge.yaml:6: duplicate key 'lr' \(first at line 5\)"):
         stconfig.load_yaml(path)
+
 
 def test_invalid_yaml_and_missing_files_name_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
@@ -181,7 +183,9 @@ def test_a_whole_number_float_is_refused_for_every_integer_key(
 NUMBER_KEYS = _keys_of_type("number")
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"]
+)
 def test_a_non_finite_number_is_refused_for_every_number_key(bad: float) -> None:
     """JSON Schema's bounds are comparisons, which NaN passes: `grpo.temperature: .nan` trained
     to rc 0 on one repeated token, and a NaN lr reached the DeepSpeed config."""
@@ -197,7 +201,9 @@ def test_a_non_finite_number_is_refused_for_every_number_key(bad: float) -> None
 
 
 def test_the_seed_is_bounded_to_what_every_generator_takes() -> None:
-    with pytest.raises(StageError, match=r"^config: run.seed: expected a value <= 4294967295, got 10{23}$"):
+    with pytest.raises(
+        StageError, match=r"^config: run.seed: expected a value <= 4294967295, got 10{23}$"
+    ):
         stconfig.validate({"run": {"seed": 10**23}})
 
 
@@ -205,13 +211,19 @@ PATTERN_KEYS = [(dotted, sub) for dotted, sub in _walk(stconfig.schema()) if "pa
 
 
 def test_the_pattern_keys_are_found() -> None:
-    assert {dotted for dotted, _ in PATTERN_KEYS} == {"run.name", "tasks.families[].name", "consolidate.max_shard_size"}
+    assert {dotted for dotted, _ in PATTERN_KEYS} == {
+        "run.name",
+        "tasks.families[].name",
+        "consolidate.max_shard_size",
+    }
 
 
 def _with_value(dotted: str, value: str) -> tuple[dict[str, Any], str]:
     """A config holding `value` at `dotted` (a list item's key in a first item), and its key."""
     if dotted == "tasks.families[].name":
-        return {"tasks": {"families": [{"name": value, "files": ["x.jsonl"]}]}}, "tasks.families.0.name"
+        return {
+            "tasks": {"families": [{"name": value, "files": ["x.jsonl"]}]}
+        }, "tasks.families.0.name"
     return _nested(dotted, value), dotted
 
 
@@ -310,7 +322,9 @@ def test_init_from_a_folder_without_weights_is_one_line(tmp_path: Path) -> None:
     ],
     ids=["demote-above-promote", "start-above-max", "clip-low-1", "branching-above-group"],
 )  # fmt: skip
-def test_grpo_settings_that_keys_decide_together_fail_with_the_config(grpo: dict[str, Any], message: str) -> None:
+def test_grpo_settings_that_keys_decide_together_fail_with_the_config(
+    grpo: dict[str, Any], message: str
+) -> None:
     """What the GRPO ranks refused 140 s in, after pretraining, is refused where the Snakefile
     validates the config (so `snakemake -n` says it)."""
     with pytest.raises(StageError) as err:
@@ -328,11 +342,15 @@ def test_grpo_settings_that_keys_decide_together_fail_with_the_config(grpo: dict
     ],
     ids=["pretrain-seq", "grpo-seq", "earlier-share-1"],
 )  # fmt: skip
-def test_settings_that_would_truncate_or_freeze_silently_are_refused(changes: dict, message: str) -> None:
+def test_settings_that_would_truncate_or_freeze_silently_are_refused(
+    changes: dict, message: str
+) -> None:
     config = default_config()
     for section, values in changes.items():
         for key, value in values.items():
-            config[section][key] = {**config[section][key], **value} if isinstance(value, dict) else value
+            config[section][key] = (
+                {**config[section][key], **value} if isinstance(value, dict) else value
+            )
     with pytest.raises(StageError) as err:
         stconfig.validate(config)
     assert str(err.value) == f"config: {message}"
@@ -371,4 +389,6 @@ def test_init_from_a_model_the_planner_cannot_count_is_one_line(
     model = {"init_from": str(tmp_path), "architecture": None, "vocab_multiple": 64}
     with pytest.raises(StageError) as err:
         build_config(model, 512)
-    assert str(err.value).startswith(f"model.init_from: {str(tmp_path)!r} {expected}; stagetrain trains Llama-style decoders")
+    assert str(err.value).startswith(
+        f"model.init_from: {str(tmp_path)!r} {expected}; stagetrain trains Llama-style decoders"
+    )

@@ -479,14 +479,21 @@ def test_task_families_join_the_corpus_in_their_split(tmp_path: Path) -> None:
     to data.generated.max_level; the record says where its problems came from."""
     from stagetrain.tasks.families import load_tasks
 
-    rows = [{"prompt": f"capital of country {i}?", "answer": f"city {i}", "level": 1 + i % 3} for i in range(1200)]
+    rows = [
+        {"prompt": f"capital of country {i}?", "answer": f"city {i}", "level": 1 + i % 3}
+        for i in range(1200)
+    ]
     (tmp_path / "capitals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = default_config()
-    config["tasks"] = {"families": [{"name": "capitals", "files": [str(tmp_path / "capitals.jsonl")]}]}
+    config["tasks"] = {
+        "families": [{"name": "capitals", "files": [str(tmp_path / "capitals.jsonl")]}]
+    }
     config["data"]["generated"].update(families=["arithmetic", "capitals"], prose_share=0.0)
     config = stconfig.validate(config)
     source = corpus_sources.build(config["data"], seed=3, tasks=load_tasks(config["tasks"]))[0]
-    pattern = re.compile(re.escape(PROBLEM_TOKEN) + "(capital of country (\\d+)\\?)" + re.escape(ANSWER_TOKEN))
+    pattern = re.compile(
+        re.escape(PROBLEM_TOKEN) + "(capital of country (\\d+)\\?)" + re.escape(ANSWER_TOKEN)
+    )
     for split in ("train", "val"):
         docs = [d for _, d in zip(range(2000), source.documents(split), strict=False)]
         mine = [m for d in docs if (m := pattern.search(d))]
@@ -594,6 +601,8 @@ def test_control_token_text_in_corpus_files_stays_text(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out/tokenizer")
     special = set(tokenizer.all_special_ids)
     eos = tokenizer.eos_token_id
-    documents = [list(g) for is_eos, g in itertools.groupby(ids.tolist(), lambda i: i == eos) if not is_eos]
+    documents = [
+        list(g) for is_eos, g in itertools.groupby(ids.tolist(), lambda i: i == eos) if not is_eos
+    ]
     assert documents and all(not special & set(d) for d in documents)
     assert {tokenizer.decode(d) for d in documents} == {text}

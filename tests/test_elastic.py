@@ -60,7 +60,9 @@ def _configure(workdir: Path) -> None:
     # rewards matched exactly; test_grpo's 2 -> 1 drill, KL on, matches to 1e-4. Not explained
     # yet (docs/architecture.md, Known limits); without the KL term the loss is ~1e-8 and the
     # comparison below holds the completions, the curriculum and the weights.
-    edit_config(workdir, "grpo", steps=GRPO_STEPS, checkpoint_every=2, eval_every=GRPO_STEPS, kl_coef=0.0)
+    edit_config(
+        workdir, "grpo", steps=GRPO_STEPS, checkpoint_every=2, eval_every=GRPO_STEPS, kl_coef=0.0
+    )
     edit_config(workdir, "deepspeed", precision="fp32")
     edit_config(workdir, "consolidate", dtype="fp32")
     edit_config(workdir, "parallelism", zero_stage=2)

@@ -231,7 +231,9 @@ def lone(start: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     kill tests' runs must end as."""
     data, model = start
     out = tmp_path_factory.mktemp("lone-grpo")
-    return run_grpo(data, model, out, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1))
+    return run_grpo(
+        data, model, out, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1)
+    )
 
 
 def _same_as(summary: dict[str, Any], lone: dict[str, Any]) -> None:
@@ -249,9 +251,13 @@ def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
     data, model = start
 
     def launch() -> subprocess.CompletedProcess[str]:
-        return launch_grpo(data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1))
+        return launch_grpo(
+            data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1)
+        )
 
-    winner, loser, ranks = second_run_while_first_holds(launch, tmp_path / "checkpoints" / LOCK_NAME)
+    winner, loser, ranks = second_run_while_first_holds(
+        launch, tmp_path / "checkpoints" / LOCK_NAME
+    )
     assert len(ranks) == 2 and winner.returncode == 0, winner.stderr[-3000:]
     assert loser.returncode != 0
     errors = {line for line in loser.stderr.splitlines() if line.startswith("error: ")}

@@ -685,8 +685,12 @@ def test_replay_puts_its_share_of_other_families_in_each_step_and_leaves_the_cur
     cfg = _cfg(start_level=1, max_level=5, earlier_share=0.0)
     curriculum = Curriculum.start(cfg, ["comparison"])
     replay = Replay(0.25, {"counting": 2})
-    batches = [step_prompts(curriculum, cfg, prompts=16, seed=7, step=s, replay=replay) for s in range(40)]
-    assert all(sum(p.family == "counting" for p in b) == 4 for b in batches)  # exactly round(0.25 * 16)
+    batches = [
+        step_prompts(curriculum, cfg, prompts=16, seed=7, step=s, replay=replay) for s in range(40)
+    ]
+    assert all(
+        sum(p.family == "counting" for p in b) == 4 for b in batches
+    )  # exactly round(0.25 * 16)
     assert {p.level for b in batches for p in b if p.family == "counting"} == {1, 2}
     assert {p.level for b in batches for p in b if p.family == "comparison"} == {1}
     assert step_prompts(curriculum, cfg, prompts=16, seed=7, step=3, replay=replay) == batches[3]

@@ -51,7 +51,12 @@ def test_the_trainer_scores_the_tokens_as_the_sampler_drew_them(rollout: str) ->
     the policy that sampled. Scoring raw logits (temperature 1, no nucleus) is off by far more."""
     model = tiny_llama()
     score = lambda i, c: float(sum(c) % 2)  # noqa: E731
-    common = {"keys": [("run", i) for i in range(len(PROMPTS))], "temperature": 0.7, "top_p": 0.9, "pad_id": 0}
+    common = {
+        "keys": [("run", i) for i in range(len(PROMPTS))],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "pad_id": 0,
+    }
     with torch.no_grad():
         if rollout == "flat":
             groups = flat_groups(model, PROMPTS, score, group_size=4, max_new_tokens=8, eos_id=1,

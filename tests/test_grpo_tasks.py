@@ -59,11 +59,16 @@ def expected_reward(i: int) -> float:
 
 
 def rows(name: str, n: int = 1200) -> list[dict[str, Any]]:
-    return [{"question": f"{name} {i}?", "solution": str(i), "difficulty": 1 + i % 2, "i": i} for i in range(n)]
+    return [
+        {"question": f"{name} {i}?", "solution": str(i), "difficulty": 1 + i % 2, "i": i}
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
-def start(data: dict[str, str], scoring_start: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str]:
+def start(
+    data: dict[str, str], scoring_start: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, str], str]:
     """The shared data with a chat-templated copy of its tokenizer, and the scoring start model."""
     root = tmp_path_factory.mktemp("grpo-tasks")
     tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
@@ -77,8 +82,14 @@ def tasks_section(root: Path, hub_repo: str | None) -> dict[str, Any]:
     file of the loopback hub (`hub_repo`; None: a local copy of the same file, for this process,
     whose hub client was set up before the loopback hub started)."""
     pq.write_table(pa.Table.from_pylist(rows("parity")), root / "parity.parquet")
-    (root / "remote.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows("remote")).encode()))
-    remote = {"repo": hub_repo, "file": "data/remote.jsonl.gz"} if hub_repo else str(root / "remote.jsonl.gz")
+    (root / "remote.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps(r) + "\n" for r in rows("remote")).encode())
+    )
+    remote = (
+        {"repo": hub_repo, "file": "data/remote.jsonl.gz"}
+        if hub_repo
+        else str(root / "remote.jsonl.gz")
+    )
     (root / "rewards.py").write_text(REWARDS)
     weighted = [{"function": f"{root / 'rewards.py'}:even", "weight": 2.0},
                 {"function": f"{root / 'rewards.py'}:thirds", "weight": 0.5}]  # fmt: skip
@@ -96,7 +107,9 @@ def tasks_section(root: Path, hub_repo: str | None) -> dict[str, Any]:
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     body = gzip.compress("".join(json.dumps(r) + "\n" for r in rows("remote")).encode())
     sha = commit_sha("remote-tasks")
-    with serve_hub({"datasets/org/tasks": {"main": (sha, {"data/remote.jsonl.gz": body})}}) as server:
+    with serve_hub(
+        {"datasets/org/tasks": {"main": (sha, {"data/remote.jsonl.gz": body})}}
+    ) as server:
         for key in ("HF_TOKEN", "HF_HUB_OFFLINE"):
             monkeypatch.delenv(key, raising=False)
         monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
@@ -112,17 +125,28 @@ def config(tasks: dict[str, Any], **grpo: Any) -> dict[str, Any]:
     return {**cfg, "tasks": tasks}
 
 
-def test_grpo_trains_on_own_families_with_their_rewards_and_template(start: tuple, tmp_path: Path, hub: Any) -> None:
+def test_grpo_trains_on_own_families_with_their_rewards_and_template(
+    start: tuple, tmp_path: Path, hub: Any
+) -> None:
     data, model = start
     _, sha = hub
     tasks = tasks_section(tmp_path, "org/tasks")
     cfg = config(tasks)
-    summary = run_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg)
+    summary = run_grpo(
+        data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
+    )
     loaded = load_tasks(tasks_section(tmp_path, None))
-    problems = {p.key: p for f in ("parity", "remote") for ps in loaded.families[f].family.pool.values() for p in ps}
+    problems = {
+        p.key: p
+        for f in ("parity", "remote")
+        for ps in loaded.families[f].family.pool.values()
+        for p in ps
+    }
     tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
     judge = Judge(loaded, tokenizer, max_prompt_len=48)
-    records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    records = {
+        r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    }
     (folder,) = [p for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()]
     drawn = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines()]
     for entry in drawn:
@@ -134,15 +158,23 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(start: tupl
                                                      add_generation_prompt=True, tokenize=True)["input_ids"]  # fmt: skip
             assert ids == list(rendered) == judge.prompt_ids(problems[key])
     assert {problems[k].family for e in drawn for k in e["prompts"]} == {"parity", "remote"}
-    for moment in ("start_by_family", "end_by_family"):  # held-out: solved = i divides by 6 (weighted >= 2.5)
+    for moment in (
+        "start_by_family",
+        "end_by_family",
+    ):  # held-out: solved = i divides by 6 (weighted >= 2.5)
         for family in ("parity", "remote"):
             held = heldout(family, 1, cfg["grpo"]["eval_problems"], seed=cfg["run"]["seed"])
             assert summary["accuracy"][moment][family] == pytest.approx(
-                sum(p.columns["i"] % 6 == 0 for p in held) / len(held))
-    assert summary["tasks"]["remote"]["files"] == [{"hub": "org/tasks/data/remote.jsonl.gz@main", "commit": sha}]
+                sum(p.columns["i"] % 6 == 0 for p in held) / len(held)
+            )
+    assert summary["tasks"]["remote"]["files"] == [
+        {"hub": "org/tasks/data/remote.jsonl.gz@main", "commit": sha}
+    ]
     assert summary["tasks"]["parity"]["files"] == [{"path": str(tmp_path / "parity.parquet")}]
     # The evaluation script, on the start model, scores the families through the same rewards.
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"tasks": tasks, "grpo": {"max_prompt_len": 48}}))
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({"tasks": tasks, "grpo": {"max_prompt_len": 48}})
+    )
     proc = subprocess.run([sys.executable, "-m", "stagetrain.evaluate", model, "--config", str(tmp_path / "config.yaml"),
                            "--families", "parity", "remote", "--levels", "1", "--json", str(tmp_path / "eval.json")],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -150,11 +182,15 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(start: tupl
     doc = json.loads((tmp_path / "eval.json").read_text())
     for family in ("parity", "remote"):
         held = heldout(family, 1, 278, seed=1234)
-        assert doc["accuracy"][family]["1"]["accuracy"] == pytest.approx(sum(p.columns["i"] % 6 == 0 for p in held) / len(held))
+        assert doc["accuracy"][family]["1"]["accuracy"] == pytest.approx(
+            sum(p.columns["i"] % 6 == 0 for p in held) / len(held)
+        )
         assert doc["accuracy"][family]["1"]["problems"] == len(held)
 
 
-def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(start: tuple, tmp_path: Path, hub: Any) -> None:
+def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(
+    start: tuple, tmp_path: Path, hub: Any
+) -> None:
     """The row the function raises on is drawn at step 2, not at step 1 (the draws are a pure
     function of seed, step and curriculum), so step 1 is saved and step 2 must not be."""
     data, model = start
@@ -166,9 +202,15 @@ def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(st
     state = Curriculum.start(curriculum, ["parity", "remote"])
     first, second = (step_prompts(state, curriculum, prompts=cfg["grpo"]["prompts_per_step"], seed=cfg["run"]["seed"], step=s)
                      for s in (1, 2))  # fmt: skip
-    culprit = next(p for p in second if p.key not in {q.key for q in first} and p.family == "parity")
-    (tmp_path / "rewards.py").write_text(REWARDS.replace("RAISE_ON = None", f"RAISE_ON = {culprit.question!r}"))
-    proc = launch_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg)
+    culprit = next(
+        p for p in second if p.key not in {q.key for q in first} and p.family == "parity"
+    )
+    (tmp_path / "rewards.py").write_text(
+        REWARDS.replace("RAISE_ON = None", f"RAISE_ON = {culprit.question!r}")
+    )
+    proc = launch_grpo(
+        data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
+    )
     assert proc.returncode != 0
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
     assert errors == {f"error: reward {tmp_path / 'rewards.py'}:thirds: raised ValueError: a row it cannot score on the "
@@ -179,16 +221,23 @@ def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(st
     shutil.rmtree(tmp_path / "checkpoints")
 
 
-def test_a_prompt_too_long_as_rendered_stops_before_the_engines(start: tuple, tmp_path: Path, hub: Any) -> None:
+def test_a_prompt_too_long_as_rendered_stops_before_the_engines(
+    start: tuple, tmp_path: Path, hub: Any
+) -> None:
     """With the chat template a parity prompt is longer than max_prompt_len: cut, it would ask
     another question than its reward checks. One line naming the row, before any step."""
     data, model = start
     tasks = tasks_section(tmp_path, "org/tasks")
     cfg = config(tasks, max_prompt_len=8)
-    proc = launch_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg)
+    proc = launch_grpo(
+        data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
+    )
     assert proc.returncode != 0
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
     assert len(errors) == 1, proc.stderr[-3000:]
     (line,) = errors
-    assert line.startswith(f"error: {tmp_path / 'parity.parquet'}:row ") and "tokens with the chat template, more than grpo.max_prompt_len (8)" in line, line
+    assert (
+        line.startswith(f"error: {tmp_path / 'parity.parquet'}:row ")
+        and "tokens with the chat template, more than grpo.max_prompt_len (8)" in line
+    ), line
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()

@@ -89,7 +89,9 @@ def test_a_hub_id_whose_namespace_is_a_local_folder_must_say_which_it_is(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "my-model").mkdir(parents=True)
     section, name = key.split(".")
-    changes = {name: "models/my-modell"} | ({"source": "pretrained"} if section == "tokenizer" else {})
+    changes = {name: "models/my-modell"} | (
+        {"source": "pretrained"} if section == "tokenizer" else {}
+    )
     with pytest.raises(StageError) as err:
         local_inputs(_config(**{section: changes}))
     assert str(err.value) == (

@@ -191,7 +191,10 @@ def test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_sn
             f"{holder['host']} since {holder['since']}); wait for it to end or stop it, then rerun"
         )
         # refused before Snakemake deleted the live run's log, and it wrote nothing, not even a job spec
-        assert live_log.read_text().startswith(logged) and (root / "job.json").stat().st_mtime_ns == spec_written
+        assert (
+            live_log.read_text().startswith(logged)
+            and (root / "job.json").stat().st_mtime_ns == spec_written
+        )
 
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -238,7 +241,9 @@ def test_two_runs_at_once_one_trains_the_other_fails_in_one_line(
         return launch(data, tmp_path, world=2, layout=LAYOUT, config_changes={"pretrain": STEPS})
 
     with _timed("two runs at once"):
-        winner, loser, ranks = second_run_while_first_holds(start, tmp_path / "checkpoints" / LOCK_NAME)
+        winner, loser, ranks = second_run_while_first_holds(
+            start, tmp_path / "checkpoints" / LOCK_NAME
+        )
     assert len(ranks) == 2, ranks
     assert winner.returncode == 0, winner.stderr[-3000:]
     assert loser.returncode != 0, loser.stderr[-3000:]

@@ -67,7 +67,7 @@ def test_no_import_cycle_in_the_package() -> None:
     def visit(module: str, path: list[str]) -> None:
         state[module] = "open"
         for other in sorted(graph[module]):
-            assert state.get(other) != "open", " -> ".join([*path[path.index(other):], other])
+            assert state.get(other) != "open", " -> ".join([*path[path.index(other) :], other])
             if other not in state:
                 visit(other, [*path, other])
         state[module] = "done"
@@ -75,3 +75,11 @@ def test_no_import_cycle_in_the_package() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_ruff_format_is_clean() -> None:
+    """The code is ruff-formatted (`ruff format .`); a line it must leave alone says `# fmt: skip`."""
+    proc = subprocess.run(
+        [str(BIN / "ruff"), "format", "--check", "."], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout

@@ -127,7 +127,9 @@ def test_metrics_log_keeps_only_registered_keys_and_truncates_on_resume(tmp_path
     assert all("/" in key or key == "step" for key in METRICS)
 
 
-def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_torn_last_metrics_line_is_dropped_on_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A full disk or a kill mid-append leaves half a line; every resume failed on it."""
     path = tmp_path / "metrics.jsonl"
     log = MetricsLog(path, resume_step=0, registry=METRICS)
@@ -237,7 +239,11 @@ def test_a_group_made_after_the_world_times_out_as_the_world_does(tmp_path: Path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for name, doc in {"plan": {"backend": "gloo", "world": 2}, "meta": {}, "deepspeed_config": {}}.items():
+    for name, doc in {
+        "plan": {"backend": "gloo", "world": 2},
+        "meta": {},
+        "deepspeed_config": {},
+    }.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
            "LOCAL_RANK": "0", "STAGETRAIN_COLLECTIVE_TIMEOUT_S": "3"}  # fmt: skip
@@ -279,7 +285,9 @@ def test_init_from_weights_that_do_not_match_their_config_are_one_line(
     (tmp_path / "config.json").write_text(json.dumps({**saved, **change}))
     with pytest.raises(StageError) as err:
         load_pretrained(str(tmp_path))
-    assert str(err.value).startswith(f"model.init_from: {tmp_path}: ") and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"model.init_from: {tmp_path}: ") and "\n" not in str(
+        err.value
+    )
     assert f" {kind} weight(s) against its config.json, the first {first!r}" in str(err.value)
 
 
@@ -304,11 +312,16 @@ def test_a_damaged_or_unsafe_init_from_weight_file_is_one_line_naming_it(
     weights = tmp_path / "model.safetensors"
     if damage == "truncated-safetensors":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-        expected = re.escape(f"model.init_from: {weights}: does not read as safetensors (") + ".*not fully covered"
+        expected = (
+            re.escape(f"model.init_from: {weights}: does not read as safetensors (")
+            + ".*not fully covered"
+        )
     else:
         weights.unlink()
         torch.save({**model.state_dict(), "extra": _RunsCode()}, tmp_path / "pytorch_model.bin")
-        expected = re.escape(f"model.init_from: {tmp_path}: a .bin weight file was refused: loading it would run code (GLOBAL print)")
+        expected = re.escape(
+            f"model.init_from: {tmp_path}: a .bin weight file was refused: loading it would run code (GLOBAL print)"
+        )
     with pytest.raises(StageError, match=expected) as err:
         load_pretrained(str(tmp_path))
     assert "\n" not in str(err.value) and "this ran" not in capsys.readouterr().out

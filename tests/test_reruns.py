@@ -381,7 +381,9 @@ def test_a_replan_reruns_only_the_stage_whose_layout_it_changed(
     workdir = tmp_path / "wf"
     shutil.copytree(finished_small_run, workdir, symlinks=True)
     config = finished_config(workdir)
-    put(config, key, {"grpo.kl_coef": 0.0, "grpo.group_size": 2}[key])  # 0.0: no reference to plan for
+    put(
+        config, key, {"grpo.kl_coef": 0.0, "grpo.group_size": 2}[key]
+    )  # 0.0: no reference to plan for
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     snakemake(workdir, "plan_parallelism")
     jobs = scheduled(dry_run(workdir, None).stdout)

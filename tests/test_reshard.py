@@ -101,9 +101,15 @@ def test_a_universal_copy_missing_a_file_is_converted_again_from_its_intact_tag(
     here cannot convert, so the conversion tried again fails in its own one line."""
     old = saved(tmp_path, [2], ZERO2)
     copy = fake_universal(old.folder, "step00000002", missing="exp_avg.pt")
-    with caplog.at_level(logging.INFO, logger="stagetrain"), pytest.raises(StageError, match="cannot convert"):
+    with (
+        caplog.at_level(logging.INFO, logger="stagetrain"),
+        pytest.raises(StageError, match="cannot convert"),
+    ):
         Checkpoints(tmp_path, {"seed": 1}, ZERO2_DP1, keep=2).latest()
-    assert "the universal checkpoint step00000002.universal lacks zero/w/exp_avg.pt: converting step00000002 again" in caplog.text
+    assert (
+        "the universal checkpoint step00000002.universal lacks zero/w/exp_avg.pt: converting step00000002 again"
+        in caplog.text
+    )
     assert not copy.exists() and "reusing" not in caplog.text
 
 

@@ -33,7 +33,10 @@ from stagetrain.tokenizer import SPECIAL_TOKENS, train_bpe
 
 def rows(n: int = 1800, levels: int = 3) -> list[dict[str, Any]]:
     """n problems 'What is i doubled?', level 1 + i % levels, with an extra column `i`."""
-    return [{"q": f"What is {i} doubled?", "a": str(2 * i), "difficulty": 1 + i % levels, "i": i} for i in range(n)]
+    return [
+        {"q": f"What is {i} doubled?", "a": str(2 * i), "difficulty": 1 + i % levels, "i": i}
+        for i in range(n)
+    ]
 
 
 def write(path: Path, content: list[dict[str, Any]]) -> Path:
@@ -51,7 +54,12 @@ def write(path: Path, content: list[dict[str, Any]]) -> Path:
 
 
 def family(files: list[Any], **changes: Any) -> dict[str, Any]:
-    return {"name": "doubles", "files": files, "columns": {"prompt": "q", "answer": "a", "level": "difficulty"}, **changes}
+    return {
+        "name": "doubles",
+        "files": files,
+        "columns": {"prompt": "q", "answer": "a", "level": "difficulty"},
+        **changes,
+    }
 
 
 def tasks(*families: dict[str, Any], **changes: Any) -> dict[str, Any]:
@@ -69,7 +77,12 @@ def test_every_format_loads_the_same_family(tmp_path: Path, name: str) -> None:
     problems = sorted((p for ps in pool.values() for p in ps), key=lambda p: p.columns["i"])
     assert [p.question for p in problems] == [r["q"] for r in rows()]
     first = problems[0]
-    assert (first.answer, first.level, first.solution, dict(first.columns)) == ("0", 1, "0", {"i": 0})
+    assert (first.answer, first.level, first.solution, dict(first.columns)) == (
+        "0",
+        1,
+        "0",
+        {"i": 0},
+    )
     assert all(split_of(p.key) == split for (_, split), ps in pool.items() for p in ps)
     counts = loaded.record()["doubles"]["problems"]
     assert sum(sum(c.values()) for c in counts.values()) == 1800
@@ -84,8 +97,12 @@ def test_globs_and_level_edges_bucket_a_difficulty(tmp_path: Path) -> None:
         r["difficulty"] = [0.5, 2.5, 7.0][r["i"] % 3]
     write(tmp_path / "a.jsonl", content[:1200])
     write(tmp_path / "b.parquet", content[1200:])
-    load_tasks(tasks(family([str(tmp_path / "a.jsonl"), str(tmp_path / "*.parquet")], level_edges=[1, 5])))
-    by_level = {lv: len(ps) for (lv, split), ps in get_family("doubles").pool.items() if split == "train"}
+    load_tasks(
+        tasks(family([str(tmp_path / "a.jsonl"), str(tmp_path / "*.parquet")], level_edges=[1, 5]))
+    )
+    by_level = {
+        lv: len(ps) for (lv, split), ps in get_family("doubles").pool.items() if split == "train"
+    }
     assert set(by_level) == {1, 2, 3} and sum(by_level.values()) > 2000
 
 
@@ -100,41 +117,76 @@ def test_heldout_problems_are_the_test_split_once_each(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("row", "expected"),
     [
-        ({"a": "1", "difficulty": 1}, "no column 'q' (tasks.families.0.columns.prompt); the row has: a, difficulty"),
+        (
+            {"a": "1", "difficulty": 1},
+            "no column 'q' (tasks.families.0.columns.prompt); the row has: a, difficulty",
+        ),
         ({"q": "x?", "difficulty": 1}, "no column 'a' (tasks.families.0.columns.answer)"),
         ({"q": "  ", "a": "1", "difficulty": 1}, "column 'q' must be a non-empty string"),
-        ({"q": "x?", "a": True, "difficulty": 1}, "column 'a' must be a non-empty string or a number, got True"),
-        ({"q": "x?", "a": "1", "difficulty": 0}, "column 'difficulty' (the level) must be an integer >= 1, got 0"),
-        ({"q": "x?", "a": "1", "difficulty": "2"}, "column 'difficulty' (the level) must be a number, got '2'"),
-        ({"q": "x <|pad|>?", "a": "1", "difficulty": 1}, "must not contain the control token '<|pad|>'"),
-        ({"q": "x?", "a": "1", "difficulty": 1, "finished": 1}, "column 'finished' is not mapped, and reward functions already get"),
-        ({"q": "What is 3 doubled?", "a": "6", "difficulty": 1}, "duplicate prompt, first given at"),
+        (
+            {"q": "x?", "a": True, "difficulty": 1},
+            "column 'a' must be a non-empty string or a number, got True",
+        ),
+        (
+            {"q": "x?", "a": "1", "difficulty": 0},
+            "column 'difficulty' (the level) must be an integer >= 1, got 0",
+        ),
+        (
+            {"q": "x?", "a": "1", "difficulty": "2"},
+            "column 'difficulty' (the level) must be a number, got '2'",
+        ),
+        (
+            {"q": "x <|pad|>?", "a": "1", "difficulty": 1},
+            "must not contain the control token '<|pad|>'",
+        ),
+        (
+            {"q": "x?", "a": "1", "difficulty": 1, "finished": 1},
+            "column 'finished' is not mapped, and reward functions already get",
+        ),
+        (
+            {"q": "What is 3 doubled?", "a": "6", "difficulty": 1},
+            "duplicate prompt, first given at",
+        ),
         ({"q": "x" * 70_000, "a": "1", "difficulty": 1}, "a task row holds at most 65,536"),
-        ({"q": "x\ud800?", "a": "1", "difficulty": 1}, "column 'q' holds a lone surrogate ('\\ud800' at character 1), not text"),
+        (
+            {"q": "x\ud800?", "a": "1", "difficulty": 1},
+            "column 'q' holds a lone surrogate ('\\ud800' at character 1), not text",
+        ),
     ],
 )
-def test_a_bad_row_is_one_line_naming_file_and_row(tmp_path: Path, row: dict[str, Any], expected: str) -> None:
+def test_a_bad_row_is_one_line_naming_file_and_row(
+    tmp_path: Path, row: dict[str, Any], expected: str
+) -> None:
     path = write(tmp_path / "t.jsonl", [*rows()[:5], row])
     with pytest.raises(StageError) as err:
         load_tasks(tasks(family([str(path)])))
     message = str(err.value)
-    assert message.startswith(f"{path}:6: ") and expected in message and "\n" not in message, message
+    assert message.startswith(f"{path}:6: ") and expected in message and "\n" not in message, (
+        message
+    )
 
 
 @pytest.mark.parametrize(
     ("content", "expected"),
     [
         ([], "tasks.families.0 (doubles): its files hold no problem"),
-        ([r for r in rows() if r["difficulty"] != 2], "level 2 has no problem, though level 3 has some"),
+        (
+            [r for r in rows() if r["difficulty"] != 2],
+            "level 2 has no problem, though level 3 has some",
+        ),
         (rows(300), "level 1 has 100 problems ("),
     ],
 )
-def test_an_empty_family_a_gap_or_a_small_level_is_refused(tmp_path: Path, content: list, expected: str) -> None:
+def test_an_empty_family_a_gap_or_a_small_level_is_refused(
+    tmp_path: Path, content: list, expected: str
+) -> None:
     with pytest.raises(StageError) as err:
         load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", content))])))
     assert expected in str(err.value), err.value
     if "100 problems" in expected:  # the counts per split, and what each level needs
-        assert "train, " in str(err.value) and "at least 1 train, 1 validation and 10 held-out" in str(err.value)
+        assert "train, " in str(
+            err.value
+        ) and "at least 1 train, 1 validation and 10 held-out" in str(err.value)
 
 
 def test_unreadable_files_are_one_line(tmp_path: Path) -> None:
@@ -161,17 +213,56 @@ def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        ({"data": {"generated": {"task_files": ["x.jsonl"]}}}, "data.generated.task_files: replaced by tasks.families"),
-        ({"tasks": {"families": [{"name": "sums"}]}}, "tasks.families.0: expected files (your problems) or generator"),
-        ({"tasks": {"families": [{"name": "cmp", "generator": "comparison"}]}}, "named after its generator ('comparison'), not 'cmp'"),
-        ({"tasks": {"families": [{"name": "counting", "files": ["x.jsonl"]}]}}, "'counting' is a built-in family's name"),
-        ({"tasks": {"families": [{"name": "a", "files": ["x"]}, {"name": "a", "files": ["y"]}]}}, "tasks.families.1.name: 'a' is listed twice"),
-        ({"tasks": {"families": [{"name": "a", "files": ["x"], "rewards": [{"verifier": "exact", "function": "r.py:f"}]}]}},
-         "tasks.families.0.rewards.0: expected exactly one of verifier or function"),
-        ({"tasks": {"families": [{"name": "a", "files": ["x"], "rewards": [{"function": "r.py"}]}]}},
-         "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name', got 'r.py'"),
-        ({"grpo": {"curriculum": {"families": ["mine"]}}}, "grpo.curriculum.families: unknown family 'mine' (known: arithmetic, counting, comparison; your own go in tasks.families)"),
-        ({"data": {"generated": {"families": ["comparison", "comparison"]}}}, "data.generated.families: 'comparison' is listed twice"),
+        (
+            {"data": {"generated": {"task_files": ["x.jsonl"]}}},
+            "data.generated.task_files: replaced by tasks.families",
+        ),
+        (
+            {"tasks": {"families": [{"name": "sums"}]}},
+            "tasks.families.0: expected files (your problems) or generator",
+        ),
+        (
+            {"tasks": {"families": [{"name": "cmp", "generator": "comparison"}]}},
+            "named after its generator ('comparison'), not 'cmp'",
+        ),
+        (
+            {"tasks": {"families": [{"name": "counting", "files": ["x.jsonl"]}]}},
+            "'counting' is a built-in family's name",
+        ),
+        (
+            {"tasks": {"families": [{"name": "a", "files": ["x"]}, {"name": "a", "files": ["y"]}]}},
+            "tasks.families.1.name: 'a' is listed twice",
+        ),
+        (
+            {
+                "tasks": {
+                    "families": [
+                        {
+                            "name": "a",
+                            "files": ["x"],
+                            "rewards": [{"verifier": "exact", "function": "r.py:f"}],
+                        }
+                    ]
+                }
+            },
+            "tasks.families.0.rewards.0: expected exactly one of verifier or function",
+        ),
+        (
+            {
+                "tasks": {
+                    "families": [{"name": "a", "files": ["x"], "rewards": [{"function": "r.py"}]}]
+                }
+            },
+            "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name', got 'r.py'",
+        ),
+        (
+            {"grpo": {"curriculum": {"families": ["mine"]}}},
+            "grpo.curriculum.families: unknown family 'mine' (known: arithmetic, counting, comparison; your own go in tasks.families)",
+        ),
+        (
+            {"data": {"generated": {"families": ["comparison", "comparison"]}}},
+            "data.generated.families: 'comparison' is listed twice",
+        ),
     ],
 )
 def test_config_mistakes_are_one_line(change: dict[str, Any], expected: str) -> None:
@@ -185,7 +276,9 @@ def test_config_mistakes_are_one_line(change: dict[str, Any], expected: str) -> 
 def test_a_tasks_family_may_be_trained_replayed_and_in_the_corpus() -> None:
     """The config check takes a tasks family wherever a family is named (it raised before)."""
     config = default_config()
-    config["tasks"] = {"families": [family(["x.jsonl"]), {"name": "arithmetic", "generator": "arithmetic"}]}
+    config["tasks"] = {
+        "families": [family(["x.jsonl"]), {"name": "arithmetic", "generator": "arithmetic"}]
+    }
     config["data"]["generated"]["families"] = ["counting", "doubles"]
     config["grpo"]["curriculum"]["families"] = ["doubles"]
     config["grpo"]["replay"] = {"share": 0.25, "families": ["counting"]}
@@ -200,9 +293,13 @@ def test_local_task_and_reward_files_are_declared_inputs(tmp_path: Path) -> None
     config["tasks"] = {"families": [family([str(tmp_path / "*.jsonl"), {"repo": "org/data", "file": "t.jsonl"}],
                                            rewards=[{"function": f"{reward}:score"}, {"verifier": "format"}])]}  # fmt: skip
     found = local_inputs(stconfig.validate(config))
-    assert found["task_files"] == [str(tmp_path / "a.jsonl")] and found["reward_files"] == [str(reward)]
+    assert found["task_files"] == [str(tmp_path / "a.jsonl")] and found["reward_files"] == [
+        str(reward)
+    ]
     (tmp_path / "reexport.py").write_text("from reward import score as graded\n")
-    assert check_function(f"{tmp_path / 'reexport.py'}:graded", "k") == str(tmp_path / "reexport.py")
+    assert check_function(f"{tmp_path / 'reexport.py'}:graded", "k") == str(
+        tmp_path / "reexport.py"
+    )
     for spec, expected in ((f"{reward}:missing", "defines no function 'missing' (its top-level names: score)"),
                            (f"{tmp_path}/nope.py:score", "no such reward file")):  # fmt: skip
         with pytest.raises(StageError, match=re.escape(expected)):
@@ -228,7 +325,9 @@ def ids(text: str, finished: bool = True) -> list[int]:
     return [ord(c) for c in text] + ([0] if finished else [])
 
 
-def judge_for(tmp_path: Path, body: str, rewards: list[dict[str, Any]], **changes: Any) -> tuple[Judge, list]:
+def judge_for(
+    tmp_path: Path, body: str, rewards: list[dict[str, Any]], **changes: Any
+) -> tuple[Judge, list]:
     """A Judge of a 'doubles' family whose reward file holds `body`; and the family's level-1 problems."""
     (tmp_path / "reward.py").write_text(body)
     path = write(tmp_path / "t.jsonl", rows())
@@ -247,45 +346,81 @@ def test_user_rewards_get_the_extra_columns_and_are_weighted(tmp_path: Path) -> 
         "                  'finished': finished, 'completion_ids': completion_ids, 'i': i})\n"
         "    return [1.0 if c == str(2 * n) else None if n % 2 else 0.0 for c, n in zip(completions, i)]\n"
     )
-    rewards = [{"function": "FILE:by_column", "weight": 2.0}, {"verifier": "format", "weight": 0.25}]
+    rewards = [
+        {"function": "FILE:by_column", "weight": 2.0},
+        {"verifier": "format", "weight": 0.25},
+    ]
     judge, problems = judge_for(tmp_path, body, rewards, success_at=2.0)
     even, odd = (next(p for p in problems if p.columns["i"] % 2 == k) for k in (0, 1))
     done = [ids(even.answer), ids("7"), ids(odd.answer + "?", finished=False), ids(odd.answer)]
     scores = judge.rewards([even, even, odd, odd], done)
     assert scores == [2.25, 0.25, 0.0, 2.25]  # None (odd, wrong) leaves the user term out
-    assert [judge.solved(p, s) for p, s in zip([even, even, odd, odd], scores, strict=True)] == [True, False, False, True]
+    assert [judge.solved(p, s) for p, s in zip([even, even, odd, odd], scores, strict=True)] == [
+        True,
+        False,
+        False,
+        True,
+    ]
     from stagetrain.tasks.rewards import _module
 
     (call,) = _module(str(tmp_path / "reward.py")).CALLS
     assert call["prompts"] == [even.question, even.question, odd.question, odd.question]
     assert call["i"] == [even.columns["i"], even.columns["i"], odd.columns["i"], odd.columns["i"]]
-    assert call["answer"] == [even.answer, even.answer, odd.answer, odd.answer] and call["level"] == [1] * 4
-    assert call["finished"] == [True, True, False, True] and call["completions"][2] == odd.answer + "?"
+    assert (
+        call["answer"] == [even.answer, even.answer, odd.answer, odd.answer]
+        and call["level"] == [1] * 4
+    )
+    assert (
+        call["finished"] == [True, True, False, True] and call["completions"][2] == odd.answer + "?"
+    )
     assert set(RESERVED) <= set(call)
-    assert call["completion_ids"] == [d[:-1] if d[-1] == 0 else d for d in done]  # up to eos (0), without it
+    assert call["completion_ids"] == [
+        d[:-1] if d[-1] == 0 else d for d in done
+    ]  # up to eos (0), without it
 
 
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ("def f(prompts, completions, **kw):\n    return [1.0 / (kw['i'][0] % 3) for _ in prompts]\n",
-         "reward FILE:f: raised ZeroDivisionError: float division by zero on the row (T:1) with prompt 'What is 0 doubled?'"),
-        ("def f(prompts, completions, **kw):\n    return [1.0]\n", "reward FILE:f: returned 1 values for 2 completions"),
-        ("def f(prompts, completions, **kw):\n    return [1.0, float('nan')]\n",
-         "reward FILE:f: returned nan on the row (T:4) with prompt 'What is 3 doubled?'; expected a finite number or None"),
-        ("def f(prompts, completions, **kw):\n    return ['1', 1]\n", "returned '1' on the row (T:1)"),
-        ("def f(prompts, completions, **kw):\n    return 1.0\n", "returned float, expected a list of floats or None"),
-        ("import no_such_module\ndef f(prompts, completions, **kw):\n    return []\n",
-         "importing the reward file failed (ModuleNotFoundError: No module named 'no_such_module')"),
+        (
+            "def f(prompts, completions, **kw):\n    return [1.0 / (kw['i'][0] % 3) for _ in prompts]\n",
+            "reward FILE:f: raised ZeroDivisionError: float division by zero on the row (T:1) with prompt 'What is 0 doubled?'",
+        ),
+        (
+            "def f(prompts, completions, **kw):\n    return [1.0]\n",
+            "reward FILE:f: returned 1 values for 2 completions",
+        ),
+        (
+            "def f(prompts, completions, **kw):\n    return [1.0, float('nan')]\n",
+            "reward FILE:f: returned nan on the row (T:4) with prompt 'What is 3 doubled?'; expected a finite number or None",
+        ),
+        (
+            "def f(prompts, completions, **kw):\n    return ['1', 1]\n",
+            "returned '1' on the row (T:1)",
+        ),
+        (
+            "def f(prompts, completions, **kw):\n    return 1.0\n",
+            "returned float, expected a list of floats or None",
+        ),
+        (
+            "import no_such_module\ndef f(prompts, completions, **kw):\n    return []\n",
+            "importing the reward file failed (ModuleNotFoundError: No module named 'no_such_module')",
+        ),
         ("def f(:\n", "importing the reward file failed (SyntaxError"),
     ],
 )
-def test_a_failing_reward_function_is_one_line_naming_file_function_and_row(tmp_path: Path, body: str, expected: str) -> None:
+def test_a_failing_reward_function_is_one_line_naming_file_function_and_row(
+    tmp_path: Path, body: str, expected: str
+) -> None:
     with pytest.raises(StageError) as err:
         judge, problems = judge_for(tmp_path, body, [{"function": "FILE:f"}])
         first, second = sorted(problems, key=lambda p: p.columns["i"])[:2]  # i = 0 and 3 (level 1)
         judge.rewards([first, second], [ids("0"), ids("6")])
-    message = str(err.value).replace(str(tmp_path / "reward.py"), "FILE").replace(str(tmp_path / "t.jsonl"), "T")
+    message = (
+        str(err.value)
+        .replace(str(tmp_path / "reward.py"), "FILE")
+        .replace(str(tmp_path / "t.jsonl"), "T")
+    )
     assert expected in message and "\n" not in message, message
 
 
@@ -293,14 +428,33 @@ def test_the_built_in_verifiers() -> None:
     from stagetrain.tasks.problem import Problem
     from stagetrain.tasks.rewards import VERIFIERS
 
-    half = Problem(family="f", level=1, question="1/2?", answer="\\frac{1}{2}", solution="", key="k")
+    half = Problem(
+        family="f", level=1, question="1/2?", answer="\\frac{1}{2}", solution="", key="k"
+    )
     number = Problem(family="f", level=1, question="?", answer="46", solution="", key="k")
-    done = {text: Completion(text=text, finished=True, ids=[]) for text in ("0.5", "Answer: 1/2", "0.25", "Answer: 046", "no")}
-    assert [VERIFIERS["math"](done[t], half) for t in ("0.5", "Answer: 1/2", "0.25", "no")] == [1.0, 1.0, 0.0, 0.0]
-    assert VERIFIERS["numeric"](done["Answer: 046"], number) == 1.0 and VERIFIERS["exact"](done["Answer: 046"], number) == 0.0
-    assert VERIFIERS["format"](done["Answer: 046"], number) == 1.0 and VERIFIERS["format"](done["no"], number) == 0.0
+    done = {
+        text: Completion(text=text, finished=True, ids=[])
+        for text in ("0.5", "Answer: 1/2", "0.25", "Answer: 046", "no")
+    }
+    assert [VERIFIERS["math"](done[t], half) for t in ("0.5", "Answer: 1/2", "0.25", "no")] == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]
+    assert (
+        VERIFIERS["numeric"](done["Answer: 046"], number) == 1.0
+        and VERIFIERS["exact"](done["Answer: 046"], number) == 0.0
+    )
+    assert (
+        VERIFIERS["format"](done["Answer: 046"], number) == 1.0
+        and VERIFIERS["format"](done["no"], number) == 0.0
+    )
     unfinished = Completion(text="46", finished=False, ids=[])
-    assert VERIFIERS["format"](unfinished, number) == 0.0 and VERIFIERS["default"](unfinished, number) == 1.0
+    assert (
+        VERIFIERS["format"](unfinished, number) == 0.0
+        and VERIFIERS["default"](unfinished, number) == 1.0
+    )
 
 
 # --- prompts ----------------------------------------------------------------------------
@@ -311,14 +465,19 @@ TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    return train_bpe(iter([f"<|problem|>What is {i} doubled?<|answer|>{2 * i}" for i in range(300)] * 3), 400)
+    return train_bpe(
+        iter([f"<|problem|>What is {i} doubled?<|answer|>{2 * i}" for i in range(300)] * 3), 400
+    )
 
 
 def test_a_chat_template_renders_prompts_token_for_token(tokenizer: Any, tmp_path: Path) -> None:
     load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", rows()))])))
     problem = get_family("doubles").pool[(1, "train")][0]
     plain = Prompter(tokenizer, chat_template=True, limit=64)
-    assert not plain.chat and tokenizer.decode(plain.ids(problem)) == f"<|problem|>{problem.question}<|answer|>"
+    assert (
+        not plain.chat
+        and tokenizer.decode(plain.ids(problem)) == f"<|problem|>{problem.question}<|answer|>"
+    )
     tokenizer.chat_template = TEMPLATE
     try:
         chat = Prompter(tokenizer, chat_template=True, limit=64)
@@ -335,12 +494,16 @@ def test_a_chat_template_renders_prompts_token_for_token(tokenizer: Any, tmp_pat
         tokenizer.chat_template = None
 
 
-def test_a_generated_familys_prompts_longer_than_max_prompt_len_stop_grpo_before_any_step(tokenizer: Any) -> None:
+def test_a_generated_familys_prompts_longer_than_max_prompt_len_stop_grpo_before_any_step(
+    tokenizer: Any,
+) -> None:
     """They were cut from the left: "Which is smaller: 705 or 272?" became " 272?". GRPO's own
     check samples every level it draws; a prompt drawn later is refused, never cut."""
     from stagetrain.grpo.train import check_families
 
-    judge = Judge(load_tasks({}), tokenizer, max_prompt_len=30)  # this tokenizer: levels 1-2 at most 27, level 3 37
+    judge = Judge(
+        load_tasks({}), tokenizer, max_prompt_len=30
+    )  # this tokenizer: levels 1-2 at most 27, level 3 37
     check_families(judge, {"comparison": 2})
     with pytest.raises(StageError) as err:
         check_families(judge, {"comparison": 3})
@@ -356,6 +519,10 @@ def test_completions_end_at_eos_or_a_new_problem(tokenizer: Any) -> None:
     prompter = Prompter(tokenizer, chat_template=False, limit=64)
     body = tokenizer("12", add_special_tokens=False)["input_ids"]
     problem = tokenizer.convert_tokens_to_ids("<|problem|>")
-    for tail, finished in (([tokenizer.eos_token_id, 5, 6], True), ([problem, 7], True), ([], False)):
+    for tail, finished in (
+        ([tokenizer.eos_token_id, 5, 6], True),
+        ([problem, 7], True),
+        ([], False),
+    ):
         done = prompter.completion(body + tail)
         assert (done.text, done.finished, done.ids) == ("12", finished, body)

@@ -139,7 +139,9 @@ LETTER_FORMS = [
 def test_counting_level_1_holds_out_enough_problems_to_measure() -> None:
     """One standard error of a held-out accuracy at most 0.05 at any accuracy needs 100
     distinct held-out problems (0.25 / 0.05^2)."""
-    questions = {f.format(letter=c, word=w) for w in WORDS for c in set(w) for f in LETTER_QUESTIONS}
+    questions = {
+        f.format(letter=c, word=w) for w in WORDS for c in set(w) for f in LETTER_QUESTIONS
+    }
     assert sum(split_of(q) == "test" for q in questions) >= 100
     drawn = {p.question for p in problems(["counting"], [1], "test", 2000, seed=3)}
     assert len(drawn) >= 100

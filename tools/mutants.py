@@ -202,7 +202,9 @@ def run(mutant: Mutant) -> tuple[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests")
     args = parser.parse_args()
@@ -213,7 +215,10 @@ def main() -> None:
     chosen = [known[n] for n in args.names] or list(MUTANTS)
     if args.list:
         for m in chosen:
-            print(f"{m.name}: {m.guarantee}\n    {m.path}: {m.before.strip()!r} -> {m.after.strip()!r}\n    " + "\n    ".join(m.tests))
+            print(
+                f"{m.name}: {m.guarantee}\n    {m.path}: {m.before.strip()!r} -> {m.after.strip()!r}\n    "
+                + "\n    ".join(m.tests)
+            )
         return
     results = []
     for m in chosen:

@@ -27,10 +27,19 @@ def rows(seed: int = 0) -> list[dict[str, object]]:
     for digits, wanted in ROWS.items():
         while sum(r["difficulty"] == digits for r in out) < wanted:
             numbers = rng.sample(range(10 ** (digits - 1), 10**digits), 3)
-            question = f"Of {numbers[0]}, {numbers[1]} and {numbers[2]}, which number is the largest?"
+            question = (
+                f"Of {numbers[0]}, {numbers[1]} and {numbers[2]}, which number is the largest?"
+            )
             if question not in seen:
                 seen.add(question)
-                out.append({"question": question, "largest": max(numbers), "numbers": numbers, "difficulty": digits})
+                out.append(
+                    {
+                        "question": question,
+                        "largest": max(numbers),
+                        "numbers": numbers,
+                        "difficulty": digits,
+                    }
+                )
     return out
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import re
 
 
-def score(prompts: list[str], completions: list[str], numbers: list[list[int]], **kwargs: object) -> list[float]:
+def score(
+    prompts: list[str], completions: list[str], numbers: list[list[int]], **kwargs: object
+) -> list[float]:
     """1.0 when the answer (the last number of the completion, or after its last "Answer:")
     is the largest of the row's numbers; 0.25 when it is one of the others; else 0."""
     out = []

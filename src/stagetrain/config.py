@@ -57,7 +57,9 @@ class _StrictLoader(yaml.SafeLoader):
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys yield to the explicit ones
+        if (
+            key_node.tag == "tag:yaml.org,2002:merge"
+        ):  # `<<: *anchor`: its keys yield to the explicit ones
             continue
         key = loader.construct_object(key_node)
         if key in seen:
@@ -106,7 +108,11 @@ def _is_whole_number(checker: Any, instance: Any) -> bool:
 def _is_finite_number(checker: Any, instance: Any) -> bool:
     """`number` as the stages need it: finite. JSON Schema's bounds are comparisons, which NaN
     passes all of (`.nan` as a temperature sampled nothing but one token, to rc 0)."""
-    return isinstance(instance, int | float) and not isinstance(instance, bool) and math.isfinite(instance)
+    return (
+        isinstance(instance, int | float)
+        and not isinstance(instance, bool)
+        and math.isfinite(instance)
+    )
 
 
 def _full_match(validator, pattern, instance, schema):  # noqa: ANN001, ANN202
@@ -179,7 +185,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"{path}: {error.message}"
 
 
-def validate(config: Mapping[str, Any], source: str = "config", *, families: bool = True) -> dict[str, Any]:
+def validate(
+    config: Mapping[str, Any], source: str = "config", *, families: bool = True
+) -> dict[str, Any]:
     """Return a validated deep copy of `config` with every default filled in. `families`:
     check the family names other sections give against the tasks section (the whole config;
     a section validated alone has no tasks section to check against).
@@ -234,7 +242,11 @@ def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
 
 def _refuse_replaced_keys(config: Mapping[str, Any], source: str) -> None:
     """Keys of earlier versions that moved: one line saying where to, not 'unknown key'."""
-    generated = (config.get("data") or {}).get("generated") if isinstance(config.get("data"), Mapping) else None
+    generated = (
+        (config.get("data") or {}).get("generated")
+        if isinstance(config.get("data"), Mapping)
+        else None
+    )
     if isinstance(generated, Mapping) and "task_files" in generated:
         raise StageError(
             f"{source}: data.generated.task_files: replaced by tasks.families (one entry per family: "
@@ -254,14 +266,22 @@ def _check_tasks(config: Mapping[str, Any], source: str) -> None:
         generator = family.get("generator")
         if generator is not None:
             if name != generator:
-                raise StageError(f"{key}.name: a generator family is named after its generator ({generator!r}), not {name!r}")
+                raise StageError(
+                    f"{key}.name: a generator family is named after its generator ({generator!r}), not {name!r}"
+                )
             extra = [k for k in ("files", "level_edges") if family.get(k)]
             if extra:
-                raise StageError(f"{key}.{extra[0]}: a generator family ({generator}) reads no files")
+                raise StageError(
+                    f"{key}.{extra[0]}: a generator family ({generator}) reads no files"
+                )
         elif "files" not in family:
-            raise StageError(f"{key}: expected files (your problems) or generator (a built-in family)")
+            raise StageError(
+                f"{key}: expected files (your problems) or generator (a built-in family)"
+            )
         elif name in FAMILIES:
-            raise StageError(f"{key}.name: {name!r} is a built-in family's name; name your family otherwise")
+            raise StageError(
+                f"{key}.name: {name!r} is a built-in family's name; name your family otherwise"
+            )
         for j, reward in enumerate(family["rewards"] or ()):
             kinds = [k for k in ("verifier", "function") if k in reward]
             if len(kinds) != 1:
@@ -290,7 +310,9 @@ def _check_family_names(config: Mapping[str, Any], source: str) -> None:
                 raise StageError(f"{source}: {key}: unknown family {name!r} (known: {', '.join(known)}; "
                                  "your own go in tasks.families)")  # fmt: skip
             if key == "grpo.replay.families" and name in curriculum:
-                raise StageError(f"{source}: {key}: {name!r} is in grpo.curriculum.families; replay is for the others")
+                raise StageError(
+                    f"{source}: {key}: {name!r} is in grpo.curriculum.families; replay is for the others"
+                )
 
 
 def validate_section(name: str, section: Any) -> dict[str, Any]:

@@ -54,8 +54,14 @@ def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: 
         for family in families:
             for level in (lv for lv in levels if lv <= get_family(family).max_level):
                 batch = heldout(family, level, n, seed=seed)
-                scores = greedy_scores(model, judge, batch, max_new_tokens=lengths[1], chunk_size=64)
-                out[(family, level)] = (sum(scores) / len(scores), len(batch), len({p.key for p in batch}))
+                scores = greedy_scores(
+                    model, judge, batch, max_new_tokens=lengths[1], chunk_size=64
+                )
+                out[(family, level)] = (
+                    sum(scores) / len(scores),
+                    len(batch),
+                    len({p.key for p in batch}),
+                )
     return out
 
 
@@ -86,14 +92,16 @@ def report(results: Scores, baseline: Scores | None, n: int, level: int,
 def _table(doc: dict[str, Any]) -> list[str]:
     """The printed lines; without a baseline the accuracy is the last column."""
     if "gain" not in doc:
-        lines = [
-            f"{'family':<12} {'level':>5} {'problems':>8} {'se':>6} {'accuracy':>9}"
-        ]
+        lines = [f"{'family':<12} {'level':>5} {'problems':>8} {'se':>6} {'accuracy':>9}"]
         for family, levels in doc["accuracy"].items():
             for lv, e in levels.items():
-                lines.append(f"{family:<12} {lv:>5} {e['problems']:>8} {e['se']:>6.3f} {e['accuracy']:>9.3f}")
+                lines.append(
+                    f"{family:<12} {lv:>5} {e['problems']:>8} {e['se']:>6.3f} {e['accuracy']:>9.3f}"
+                )
         return lines
-    lines = [f"{'family':<12} {'level':>5} {'problems':>8} {'baseline':>9} {'model':>7} {'gain':>7} {'se':>6}"]
+    lines = [
+        f"{'family':<12} {'level':>5} {'problems':>8} {'baseline':>9} {'model':>7} {'gain':>7} {'se':>6}"
+    ]
     for family, levels in doc["gain"]["by_family"].items():
         for lv, e in levels.items():
             lines.append(f"{family:<12} {lv:>5} {e['problems']:>8} {e['start']:>9.3f} {e['end']:>7.3f} "
@@ -118,8 +126,14 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline",
         help="a model folder to measure the gain against (e.g. results/tiny/model/pretrain)",
     )
-    parser.add_argument("--config", help="the run's config: its tasks section, families and prompt lengths")
-    parser.add_argument("--families", nargs="+", help="default: every family the config names (without one: the built-in families)")
+    parser.add_argument(
+        "--config", help="the run's config: its tasks section, families and prompt lengths"
+    )
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        help="default: every family the config names (without one: the built-in families)",
+    )
     parser.add_argument("--levels", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--problems", type=int, default=problems_for(),
                         help="held-out problems per family and level (default: one se <= 0.03)")  # fmt: skip
@@ -131,7 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.config:
             config = stconfig.load(args.config)
-            named, curriculum, tasks_section = _named_families(config), config["grpo"]["curriculum"]["families"], config["tasks"]
+            named, curriculum, tasks_section = (
+                _named_families(config),
+                config["grpo"]["curriculum"]["families"],
+                config["tasks"],
+            )
             lengths = (config["grpo"]["max_prompt_len"], config["grpo"]["max_new_tokens"])
         tasks = load_tasks(tasks_section)
     except StageError as err:
@@ -152,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
         results = accuracy(args.model, families, args.levels, args.problems, args.seed, **measure)
         baseline = None
         if args.baseline:
-            baseline = accuracy(args.baseline, families, args.levels, args.problems, args.seed, **measure)
+            baseline = accuracy(
+                args.baseline, families, args.levels, args.problems, args.seed, **measure
+            )
     except StageError as err:  # a reward function that fails
         sys.exit(f"error: {err}")
     doc = report(results, baseline, args.problems, level=min(args.levels), curriculum=curriculum)

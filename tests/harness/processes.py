@@ -45,7 +45,9 @@ def holder_ranks(lock: Path, run: Future, timeout: float = 300) -> list[int]:
     )
 
 
-def second_run_while_first_holds(launch: Callable[[], Any], lock: Path) -> tuple[Any, Any, list[int]]:
+def second_run_while_first_holds(
+    launch: Callable[[], Any], lock: Path
+) -> tuple[Any, Any, list[int]]:
     """(the first run's result, the second's, the first's ranks): the first run's ranks are
     stopped (SIGSTOP) while its rank 0 holds `lock`, so the second certainly starts while the
     first is mid-run, whatever the machine's load; then the first goes on to its end."""

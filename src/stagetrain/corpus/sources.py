@@ -54,7 +54,9 @@ def generated(cfg: Mapping[str, Any], seed: int, tasks: TaskSet) -> Source:
     to max_level, then a problem of the split."""
     unknown = [f for f in cfg["families"] if f not in tasks.families]
     if unknown:  # the config check names them first; a stage run on a section alone lands here
-        raise StageError(f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(tasks.families)})")
+        raise StageError(
+            f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(tasks.families)})"
+        )
     families = {name: tasks.families[name].family for name in cfg["families"]}
     record = {"kind": "generated", **cfg, "tasks": tasks.record()}
 

@@ -129,20 +129,38 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     for _ in range(cfg.passes):
         loss_value, kl_sum = 0.0, 0.0
         for k, chunk in enumerate(chunks):
-            logprobs, mask = token_logprobs(engine, [items[i] for i in chunk], run.device, pad, **policy)
-            kept = mask * torch.tensor([float(keep[i]) for i in chunk], device=mask.device).unsqueeze(1)
-            adv = _token_rows([advs[i] for i in chunk], [items[i] for i in chunk], mask.shape[1]).to(mask.device)
+            logprobs, mask = token_logprobs(
+                engine, [items[i] for i in chunk], run.device, pad, **policy
+            )
+            kept = mask * torch.tensor(
+                [float(keep[i]) for i in chunk], device=mask.device
+            ).unsqueeze(1)
+            adv = _token_rows(
+                [advs[i] for i in chunk], [items[i] for i in chunk], mask.shape[1]
+            ).to(mask.device)
             correction = None
             if cfg.sampler_correction is not None:
                 correction = truncated_importance(old[k], sampler[k], cfg.sampler_correction.cap)
-            common = {"eps_low": cfg.clip_eps_low, "eps_high": cfg.clip_eps_high,
-                      "loss_type": cfg.loss_type, "max_length": cfg.max_new_tokens}
-            loss, stats = grpo_loss(logprobs, old[k], None, adv, kept, beta=0.0,
-                                    token_weights=correction, **common)
+            common = {
+                "eps_low": cfg.clip_eps_low,
+                "eps_high": cfg.clip_eps_high,
+                "loss_type": cfg.loss_type,
+                "max_length": cfg.max_new_tokens,
+            }
+            loss, stats = grpo_loss(
+                logprobs, old[k], None, adv, kept, beta=0.0, token_weights=correction, **common
+            )
             total = loss * weights[k]
             if kl_weights is not None:
-                kl, kl_stats = grpo_loss(logprobs, old[k], ref[k], torch.zeros_like(adv), mask,
-                                         beta=cfg.kl_coef, **common)
+                kl, kl_stats = grpo_loss(
+                    logprobs,
+                    old[k],
+                    ref[k],
+                    torch.zeros_like(adv),
+                    mask,
+                    beta=cfg.kl_coef,
+                    **common,
+                )
                 total = total + kl * kl_weights[k]
                 kl_sum += kl_stats.kl_mean * kl_stats.tokens
             # DeepSpeed divides by grad_accum and averages over dp: both undone, so the
@@ -444,7 +462,9 @@ def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("reward / accuracy")
     acc = summary["accuracy"]
-    ax.set_title(f"grpo: held-out accuracy {acc['start']:.2f} -> {acc['end']:.2f} (mean of families)")
+    ax.set_title(
+        f"grpo: held-out accuracy {acc['start']:.2f} -> {acc['end']:.2f} (mean of families)"
+    )
     handles, labels = ax.get_legend_handles_labels()
     twin_handles, twin_labels = twin.get_legend_handles_labels()
     ax.legend(handles + twin_handles, labels + twin_labels, fontsize="small")

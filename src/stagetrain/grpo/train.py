@@ -203,7 +203,9 @@ def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> Replay | None:
     if families is None:
         families = tuple(f for f in corpus if f not in cfg.curriculum.families)
     if not families:  # the names themselves were checked with the config
-        raise StageError("grpo.replay.share: > 0, but no family to replay (the curriculum has every corpus family)")
+        raise StageError(
+            "grpo.replay.share: > 0, but no family to replay (the curriculum has every corpus family)"
+        )
     return Replay(cfg.replay.share, {f: corpus.get(f, 1) for f in families})
 
 

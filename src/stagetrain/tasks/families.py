@@ -91,7 +91,9 @@ def data_part(tasks: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of `tasks` that decide the problems (not the rewards or prompt rendering): what
     the corpus stage reads, so that editing a reward reruns GRPO and nothing upstream."""
     keep = ("name", "generator", "files", "columns", "level_edges")
-    return {"families": [{k: v for k, v in f.items() if k in keep} for f in tasks.get("families", [])]}
+    return {
+        "families": [{k: v for k, v in f.items() if k in keep} for f in tasks.get("families", [])]
+    }
 
 
 def reward_digests(tasks: Mapping[str, Any]) -> dict[str, str]:
@@ -104,7 +106,9 @@ def reward_digests(tasks: Mapping[str, Any]) -> dict[str, str]:
         try:
             out[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         except OSError as err:
-            raise StageError(f"{KEY}: reward file {path}: cannot read ({err.strerror or err})") from None
+            raise StageError(
+                f"{KEY}: reward file {path}: cannot read ({err.strerror or err})"
+            ) from None
     return out
 
 
@@ -138,7 +142,9 @@ def hub_name(entry: Mapping[str, Any]) -> str:
     return f"{entry['repo']}/{entry['file']}@{entry.get('revision', 'main')}"
 
 
-def _resolved(entry: Mapping[str, Any], key: str, pins: Mapping[str, str]) -> list[tuple[str, str, dict[str, Any]]]:
+def _resolved(
+    entry: Mapping[str, Any], key: str, pins: Mapping[str, str]
+) -> list[tuple[str, str, dict[str, Any]]]:
     """(path to read, name for messages, record) of each file of the family, in config order
     (a glob's matches sorted)."""
     out = []
@@ -159,7 +165,9 @@ def _resolved(entry: Mapping[str, Any], key: str, pins: Mapping[str, str]) -> li
     return out
 
 
-def _file_family(entry: Mapping[str, Any], key: str, pins: Mapping[str, str]) -> tuple[Family, dict[str, Any]]:
+def _file_family(
+    entry: Mapping[str, Any], key: str, pins: Mapping[str, str]
+) -> tuple[Family, dict[str, Any]]:
     columns = entry["columns"]
     by_key: dict[str, str] = {}
     pool: dict[tuple[int, str], list[Problem]] = {}
@@ -168,7 +176,9 @@ def _file_family(entry: Mapping[str, Any], key: str, pins: Mapping[str, str]) ->
         for where, row in read_rows(path, shown):
             problem = _problem(entry, key, columns, where, row)
             if problem.key in by_key:
-                raise StageError(f"{where}: {key} ({entry['name']}): duplicate prompt, first given at {by_key[problem.key]}")
+                raise StageError(
+                    f"{where}: {key} ({entry['name']}): duplicate prompt, first given at {by_key[problem.key]}"
+                )
             by_key[problem.key] = where
             pool.setdefault((problem.level, split_of(problem.key)), []).append(problem)
     if not by_key:
@@ -185,14 +195,25 @@ def _file_family(entry: Mapping[str, Any], key: str, pins: Mapping[str, str]) ->
             raise StageError(f"{key} ({entry['name']}): level {level} has {shown}; each level needs at least 1 train, "
                              f"{MIN_VALIDATION} validation and {MIN_HELD_OUT} held-out (test) problems: add problems "
                              "or merge levels (level_edges)")  # fmt: skip
-    log.info("task family %s: %d problems at levels 1-%d from %d files", entry["name"], len(by_key), top, len(files))
-    record = {"files": [r for _, _, r in files], "problems": {str(lv): c for lv, c in counts.items()}}
+    log.info(
+        "task family %s: %d problems at levels 1-%d from %d files",
+        entry["name"],
+        len(by_key),
+        top,
+        len(files),
+    )
+    record = {
+        "files": [r for _, _, r in files],
+        "problems": {str(lv): c for lv, c in counts.items()},
+    }
     return Family(name=entry["name"], max_level=top, pool=pool), record
 
 
 def _column(row: Mapping[str, Any], where: str, key: str, role: str, column: str) -> Any:
     if column not in row:
-        raise StageError(f"{where}: no column {column!r} ({key}.columns.{role}); the row has: {', '.join(map(str, row)) or 'no column'}")
+        raise StageError(
+            f"{where}: no column {column!r} ({key}.columns.{role}); the row has: {', '.join(map(str, row)) or 'no column'}"
+        )
     return row[column]
 
 
@@ -205,7 +226,9 @@ def _text(value: Any, where: str, column: str, *, numbers: bool = False) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:  # JSON's "\ud800": a lone surrogate, no character at all
-        raise StageError(f"{where}: column {column!r} holds a lone surrogate ({value[err.start]!r} at character {err.start}), not text") from None
+        raise StageError(
+            f"{where}: column {column!r} holds a lone surrogate ({value[err.start]!r} at character {err.start}), not text"
+        ) from None
     return value
 
 
@@ -220,21 +243,45 @@ def _level(value: Any, edges: Sequence[float] | None, where: str, column: str) -
     return value
 
 
-def _problem(entry: Mapping[str, Any], key: str, columns: Mapping[str, Any], where: str, row: Mapping[str, Any]) -> Problem:
-    question = _text(_column(row, where, key, "prompt", columns["prompt"]), where, columns["prompt"])
-    answer = _text(_column(row, where, key, "answer", columns["answer"]), where, columns["answer"], numbers=True)
+def _problem(
+    entry: Mapping[str, Any],
+    key: str,
+    columns: Mapping[str, Any],
+    where: str,
+    row: Mapping[str, Any],
+) -> Problem:
+    question = _text(
+        _column(row, where, key, "prompt", columns["prompt"]), where, columns["prompt"]
+    )
+    answer = _text(
+        _column(row, where, key, "answer", columns["answer"]),
+        where,
+        columns["answer"],
+        numbers=True,
+    )
     level = 1
     if columns.get("level"):
-        level = _level(_column(row, where, key, "level", columns["level"]), entry.get("level_edges"), where, columns["level"])
+        level = _level(
+            _column(row, where, key, "level", columns["level"]),
+            entry.get("level_edges"),
+            where,
+            columns["level"],
+        )
     solution = answer
     if columns.get("solution"):
-        solution = _text(_column(row, where, key, "solution", columns["solution"]), where, columns["solution"])
+        solution = _text(
+            _column(row, where, key, "solution", columns["solution"]), where, columns["solution"]
+        )
     size = len(question) + len(answer) + len(solution)
     if size > MAX_ROW_CHARACTERS:
-        raise StageError(f"{where}: a row of {size:,} characters; a task row holds at most {MAX_ROW_CHARACTERS:,}")
+        raise StageError(
+            f"{where}: a row of {size:,} characters; a task row holds at most {MAX_ROW_CHARACTERS:,}"
+        )
     for marker in CONTROL_TOKENS:
         if marker in question or marker in answer or marker in solution:
-            raise StageError(f"{where}: prompt, answer and solution must not contain the control token {marker!r}")
+            raise StageError(
+                f"{where}: prompt, answer and solution must not contain the control token {marker!r}"
+            )
     mapped = {c for c in columns.values() if c}
     extra = {c: v for c, v in row.items() if c not in mapped}
     for name in extra:

@@ -38,7 +38,10 @@ def read_rows(path: str | Path, shown: str | None = None) -> Iterator[tuple[str,
     if kind == ".parquet":
         yield from _parquet_rows(path, shown)
         return
-    corrupt: tuple[type[Exception], ...] = (OSError, EOFError)  # a truncated .gz, an unreadable file
+    corrupt: tuple[type[Exception], ...] = (
+        OSError,
+        EOFError,
+    )  # a truncated .gz, an unreadable file
     if kind == ".jsonl.zst":
         import zstandard
 
@@ -47,7 +50,9 @@ def read_rows(path: str | Path, shown: str | None = None) -> Iterator[tuple[str,
         with _opened(path, kind) as handle:
             yield from _json_lines(handle, shown)
     except corrupt as err:
-        raise StageError(f"{shown}: cannot read ({getattr(err, 'strerror', None) or err})") from None
+        raise StageError(
+            f"{shown}: cannot read ({getattr(err, 'strerror', None) or err})"
+        ) from None
 
 
 def _opened(path: Path, kind: str) -> IO[bytes]:
@@ -80,4 +85,6 @@ def _parquet_rows(path: Path, shown: str) -> Iterator[tuple[str, dict[str, Any]]
                 number += 1
                 yield f"{shown}:row {number}", row
     except pyarrow.ArrowException as err:
-        raise StageError(f"{shown}: not a readable parquet file ({str(err).splitlines()[0]})") from None
+        raise StageError(
+            f"{shown}: not a readable parquet file ({str(err).splitlines()[0]})"
+        ) from None

@@ -27,14 +27,18 @@ class Judge:
         """The prompt's token ids as the model is given them."""
         return self.prompter.ids(problem)
 
-    def rewards(self, problems: Sequence[Problem], completions: Sequence[Sequence[int]]) -> list[float]:
+    def rewards(
+        self, problems: Sequence[Problem], completions: Sequence[Sequence[int]]
+    ) -> list[float]:
         """The weighted reward of each completion (token ids) of its problem; each family's
         rows are scored in one call of each of its reward functions."""
         decoded = [self.prompter.completion(ids) for ids in completions]
         out = [0.0] * len(problems)
         for family in dict.fromkeys(p.family for p in problems):
             rows = [i for i, p in enumerate(problems) if p.family == family]
-            scores = weighted(self.tasks.rewards(family), [problems[i] for i in rows], [decoded[i] for i in rows])
+            scores = weighted(
+                self.tasks.rewards(family), [problems[i] for i in rows], [decoded[i] for i in rows]
+            )
             for i, value in zip(rows, scores, strict=True):
                 out[i] = value
         return out

@@ -33,7 +33,9 @@ class Prompter:
         """The whole rendered prompt."""
         if self.chat:
             rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": problem.question}], add_generation_prompt=True, tokenize=True
+                [{"role": "user", "content": problem.question}],
+                add_generation_prompt=True,
+                tokenize=True,
             )
             return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
         return self.tokenizer(prompt(problem), add_special_tokens=False)["input_ids"]

@@ -111,14 +111,28 @@ def check_function(spec: str, key: str) -> str:
         raise StageError(f"config: {key}: no such reward file {path!r}") from None
     except (OSError, SyntaxError, ValueError) as err:
         line = f" line {err.lineno}" if isinstance(err, SyntaxError) else ""
-        raise StageError(f"config: {key}: cannot read reward file {path!r}{line} ({getattr(err, 'msg', err)})") from None
+        raise StageError(
+            f"config: {key}: cannot read reward file {path!r}{line} ({getattr(err, 'msg', err)})"
+        ) from None
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
-    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-    defined |= {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)
-                for a in n.names}  # a function imported from elsewhere: `from mylib import score`
+    defined |= {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    defined |= {
+        (a.asname or a.name).split(".")[0]
+        for n in tree.body
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }  # a function imported from elsewhere: `from mylib import score`
     if name not in defined:
         shown = ", ".join(sorted(defined)) or "none"
-        raise StageError(f"config: {key}: {path} defines no function {name!r} (its top-level names: {shown})")
+        raise StageError(
+            f"config: {key}: {path} defines no function {name!r} (its top-level names: {shown})"
+        )
     return path
 
 
@@ -176,7 +190,9 @@ def _row(problem: Problem) -> str:
     return f"row{where} with prompt {problem.question[:60]!r}"
 
 
-def _call(reward: Reward, problems: Sequence[Problem], completions: Sequence[Completion]) -> list[Any]:
+def _call(
+    reward: Reward, problems: Sequence[Problem], completions: Sequence[Completion]
+) -> list[Any]:
     columns = sorted({c for p in problems for c in p.columns})
     kwargs = {
         "answer": [p.answer for p in problems], "level": [p.level for p in problems],
@@ -187,10 +203,14 @@ def _call(reward: Reward, problems: Sequence[Problem], completions: Sequence[Com
     return reward.function([p.question for p in problems], [c.text for c in completions], **kwargs)
 
 
-def values(reward: Reward, problems: Sequence[Problem], completions: Sequence[Completion]) -> list[float | None]:
+def values(
+    reward: Reward, problems: Sequence[Problem], completions: Sequence[Completion]
+) -> list[float | None]:
     """One term's value of each row: a verifier's, or the user function's, checked."""
     if reward.verifier is not None:
-        return [VERIFIERS[reward.verifier](c, p) for c, p in zip(completions, problems, strict=True)]
+        return [
+            VERIFIERS[reward.verifier](c, p) for c, p in zip(completions, problems, strict=True)
+        ]
     try:
         out = _call(reward, problems, completions)
     except Exception as err:
@@ -198,23 +218,35 @@ def values(reward: Reward, problems: Sequence[Problem], completions: Sequence[Co
             try:
                 _call(reward, problems[i : i + 1], completions[i : i + 1])
             except Exception as row_err:
-                raise StageError(f"reward {reward.label}: raised {_one_line(row_err)} on the {_row(problems[i])}") from None
-        raise StageError(f"reward {reward.label}: raised {_one_line(err)} on a batch of {len(problems)} rows") from None
+                raise StageError(
+                    f"reward {reward.label}: raised {_one_line(row_err)} on the {_row(problems[i])}"
+                ) from None
+        raise StageError(
+            f"reward {reward.label}: raised {_one_line(err)} on a batch of {len(problems)} rows"
+        ) from None
     try:
         out = list(out)
     except TypeError:
-        raise StageError(f"reward {reward.label}: returned {type(out).__name__}, expected a list of floats or None") from None
+        raise StageError(
+            f"reward {reward.label}: returned {type(out).__name__}, expected a list of floats or None"
+        ) from None
     if len(out) != len(problems):
-        raise StageError(f"reward {reward.label}: returned {len(out)} values for {len(problems)} completions")
+        raise StageError(
+            f"reward {reward.label}: returned {len(out)} values for {len(problems)} completions"
+        )
     checked: list[float | None] = []
     for value, problem in zip(out, problems, strict=True):
         if value is not None and (not isinstance(value, numbers.Real) or not math.isfinite(value)):
-            raise StageError(f"reward {reward.label}: returned {value!r} on the {_row(problem)}; expected a finite number or None")
+            raise StageError(
+                f"reward {reward.label}: returned {value!r} on the {_row(problem)}; expected a finite number or None"
+            )
         checked.append(None if value is None else float(value))
     return checked
 
 
-def weighted(rewards: Sequence[Reward], problems: Sequence[Problem], completions: Sequence[Completion]) -> list[float]:
+def weighted(
+    rewards: Sequence[Reward], problems: Sequence[Problem], completions: Sequence[Completion]
+) -> list[float]:
     """sum(weight * value) of each row over the terms that apply to it (0.0 where none does)."""
     total = [0.0] * len(problems)
     for reward in rewards:

@@ -153,7 +153,9 @@ class Checkpoints:
             raise StageError(outcome[1])
         return outcome[1]
 
-    def _loadable(self, point: dict[str, Any] | None, final_step: int | None) -> dict[str, Any] | None:
+    def _loadable(
+        self, point: dict[str, Any] | None, final_step: int | None
+    ) -> dict[str, Any] | None:
         """`point` with the tag folder this run's layout loads (`load_tag`), converted if it must be."""
         if point is None:
             return None
@@ -243,7 +245,9 @@ class Checkpoints:
         after removing what it left: a partial tag is never pointed at, but it would take the
         space the next attempt needs, and it was 8 MB of the tiny model's 16."""
         shutil.rmtree(self.folder / tag, ignore_errors=True)
-        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+        why = (
+            err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+        )
         where = self.folder if self.folder.exists() else self.folder.parent
         free = shutil.disk_usage(where).free if where.exists() else 0
         try:

@@ -160,7 +160,9 @@ def load_pretrained(folder: str) -> PreTrainedModel:
     damaged weight file, or a pickle that would run code, is refused in one line naming it."""
     for path in sorted(Path(folder).glob("*.safetensors")):
         try:
-            with safe_open(path, framework="pt"):  # parses the header: a cut file is "not fully covered"
+            with safe_open(
+                path, framework="pt"
+            ):  # parses the header: a cut file is "not fully covered"
                 pass
         except SafetensorError as err:
             raise StageError(
@@ -169,7 +171,10 @@ def load_pretrained(folder: str) -> PreTrainedModel:
             ) from None
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            folder, trust_remote_code=False, dtype=torch.float32, output_loading_info=True,
+            folder,
+            trust_remote_code=False,
+            dtype=torch.float32,
+            output_loading_info=True,
             ignore_mismatched_sizes=True,  # reported in the loading info, refused below in one line
         )
     except pickle.UnpicklingError as err:

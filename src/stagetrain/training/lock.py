@@ -61,7 +61,9 @@ class StageLock:
             os.fsync(fd)
         except OSError as err:
             os.close(fd)
-            raise StageError(f"{self.path}: cannot record the holder in the lock file ({err.strerror})") from None
+            raise StageError(
+                f"{self.path}: cannot record the holder in the lock file ({err.strerror})"
+            ) from None
         self._fd = fd
 
     def check_free(self) -> None:
@@ -96,7 +98,9 @@ class StageLock:
                     "could write one checkpoint folder; mount it with lock support (Lustre: -o flock) or put "
                     "results/ on a filesystem that has it"
                 ) from None
-            raise StageError(f"{self.path}: cannot lock the lock file (flock: {os.strerror(err.errno)})") from None
+            raise StageError(
+                f"{self.path}: cannot lock the lock file (flock: {os.strerror(err.errno)})"
+            ) from None
         return fd
 
 

@@ -104,7 +104,9 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
     if target.is_dir():
         missing = missing_universal_file(target)
         if missing is None:
-            log.info("%s: reusing the universal checkpoint %s (%s)", change, target.name, _size(target))
+            log.info(
+                "%s: reusing the universal checkpoint %s (%s)", change, target.name, _size(target)
+            )
             return target.name
         # DeepSpeed's loader would stop on it ("exp_avg not found"); the source tag is intact.
         log.warning("%s: the universal checkpoint %s lacks %s: converting %s again",
@@ -290,4 +292,8 @@ def _size(folder: Path) -> str:
 def load_options(pointer: Mapping[str, Any]) -> dict[str, Any]:
     """What `engine.load_checkpoint` needs for `pointer`: the tag folder and whether it is universal."""
     tag = pointer.get("load_tag", pointer["tag"])
-    return {"tag": tag, "universal": tag.endswith(SUFFIX), "module_only": pointer.get("module_only", False)}
+    return {
+        "tag": tag,
+        "universal": tag.endswith(SUFFIX),
+        "module_only": pointer.get("module_only", False),
+    }
