@@ -32,8 +32,10 @@ READMES = (
     "docs/errors.md",
     "docs/development.md",
 )
-# Options after which Snakemake runs no job; any other README command gets -n here.
+# Options after which Snakemake runs no job.
 RUNS_NO_JOB = {"-n", "--dry-run", "--unlock", "--report", "--dag", "--lint"}
+# A command with a workflow profile submits to a cluster: a dry run here. Every other runs as written.
+SUBMITS = "--workflow-profile"
 
 
 def tiny_model_folder(folder: Path) -> Path:
@@ -173,11 +175,12 @@ def readme_commands() -> list[str]:
 
 
 def _as_run_here(command: str) -> str:
-    """The command with our Snakemake, made a dry run unless it runs no job, its pipe kept if the tool exists."""
+    """The command with our Snakemake, made a dry run if it submits to a cluster, its pipe kept
+    if the tool exists."""
     if not command.startswith("snakemake "):
         return command
     words = command.split("|")[0].split()
-    if not RUNS_NO_JOB & set(words):
+    if SUBMITS in words and not RUNS_NO_JOB & set(words):
         words.insert(1, "-n")
     words[0] = SNAKEMAKE
     pipe = command.split("|", 1)[1] if "|" in command else ""
@@ -186,8 +189,10 @@ def _as_run_here(command: str) -> str:
     return shlex.join(words)  # graphviz's dot is not everywhere: the Snakemake half still runs
 
 
-def test_every_readme_command_works_as_written(finished_small_run: Path) -> None:
-    """Run on a finished small run: the recovery and inspection commands need no --cores."""
+def test_every_readme_command_works_as_written(finished_copy: Path) -> None:
+    """Every command runs for real, in order, on a copy of the finished small run (so the
+    recovery and inspection commands need no --cores), except the cluster submissions, which
+    are dry runs. The presets a command trains are shrunk as the default config is."""
     commands = readme_commands()
     for needed in (
         "snakemake --unlock",
@@ -196,11 +201,17 @@ def test_every_readme_command_works_as_written(finished_small_run: Path) -> None
     ):
         assert any(c.startswith(needed) for c in commands), needed
     for command in commands:
-        proc = subprocess.run(["bash", "-c", _as_run_here(command)], cwd=finished_small_run,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        if SUBMITS not in command and not RUNS_NO_JOB & set(command.split()) and " plan" not in command:
+            for preset in re.findall(r"--configfile (\S+)", command):
+                small_run(finished_copy, steps=4, file=preset)
+                small_grpo(finished_copy, file=preset)
+        began = time.monotonic()
+        proc = subprocess.run(["bash", "-c", _as_run_here(command)], cwd=finished_copy,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert (finished_small_run / "report.html").stat().st_size > 10_000
-    report = (finished_small_run / "report.html").read_text()
+        print(f"{time.monotonic() - began:5.1f} s  {command}")
+    assert (finished_copy / "report.html").stat().st_size > 10_000
+    report = (finished_copy / "report.html").read_text()
     for plot in ("pretrain/loss.png", "grpo/reward.png"):
         name = plot.split("/")[1]
         embedded = re.search(
@@ -209,7 +220,7 @@ def test_every_readme_command_works_as_written(finished_small_run: Path) -> None
         assert embedded, f"{plot} is not in the report"
         assert (
             base64.b64decode(embedded.group(1))
-            == (finished_small_run / "results/tiny" / plot).read_bytes()
+            == (finished_copy / "results/tiny" / plot).read_bytes()
         )
 
 

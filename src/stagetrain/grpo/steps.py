@@ -82,10 +82,21 @@ def token_logprobs(
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
     scores = policy_scores(logits, temperature, top_p, keep=targets)
     logprobs = scores.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    mask = torch.zeros_like(logprobs)
+    return logprobs, completion_mask(items, width, logprobs.device)
+
+
+def _width(items: Sequence[tuple[list[int], list[int]]]) -> int:
+    return max(len(p) + len(c) for p, c in items)
+
+
+def completion_mask(
+    items: Sequence[tuple[list[int], list[int]]], width: int, device: torch.device
+) -> torch.Tensor:
+    """1 at each completion token's column of `token_logprobs`' (B, width - 1) rows, else 0."""
+    mask = torch.zeros((len(items), width - 1), device=device)
     for row, (p, c) in enumerate(items):
         mask[row, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
-    return logprobs, mask
+    return mask
 
 
 def _token_rows(
@@ -117,7 +128,6 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     chunks = np.array_split(np.arange(len(items)), ga)
     old, masks, ref, sampler = _before_update(run, [[items[i] for i in c] for c in chunks],
                                               [[drawn[i] for i in c] for c in chunks])  # fmt: skip
-    gap = sampler_gap(run, old, sampler, masks)
     advs = [a for g in groups for a in g.advantages]
     weights = _weights(run, chunks, keep, items)
     # The KL term holds every sampled completion to the reference, groups without reward
@@ -125,13 +135,15 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     # already knows, and the KL is what keeps it (normalised over all completions).
     kl_weights = _weights(run, chunks, [True] * len(items), items) if ref else None
     completion_tokens = _dp_sum(run, float(sum(len(c) for _, c in items))) if ref else 0.0
-    loss_value, stats, kl_mean = 0.0, None, None
+    loss_value, stats, kl_mean, gap = 0.0, None, None, None
     for _ in range(cfg.passes):
         loss_value, kl_sum = 0.0, 0.0
         for k, chunk in enumerate(chunks):
             logprobs, mask = token_logprobs(
                 engine, [items[i] for i in chunk], run.device, pad, **policy
             )
+            if old[k] is None:  # the first pass runs at the weights the rollouts sampled with
+                old[k] = logprobs.detach()
             kept = mask * torch.tensor(
                 [float(keep[i]) for i in chunk], device=mask.device
             ).unsqueeze(1)
@@ -168,6 +180,8 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             engine.backward(total * ga * run.layout.dp)
             engine.step()
             loss_value += float(total.detach())
+        if gap is None:
+            gap = sampler_gap(run, old, sampler, masks)
         if kl_weights is not None:
             kl_mean = _dp_sum(run, kl_sum) / max(completion_tokens, 1.0)
     return _dp_sum(run, loss_value), {"clip_ratio/low_mean": stats.clip_ratio_low,
@@ -179,12 +193,19 @@ def _before_update(
     run: Run, items: list[list[tuple[list[int], list[int]]]], drawn: list[list[list[float]]]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]:
     """Per micro batch, before the step's first update: the policy's log-probs ("old") and
-    completion masks, the reference's log-probs (None without one) and the sampler's, as rows."""
+    completion masks, the reference's log-probs (None without one) and the sampler's, as rows.
+
+    With one pass, "old" is left None for `train_on` to fill with its first forward's log-probs,
+    detached: the weights change only at the end of that pass's accumulation, so every micro
+    batch of it runs at the weights that sampled, and a forward of its own would compute the
+    same values again (a third of the step's forwards; TRL skips it alike)."""
     policy = {"temperature": run.cfg.temperature, "top_p": run.cfg.top_p}
     pad = run.tokenizer.pad_token_id
     with torch.no_grad():
-        old, masks = map(list, zip(*[token_logprobs(run.engine, c, run.device, pad, **policy) for c in items],
-                                   strict=True))  # fmt: skip
+        masks = [completion_mask(c, _width(c), run.device) for c in items]
+        old: list[torch.Tensor | None] = [None] * len(items)
+        if run.cfg.passes > 1:
+            old = [token_logprobs(run.engine, c, run.device, pad, **policy)[0] for c in items]
         ref = None
         if run.reference:
             ref = [token_logprobs(run.reference, c, run.device, pad, **policy)[0] for c in items]
