@@ -47,7 +47,7 @@ MUTANTS = (
            "scores = logits.float()",
            ("tests/test_grpo_sampling.py::test_the_trainer_scores_the_tokens_as_the_sampler_drew_them",)),
     Mutant("global-normaliser", "GRPO's loss is normalised over the global batch (a dp change resumes)",
-           "src/stagetrain/grpo/steps.py", "total = _dp_sum(run, sum(sizes))", "total = sum(sizes)",
+           "src/stagetrain/grpo/steps.py", "_dp_sums(\n        run, [sum(sizes), sum(kl_sizes), tokens]\n    )", "[sum(sizes), sum(kl_sizes), tokens]",
            ("tests/test_grpo_math.py::test_train_on_makes_the_global_batchs_update_however_dp_and_accumulation_cut_it",)),
     Mutant("global-sampling-key", "a prompt's completions are keyed by its global index, not its rank's",
            "src/stagetrain/grpo/steps.py", "(run.spec[\"seed\"], step_no, first + i)", "(run.spec[\"seed\"], step_no, i)",

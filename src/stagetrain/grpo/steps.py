@@ -129,12 +129,17 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     old, masks, ref, sampler = _before_update(run, [[items[i] for i in c] for c in chunks],
                                               [[drawn[i] for i in c] for c in chunks])  # fmt: skip
     advs = [a for g in groups for a in g.advantages]
-    weights = _weights(run, chunks, keep, items)
     # The KL term holds every sampled completion to the reference, groups without reward
     # variance included: their policy gradient is zero, but they are most of what the policy
     # already knows, and the KL is what keeps it (normalised over all completions).
-    kl_weights = _weights(run, chunks, [True] * len(items), items) if ref else None
-    completion_tokens = _dp_sum(run, float(sum(len(c) for _, c in items))) if ref else 0.0
+    sizes = normaliser_sizes(chunks, keep, items, cfg.loss_type)
+    kl_sizes = normaliser_sizes(chunks, [True] * len(items), items, cfg.loss_type) if ref else []
+    tokens = float(sum(len(c) for _, c in items)) if ref else 0.0
+    normaliser, kl_normaliser, completion_tokens = _dp_sums(
+        run, [sum(sizes), sum(kl_sizes), tokens]
+    )
+    weights = _shares(sizes, normaliser)
+    kl_weights = _shares(kl_sizes, kl_normaliser) if ref else None
     loss_value, stats, kl_mean, gap = 0.0, None, None, None
     for _ in range(cfg.passes):
         loss_value, kl_sum = 0.0, 0.0
@@ -181,12 +186,15 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             engine.step()
             loss_value += float(total.detach())
         if gap is None:
-            gap = sampler_gap(run, old, sampler, masks)
-        if kl_weights is not None:
-            kl_mean = _dp_sum(run, kl_sum) / max(completion_tokens, 1.0)
-    return _dp_sum(run, loss_value), {"clip_ratio/low_mean": stats.clip_ratio_low,
-                                      "clip_ratio/high_mean": stats.clip_ratio_high, "kl": kl_mean,
-                                      **gap}  # fmt: skip
+            gap = [gap_sums(t, s, m) for t, s, m in zip(old, sampler, masks, strict=True)]
+    # One all-reduce for every sum the step logs: each collective waits for the slower rank.
+    loss_value, kl_sum, *sums = _dp_sums(
+        run, [loss_value, kl_sum, *(sum(p[i] for p in gap) for i in (0, 2, 3))]
+    )
+    kl_mean = kl_sum / max(completion_tokens, 1.0) if kl_weights is not None else None
+    return loss_value, {"clip_ratio/low_mean": stats.clip_ratio_low,
+                        "clip_ratio/high_mean": stats.clip_ratio_high, "kl": kl_mean,
+                        **sampler_gap(run, gap, sums)}  # fmt: skip
 
 
 def _before_update(
@@ -237,15 +245,12 @@ def gap_sums(
 
 
 def sampler_gap(
-    run: Run,
-    trainer: Sequence[torch.Tensor],
-    sampler: Sequence[torch.Tensor],
-    masks: Sequence[torch.Tensor],
+    run: Run, parts: Sequence[tuple[float, float, float, int]], sums: Sequence[float]
 ) -> dict[str, float]:
     """The step's sampler-trainer gap over every rank's completion tokens: mean and max of
-    |log-prob difference| and the mean k3 KL (`gap_sums`)."""
-    parts = [gap_sums(t, s, m) for t, s, m in zip(trainer, sampler, masks, strict=True)]
-    total, kl, tokens = (_dp_sum(run, sum(p[i] for p in parts)) for i in (0, 2, 3))
+    |log-prob difference| and the mean k3 KL, from this rank's `gap_sums` per micro batch and
+    their |difference|, k3 and token sums over every rank."""
+    total, kl, tokens = sums
     top = torch.tensor(max((p[1] for p in parts), default=0.0), dtype=torch.float64)
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     return {
@@ -255,12 +260,10 @@ def sampler_gap(
     }
 
 
-def _weights(run: Run, chunks: list[np.ndarray], keep: list[bool],
-             items: Sequence[tuple[list[int], list[int]]]) -> list[float]:  # fmt: skip
-    """Each micro batch's share of the global batch's normaliser (`normaliser_sizes`, summed over
-    all dp ranks)."""
-    sizes = normaliser_sizes(chunks, keep, items, run.cfg.loss_type)
-    total = _dp_sum(run, sum(sizes))
+def _shares(sizes: Sequence[float], total: float) -> list[float]:
+    """Each micro batch's share of the global batch's normaliser: its `normaliser_sizes` over
+    their sum on every dp rank (so the update does not depend on how dp and accumulation cut
+    the batch)."""
     return [s / total if total else 0.0 for s in sizes]
 
 
@@ -427,12 +430,12 @@ def step(
     return record
 
 
-def _dp_sum(run: Run, value: float) -> float:
-    """The sum of `value` over the data-parallel ranks (the ranks of a tensor-parallel group
-    hold the same rows, so each dp rank counts once)."""
-    tensor = torch.tensor(value, dtype=torch.float64)
+def _dp_sums(run: Run, values: Sequence[float]) -> list[float]:
+    """The sums of `values` over the data-parallel ranks, in one all-reduce (the ranks of a
+    tensor-parallel group hold the same rows, so each dp rank counts once)."""
+    tensor = torch.tensor(list(values), dtype=torch.float64)
     dist.all_reduce(tensor)
-    return tensor.item() / run.layout.tp
+    return [v / run.layout.tp for v in tensor.tolist()]
 
 
 def _dp_max(value: int) -> int:
