@@ -508,7 +508,7 @@ def test_a_generated_familys_prompts_longer_than_max_prompt_len_stop_grpo_before
     with pytest.raises(StageError) as err:
         check_families(judge, {"comparison": 3})
     assert re.fullmatch(r"comparison level 3: its prompt is \d+ tokens, more than grpo.max_prompt_len \(30\); "
-                        r"raise it or shorten the prompt", str(err.value))  # fmt: skip
+                        r"raise it or keep the curriculum below level 3 \(grpo.curriculum.max_level\)", str(err.value))  # fmt: skip
     long = next(p for p in (sample("comparison", 3, "train", random.Random(i)) for i in range(99))
                 if len(judge.prompter.full(p)) > 30)  # fmt: skip
     with pytest.raises(StageError, match="more than grpo.max_prompt_len"):

@@ -46,9 +46,12 @@ class Prompter:
         cut to six tokens was " 272?"). `check_lengths` runs first, before any step."""
         ids = self.full(problem)
         if len(ids) > self.limit:
-            where = problem.origin or f"{problem.family} level {problem.level}"
+            where, fix = problem.origin, "shorten the prompt"
+            if not where:  # a generated problem: its level decides its length
+                where = f"{problem.family} level {problem.level}"
+                fix = f"keep the curriculum below level {problem.level} (grpo.curriculum.max_level)"
             raise StageError(f"{where}: its prompt is {len(ids)} tokens{' with the chat template' if self.chat else ''}, "
-                             f"more than grpo.max_prompt_len ({self.limit}); raise it or shorten the prompt")  # fmt: skip
+                             f"more than grpo.max_prompt_len ({self.limit}); raise it or {fix}")  # fmt: skip
         return ids
 
     def check_lengths(self, problems: Sequence[Problem]) -> None:
