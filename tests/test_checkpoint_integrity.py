@@ -271,3 +271,14 @@ def test_a_checkpoint_folder_that_cannot_be_written_is_one_line_before_anything_
         ckpt.hold()
     assert str(err.value) == (f"{ckpt.folder}: cannot write the stage's checkpoints here (File exists); "
                               "make it writable, or free space, then rerun")  # fmt: skip
+
+
+def test_a_peer_gone_mid_save_is_not_called_a_write_failure(tmp_path: Path) -> None:
+    """A RuntimeError that is not torch.save's writer (gloo's, when another rank dies) keeps its
+    own report: the launcher names the rank that died, not a full disk."""
+    ckpt = saved(tmp_path, [2])
+    gone = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    )
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        ckpt.save(FullDiskEngine(ZERO2, gone), 4, {"step": 4})

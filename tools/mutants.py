@@ -161,7 +161,7 @@ MUTANTS = (
            "workflow/rules/common.smk", "    if REPORT_ONLY and not Path(path).exists():", "    if False:",
            ("tests/test_commands.py::test_a_report_after_a_run_that_stopped_before_grpo_shows_what_exists",)),
     Mutant("lock-before-outputs", "a second run is refused before Snakemake deletes the live run's log",
-           "workflow/rules/common.smk", '        refuse_while_running(Path(RUN) / "checkpoints", TRAINING_STAGES)', "        pass",
+           "workflow/rules/common.smk", '        refuse_while_running(Path(RUN).resolve() / "checkpoints", TRAINING_STAGES)', "        pass",
            ("tests/test_lifecycle.py::test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_snakemake",)),
 )  # fmt: skip
 

@@ -54,7 +54,7 @@ wildcard_constraints:
 # own lock could refuse it. Runs only when jobs are to run (not on -n).
 onstart:
     try:
-        refuse_while_running(Path(RUN) / "checkpoints", TRAINING_STAGES)
+        refuse_while_running(Path(RUN).resolve() / "checkpoints", TRAINING_STAGES)
     except StageError as _err:
         sys.exit(f"error: {_err}")
 

@@ -210,8 +210,14 @@ class Checkpoints:
             engine.save_checkpoint(
                 str(self.folder), tag=tag, client_state=dict(client_state), save_latest=False
             )
-        # torch.save reports a full disk as a RuntimeError ("unexpected pos 576 vs 534").
-        except (OSError, RuntimeError) as err:
+        except OSError as err:
+            raise self._failed(tag, err) from None
+        except RuntimeError as err:
+            # torch.save reports a full disk as its zip writer's error ("[enforce fail at
+            # inline_container.cc:672] . unexpected pos 576 vs 534"); any other RuntimeError
+            # (a peer rank gone mid-save) is not a write failure and keeps its own report.
+            if "inline_container" not in str(err) and "PytorchStreamWriter" not in str(err):
+                raise
             raise self._failed(tag, err) from None
         if dist.is_initialized():
             dist.barrier()
