@@ -34,6 +34,31 @@ ZERO2_DP1 = {"dp": 1, "tp": 1, "zero_stage": 2}
 )
 def test_which_changes_convert(old: dict, new: dict, how: str) -> None:
     assert reshard.plan(old, new) == how
+    assert reshard.plan(old, new, final=True) == how  # a final checkpoint that converts, converts
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"dp": 2, "tp": 1, "zero_stage": 0}, ZERO2_DP1),
+        (ZERO2, {"dp": 1, "tp": 1, "zero_stage": 0}),
+    ],
+)
+def test_a_final_checkpoint_no_format_carries_loads_its_weights_alone(old: dict, new: dict) -> None:
+    assert reshard.plan(old, new, final=True) == "weights"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [({"dp": 1, "tp": 2, "zero_stage": 0}, {"dp": 2, "tp": 1, "zero_stage": 0}),
+     ({"dp": 2, "tp": 1, "zero_stage": 3}, {"dp": 2, "tp": 1, "zero_stage": 0})],
+    ids=["another-tp", "zero3-placeholders"],
+)  # fmt: skip
+def test_a_final_checkpoint_whose_model_file_cannot_give_the_weights_is_still_refused(
+    old: dict, new: dict
+) -> None:
+    with pytest.raises(StageError, match="a ZeRO-0 checkpoint resumes only under ZeRO-0"):
+        reshard.plan(old, new, final=True)
 
 
 @pytest.mark.parametrize(

@@ -159,13 +159,8 @@ class Checkpoints:
         """`point` with the tag folder this run's layout loads (`load_tag`), converted if it must be."""
         if point is None:
             return None
-        try:
-            how = reshard.plan(point["layout"], self.layout)
-        except StageError:
-            # A finished ZeRO-0 pretraining rerun for a zero_stage set for GRPO's sake trains
-            # nothing: it needs the weights, not the optimizer no format could carry across.
-            if point["step"] != final_step or not reshard.module_only(point["layout"], self.layout):
-                raise
+        how = reshard.plan(point["layout"], self.layout, final=point["step"] == final_step)
+        if how == "weights":
             log.info("%s -> %s: the checkpoint at step %d is the stage's last, so only its weights are loaded",
                      reshard.describe(point["layout"]), reshard.describe(self.layout), point["step"])  # fmt: skip
             return {**point, "load_tag": point["tag"], "module_only": True}

@@ -56,8 +56,14 @@ def describe(layout: Mapping[str, int]) -> str:
     )
 
 
-def plan(old: Mapping[str, int], new: Mapping[str, int]) -> str:
-    """How a checkpoint of layout `old` resumes under `new`: "same", "as_is" or "universal".
+def plan(old: Mapping[str, int], new: Mapping[str, int], *, final: bool = False) -> str:
+    """How a checkpoint of layout `old` resumes under `new`: "same", "as_is", "universal", or,
+    for the stage's `final` checkpoint, "weights" (its module alone, `load_module_only`).
+
+    A final checkpoint trains nothing more, so a change no format carries (ZeRO-0 against
+    another ZeRO stage: a finished pretraining rerun for a zero_stage set for GRPO's sake)
+    needs its weights, not the optimizer; under ZeRO 0-2 each tp rank's model file holds them
+    (ZeRO-3's holds placeholders).
 
     Raises:
         StageError: a change DeepSpeed's formats cannot carry (ZeRO-0 against another stage or tp).
@@ -67,18 +73,14 @@ def plan(old: Mapping[str, int], new: Mapping[str, int]) -> str:
     if old["zero_stage"] == 0 and new["zero_stage"] == 0 and old["tp"] == new["tp"]:
         return "as_is"
     if old["zero_stage"] == 0 or new["zero_stage"] == 0:
+        if final and old["zero_stage"] != 3 and old["tp"] == new["tp"]:
+            return "weights"
         raise StageError(
             f"{describe(old)} -> {describe(new)}: a ZeRO-0 checkpoint resumes only under ZeRO-0 with "
             "the same tp (DeepSpeed's universal checkpoint needs ZeRO 1-3 on both sides); set "
             f"parallelism.zero_stage: {old['zero_stage']} to resume, or delete the folder to start fresh"
         )
     return "universal"
-
-
-def module_only(old: Mapping[str, int], new: Mapping[str, int]) -> bool:
-    """Whether a checkpoint of layout `old` gives its whole module to `new` without the optimizer:
-    under ZeRO 0-2 each tp rank's model file holds its module weights (ZeRO-3's, placeholders)."""
-    return old["zero_stage"] != 3 and old["tp"] == new["tp"]
 
 
 def universal_tag(tag: str) -> str:
