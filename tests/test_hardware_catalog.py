@@ -1,8 +1,4 @@
-"""The GPU catalog, the node count from config or Slurm, described hardware, and hardware.json as JSON.
-
-NVML is faked through the one seam `detect` offers (`nvml=`), /proc through
-`proc_root=` and the environment through `env=` (tests/harness/nvml.py); nothing else is replaced.
-"""
+"""The GPU catalog, the node count from config or Slurm, described hardware, and hardware.json as JSON. Fakes: tests/harness/nvml.py."""
 
 from __future__ import annotations
 

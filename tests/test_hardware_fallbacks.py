@@ -1,8 +1,4 @@
-"""detect_hardware's fallbacks, NVML -> /proc -> CPU, on a fake NVML and fake /proc files.
-
-NVML is faked through the one seam `detect` offers (`nvml=`), /proc through
-`proc_root=` and the environment through `env=` (tests/harness/nvml.py); nothing else is replaced.
-"""
+"""detect_hardware's fallbacks, NVML -> /proc -> CPU, on a fake NVML and fake /proc files. Fakes: tests/harness/nvml.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""detect_hardware on a fake NVML: a node of identical GPUs, CUDA_VISIBLE_DEVICES, mixed models, MIG.
-
-NVML is faked through the one seam `detect` offers (`nvml=`), /proc through
-`proc_root=` and the environment through `env=` (tests/harness/nvml.py); nothing else is replaced.
-"""
+"""detect_hardware on a fake NVML: a node of identical GPUs, CUDA_VISIBLE_DEVICES, mixed models, MIG. Fakes: tests/harness/nvml.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Fakes for detect_hardware's seams: NVML (`detect(nvml=)`), /proc files in the driver's own
-format (`proc_root=`) and the hardware section; nothing else of the detection is replaced.
-Shared by the tests/test_hardware_*.py modules."""
+"""Fakes for detect_hardware's seams, shared by the tests/test_hardware_*.py modules.
+
+NVML is faked through the one seam `detect` offers (`nvml=`), /proc through `proc_root=` (files
+in the driver's own format) and the environment through `env=`; nothing else of the detection
+is replaced."""
 
 from __future__ import annotations
 
