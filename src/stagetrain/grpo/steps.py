@@ -75,14 +75,14 @@ def token_logprobs(
     sequence - 1. The log-probs are the sampling policy's (`sampling.policy_scores`: the
     rollouts' temperature and top-p), so the loss scores the distribution that sampled."""
     seqs = [p + c for p, c in items]
-    width = max(map(len, seqs))
+    width = _width(items)
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
     targets = ids[:, 1:]
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
     scores = policy_scores(logits, temperature, top_p, keep=targets)
     logprobs = scores.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs, completion_mask(items, width, logprobs.device)
+    return logprobs, completion_mask(items, logprobs.device)
 
 
 def _width(items: Sequence[tuple[list[int], list[int]]]) -> int:
@@ -90,10 +90,10 @@ def _width(items: Sequence[tuple[list[int], list[int]]]) -> int:
 
 
 def completion_mask(
-    items: Sequence[tuple[list[int], list[int]]], width: int, device: torch.device
+    items: Sequence[tuple[list[int], list[int]]], device: torch.device
 ) -> torch.Tensor:
-    """1 at each completion token's column of `token_logprobs`' (B, width - 1) rows, else 0."""
-    mask = torch.zeros((len(items), width - 1), device=device)
+    """1 at each completion token's column of `token_logprobs`' (B, T) rows, else 0."""
+    mask = torch.zeros((len(items), _width(items) - 1), device=device)
     for row, (p, c) in enumerate(items):
         mask[row, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
     return mask
@@ -210,7 +210,7 @@ def _before_update(
     policy = {"temperature": run.cfg.temperature, "top_p": run.cfg.top_p}
     pad = run.tokenizer.pad_token_id
     with torch.no_grad():
-        masks = [completion_mask(c, _width(c), run.device) for c in items]
+        masks = [completion_mask(c, run.device) for c in items]
         old: list[torch.Tensor | None] = [None] * len(items)
         if run.cfg.passes > 1:
             old = [token_logprobs(run.engine, c, run.device, pad, **policy)[0] for c in items]
@@ -251,11 +251,9 @@ def sampler_gap(
     |log-prob difference| and the mean k3 KL, from this rank's `gap_sums` per micro batch and
     their |difference|, k3 and token sums over every rank."""
     total, kl, tokens = sums
-    top = torch.tensor(max((p[1] for p in parts), default=0.0), dtype=torch.float64)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
     return {
         "train/sampler_logprob_gap_mean": total / tokens if tokens else 0.0,
-        "train/sampler_logprob_gap_max": top.item(),
+        "train/sampler_logprob_gap_max": _dp_max(max((p[1] for p in parts), default=0.0)),
         "train/sampler_kl": kl / tokens if tokens else 0.0,
     }
 
@@ -403,7 +401,7 @@ def step(
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
         "rollout/generated_tokens": sum(row.generated for row in rows),
-        "rollout/largest_generate_call": _dp_max(largest),
+        "rollout/largest_generate_call": int(_dp_max(largest)),
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
@@ -438,11 +436,11 @@ def _dp_sums(run: Run, values: Sequence[float]) -> list[float]:
     return [v / run.layout.tp for v in tensor.tolist()]
 
 
-def _dp_max(value: int) -> int:
+def _dp_max(value: float) -> float:
     """The largest `value` over every rank."""
-    tensor = torch.tensor(value, dtype=torch.int64)
+    tensor = torch.tensor(value, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return tensor.item()
 
 
 def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
