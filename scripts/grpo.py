@@ -23,9 +23,8 @@ def main(io: StageIO) -> None:
     launch_stage(
         stage="grpo",
         module="stagetrain.grpo.train",
-        inputs={
-            k: v for k, v in io.inputs.items() if k not in ("task_files", "reward_files")
-        },  # read through tasks
+        # task and reward files are read through the tasks section
+        inputs={k: v for k, v in io.inputs.items() if k not in ("task_files", "reward_files")},
         outputs=io.outputs,
         extra=extra,
         tracking=io.sections["tracking"],

@@ -193,9 +193,8 @@ def test_a_save_never_prunes_a_tag_its_pointer_did_not_list(tmp_path: Path) -> N
     pointer = json.loads((ckpt.folder / "latest.json").read_text())
     listed = {**pointer, "complete": ["step00000006", "step00000004"],
               "layouts": {t: ZERO2 for t in ("step00000006", "step00000004")}}  # fmt: skip
-    (ckpt.folder / "latest.json").write_text(
-        json.dumps(listed)
-    )  # step 2 unlisted (restored by hand)
+    # step 2 unlisted (restored by hand)
+    (ckpt.folder / "latest.json").write_text(json.dumps(listed))
     small = saved(tmp_path, [8], keep=2)
     assert small.folder == ckpt.folder
     assert sorted(p.name for p in ckpt.folder.glob("step*")) == [

@@ -158,10 +158,8 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(
                                                      add_generation_prompt=True, tokenize=True)["input_ids"]  # fmt: skip
             assert ids == list(rendered) == judge.prompt_ids(problems[key])
     assert {problems[k].family for e in drawn for k in e["prompts"]} == {"parity", "remote"}
-    for moment in (
-        "start_by_family",
-        "end_by_family",
-    ):  # held-out: solved = i divides by 6 (weighted >= 2.5)
+    # held-out: solved = i divides by 6 (weighted >= 2.5)
+    for moment in ("start_by_family", "end_by_family"):
         for family in ("parity", "remote"):
             held = heldout(family, 1, cfg["grpo"]["eval_problems"], seed=cfg["run"]["seed"])
             assert summary["accuracy"][moment][family] == pytest.approx(

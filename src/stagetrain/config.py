@@ -57,9 +57,8 @@ class _StrictLoader(yaml.SafeLoader):
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
-        if (
-            key_node.tag == "tag:yaml.org,2002:merge"
-        ):  # `<<: *anchor`: its keys yield to the explicit ones
+        # `<<: *anchor`: its keys yield to the explicit ones
+        if key_node.tag == "tag:yaml.org,2002:merge":
             continue
         key = loader.construct_object(key_node)
         if key in seen:

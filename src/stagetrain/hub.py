@@ -145,9 +145,8 @@ def _watched_client_class() -> type:
                     raise _GiveUp(type(err).__name__) from err
                 raise
             status = response.status_code
-            if (
-                status in REFUSED and "/resolve/" in request.url.path
-            ):  # the file's, not a side request's
+            # the file's refusal, not a side request's
+            if status in REFUSED and "/resolve/" in request.url.path:
                 watch.refusal = response
             elif status in RETRIED and watch.left() < _pause_after(response):
                 response.close()

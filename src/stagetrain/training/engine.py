@@ -159,10 +159,8 @@ def load_pretrained(folder: str) -> PreTrainedModel:
     only warns, and leaves a missing tensor (a fifth layer of a four-layer file) random. A
     damaged weight file, or a pickle that would run code, is refused in one line naming it."""
     for path in sorted(Path(folder).glob("*.safetensors")):
-        try:
-            with safe_open(
-                path, framework="pt"
-            ):  # parses the header: a cut file is "not fully covered"
+        try:  # safe_open parses the header: a cut file is "not fully covered"
+            with safe_open(path, framework="pt"):
                 pass
         except SafetensorError as err:
             raise StageError(
