@@ -1,0 +1,368 @@
+"""Benchmark: where a GRPO step's time goes, against a bare loop doing the same work.
+
+    python -m benchmarks.grpo_step [--spec results/tiny/checkpoints/grpo/job.json]
+                                   [--steps 30] [--warmup 5] [--precision fp32|bf16]
+
+Run from the repository root. Needs the GRPO job spec of a finished default run
+(`snakemake --cores all grpo` writes it); its plan's ranks are started with torchrun, one
+thread each, as the stage starts them. The spec is copied with the steps cut to
+warmup + steps and its checkpoints, metrics and plots sent to a scratch folder.
+
+1. The stage's own loop (`grpo.train.setup` and `loop`), its functions wrapped by timers,
+   exclusive of each other: prompt draw, generation, rewards, the reference's and other
+   no-grad log-probs, each training forward, `engine.backward`, `engine.step`, the step's
+   collectives (sums and the curriculum's gather), evaluation, checkpoint and metrics.
+2. In the same ranks, the bare floor: transformers and torch only (no engine, no
+   curriculum, no judge), doing the same work on the same tokens: one `generate` per step
+   of the batch the stage sampled (same prompts, `group_size` rows each, same temperature
+   and top-p, transformers' own sampler, as many tokens decoded as the stage's longest
+   completion of the step on that rank), the reference forward when `kl_coef` > 0, and
+   one forward and backward of the policy per pass over the completions the stage trained
+   on, with DDP's gradient all-reduce and torch's AdamW.
+
+Prints each phase's seconds per step (the stage's steady steps, after the warmup; the
+evaluation and checkpoint amortised at the config's cadence are shown apart), the bare
+loop's, and `ratio` = stage step / bare step. The last line is a JSON object with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = (
+    ("draw", "prompt draw (curriculum, problems, prompt ids)"),
+    ("generate", "generation (`generate`, the sampler)"),
+    ("rewards", "rewards (the judge)"),
+    ("no_grad", "no-grad log-probs (reference; old when passes > 1)"),
+    ("forward", "training forwards (`token_logprobs` with grad)"),
+    ("loss", "loss and its tensors (`grpo_loss`, rows, masks)"),
+    ("backward", "`engine.backward` (with DeepSpeed's gradient all-reduce)"),
+    ("optimizer", "`engine.step`"),
+    ("collectives", "the step's scalar collectives and the rows' gather"),
+    ("other", "the rest of the step (advantages, records, curriculum)"),
+)
+OWN_WORK = ("draw", "generate", "rewards", "no_grad", "forward", "loss", "optimizer", "other")
+"""The phases in which a rank waits for no other (backward's all-reduce and the collectives do)."""
+AMORTISED = (
+    ("evaluation", "held-out evaluation"),
+    ("checkpoint", "checkpoint"),
+    ("metrics", "a metrics record"),
+)
+
+
+class Timers:
+    """Exclusive wall-clock seconds per phase: time inside a nested timed call counts for the
+    inner phase only, so the phases of one step add up to its time."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list[float]] = []
+        self._names: list[str] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name != "evaluation" and "evaluation" in self._names:  # the evaluation's own work
+            yield
+            return
+        self._stack.append([0.0])
+        self._names.append(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            self._names.pop()
+            inner = self._stack.pop()[0]
+            self.total[name] += elapsed - inner
+            self.calls[name] += 1
+            if self._stack:
+                self._stack[-1][0] += elapsed
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+def _instrument(timers: Timers, trained: list[list[tuple[list[int], list[int]]]]) -> None:
+    """Wrap the stage's functions in place (module globals, so its own call sites time them);
+    `trained` collects each step's (prompt, completion) pairs for the bare loop."""
+    from stagetrain.grpo import rollouts, steps, train
+    from stagetrain.training import checkpoints
+
+    def token_logprobs(*args: Any, **kwargs: Any) -> Any:
+        name = "forward" if torch.is_grad_enabled() else "no_grad"
+        with timers.phase(name):
+            return original_logprobs(*args, **kwargs)
+
+    original_logprobs = steps.token_logprobs
+    steps.token_logprobs = token_logprobs
+    original_train_on = steps.train_on
+
+    def train_on(run: Any, groups: list[Any]) -> Any:
+        trained.append([(g.prompt, c) for g in groups for c in g.completions])
+        return original_train_on(run, groups)
+
+    steps.train_on = train_on
+    for module, name, phase in (
+        (steps, "draw_problems", "draw"), (steps, "step_prompts", "draw"),
+        (rollouts, "generate", "generate"),
+        (steps, "grpo_loss", "loss"), (steps, "_token_rows", "loss"), (steps, "completion_mask", "loss"),
+        (steps, "_dp_sums", "collectives"), (steps, "_dp_max", "collectives"), (steps, "_gather", "collectives"),
+        (steps, "step", "other"), (train, "accuracy", "evaluation"), (train, "val_loss", "evaluation"),
+    ):  # fmt: skip
+        setattr(module, name, timers.wrap(phase, getattr(module, name)))
+    checkpoints.Checkpoints.save = timers.wrap("checkpoint", checkpoints.Checkpoints.save)
+    setup = train.setup
+
+    def instrumented_setup(spec: dict[str, Any]) -> Any:
+        run = setup(spec)
+        run.engine.backward = timers.wrap("backward", run.engine.backward)
+        run.engine.step = timers.wrap("optimizer", run.engine.step)
+        run.judge.rewards = timers.wrap("rewards", run.judge.rewards)
+        run.judge.prompt_ids = timers.wrap("draw", run.judge.prompt_ids)
+        return run
+
+    train.setup = instrumented_setup
+
+
+def _bare_floor(
+    run: Any, trained: list[list[tuple[list[int], list[int]]]], warmup: int
+) -> tuple[float, dict[str, float]]:
+    """Seconds per step of the bare loop over the stage's steady steps (module docstring, 2),
+    and per phase."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    cfg, spec, pad = run.cfg, run.spec, run.tokenizer.pad_token_id
+    dtype = next(run.engine.module.parameters()).dtype
+    policy = AutoModelForCausalLM.from_pretrained(spec["model"]).to(dtype)
+    reference = AutoModelForCausalLM.from_pretrained(spec["model"]).to(dtype).eval()
+    reference.requires_grad_(False)
+    ddp = DistributedDataParallel(policy, process_group=run.engine.data_parallel_group)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.optimizer.lr)
+
+    def padded(seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(map(len, seqs))
+        rows = [
+            ([pad] * (width - len(s)) + s) if left else (s + [pad] * (width - len(s))) for s in seqs
+        ]
+        mask = [([0] * (width - len(s)) + [1] * len(s)) if left else ([1] * len(s) + [0] * (width - len(s)))
+                for s in seqs]  # fmt: skip
+        return torch.tensor(rows), torch.tensor(mask)
+
+    timers = Timers()
+
+    def one(items: list[tuple[list[int], list[int]]]) -> None:
+        prompts = list(dict.fromkeys(tuple(p) for p, _ in items))
+        ids, mask = padded([list(p) for p in prompts], left=True)
+        decoded = max(len(c) for _, c in items)  # the stage's call decoded as many tokens
+        policy.eval()
+        with torch.no_grad(), timers.phase("generate"):
+            policy.generate(input_ids=ids.repeat_interleave(cfg.group_size, 0),
+                            attention_mask=mask.repeat_interleave(cfg.group_size, 0),
+                            max_new_tokens=decoded, min_new_tokens=decoded, do_sample=True, temperature=cfg.temperature,
+                            top_p=cfg.top_p, pad_token_id=pad, eos_token_id=run.tokenizer.eos_token_id)  # fmt: skip
+        policy.train()
+        ids, mask = padded([p + c for p, c in items], left=False)
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), timers.phase("no_grad"):
+                reference(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+        for _ in range(cfg.passes):
+            with timers.phase("forward"):
+                logits = ddp(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+                logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                loss = -(logp * mask[:, 1:]).sum() / mask.sum()
+            with timers.phase("backward"):
+                loss.backward()
+            with timers.phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    for items in trained[:warmup]:
+        one(items)
+    dist.barrier()
+    timers.total.clear()
+    start = time.perf_counter()
+    for items in trained[warmup:]:
+        one(items)
+    dist.barrier()
+    n = max(len(trained) - warmup, 1)
+    return (time.perf_counter() - start) / n, {k: v / n for k, v in timers.total.items()}
+
+
+def rank(spec_path: str, warmup: int, out: str) -> None:
+    """One rank: the stage's loop under the timers, then the bare loop (module docstring)."""
+    import torch.distributed as dist
+
+    from stagetrain.grpo import train
+    from stagetrain.training.rank import rank_main
+
+    timers, trained = Timers(), []
+    _instrument(timers, trained)
+    steady: dict[str, float] = {}
+    marks: list[
+        float
+    ] = []  # this rank's own work (not waiting in a collective) at each step's start
+
+    def body(spec: dict[str, Any]) -> None:
+        run = train.setup(spec)
+        original_steps = run.loop.steps
+
+        def steps() -> Iterator[int]:
+            if run.loop.metrics is not None:  # opened by the loop's resume, before the first step
+                run.loop.metrics.write = timers.wrap("metrics", run.loop.metrics.write)
+            for step in original_steps():
+                if step == run.loop.start + warmup:
+                    dist.barrier()
+                    steady.update(timers.total, _start=time.perf_counter())
+                if step >= run.loop.start + warmup:
+                    marks.append(sum(timers.total[name] for name in OWN_WORK))
+                yield step
+            marks.append(sum(timers.total[name] for name in OWN_WORK))
+
+        run.loop.steps = steps
+        train.loop(run)
+        dist.barrier()
+        elapsed = time.perf_counter() - steady.pop("_start")
+        n = len(trained) - warmup
+        stage = {name: (timers.total[name] - steady.get(name, 0.0)) / n for name, _ in PHASES}
+        once = {name: timers.total[name] / max(timers.calls[name], 1) for name, _ in AMORTISED}
+        work = [b - a for a, b in itertools.pairwise(marks)]
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, work)
+        lead = sum(max(w) - sum(w) / len(w) for w in zip(*every, strict=True)) / n
+        bare, bare_phases = _bare_floor(run, trained, warmup)
+        if dist.get_rank() == 0:
+            result = {"steps": n, "step_s": elapsed / n, "phases": stage, "once": once, "bare_step_s": bare, "bare_phases": bare_phases, "lead_s": lead,
+                      "eval_every": run.cfg.eval_every, "log_every": run.cfg.log_every, "checkpoint_every": run.cfg.checkpoint_every,
+                      "precision": run.layout.precision, "dp": run.layout.dp, "warmup": warmup,
+                      "tokens_per_step": sum(len(p) + len(c) for p, c in trained[-1]) * run.layout.dp}  # fmt: skip
+            Path(out).write_text(json.dumps(result))
+
+    rank_main(body, ["--spec", spec_path])
+
+
+def _job(spec_path: Path, scratch: Path, steps: int, precision: str | None) -> Path:
+    """A copy of the stage's job spec: `steps` steps, every output in `scratch`, and (with `precision`) its DeepSpeed config and plan in that precision."""
+    from stagetrain.io import read_json
+
+    spec = read_json(spec_path)
+    for key in ("summary", "metrics", "reward_plot"):
+        spec[key] = str(scratch / Path(spec[key]).name)
+    spec["checkpoints"], spec["tensorboard"] = (
+        str(scratch / "checkpoints"),
+        str(scratch / "tensorboard"),
+    )
+    spec["grpo"] = {**spec["grpo"], "steps": steps}
+    if precision:
+        ds, plan = read_json(spec["deepspeed_config"]), read_json(spec["plan"])
+        for key in ("bf16", "fp16"):
+            ds.pop(key, None)
+        if precision == "bf16":
+            ds["bf16"] = {"enabled": True}
+        plan["stages"]["grpo"]["layout"]["precision"] = precision
+        (scratch / "ds.json").write_text(json.dumps(ds))
+        (scratch / "plan.json").write_text(json.dumps(plan))
+        spec["deepspeed_config"], spec["plan"] = (
+            str(scratch / "ds.json"),
+            str(scratch / "plan.json"),
+        )
+    path = scratch / "job.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def table(result: dict[str, Any]) -> str:
+    """The phase table and the ratio against the bare loop."""
+    step = result["step_s"]
+    bare = result["bare_phases"]
+    lines = [
+        "| phase | stage, s per step | share | bare loop, s per step |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, label in PHASES:
+        s = result["phases"][name]
+        floor = f"{bare[name]:.4f}" if name in bare else ""
+        lines.append(f"| {label} | {s:.4f} | {s / step:.0%} | {floor} |")
+    lines.append(f"| **a steady step** | **{step:.4f}** | | **{result['bare_step_s']:.4f}** |")
+    lines.append(
+        f"| of the step: the slowest rank's lead in its own work (waited for in backward and the "
+        f"collectives) | {result['lead_s']:.4f} | {result['lead_s'] / step:.0%} | |"
+    )
+    for name, label in AMORTISED:
+        once = result["once"][name]
+        every = result[
+            {"checkpoint": "checkpoint_every", "evaluation": "eval_every", "metrics": "log_every"}[
+                name
+            ]
+        ]
+        lines.append(
+            f"| {label}: {once:.3f} s each, every {every} steps | {once / every:.4f} | | |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--spec", type=Path, default=REPO / "results/tiny/checkpoints/grpo/job.json"
+    )
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), help="instead of the plan's")
+    parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        rank(args.rank[0], args.warmup, args.rank[1])
+        return
+    if not args.spec.is_file():
+        sys.exit(f"{args.spec}: no GRPO job spec; run `snakemake --cores all grpo` first")
+    from stagetrain.io import read_json
+    from stagetrain.training.launch import torchrun_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = _job(args.spec, Path(tmp), args.warmup + args.steps, args.precision)
+        world = read_json(read_json(job)["plan"])["world"]
+        out = Path(tmp) / "result.json"
+        cmd = torchrun_command(nodes=1, procs_per_node=world, module="benchmarks.grpo_step",
+                               args=["--warmup", str(args.warmup), "--rank", str(job), str(out)],
+                               allocation=None)  # fmt: skip
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO,
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode or not out.is_file():
+            sys.exit(
+                f"the benchmark's ranks failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+            )
+        result = json.loads(out.read_text())
+    result["ratio"] = result["step_s"] / result["bare_step_s"]
+    print(f"{result['precision']}, dp {result['dp']}, {result['tokens_per_step']} tokens trained per step, "
+          f"{result['steps']} steady steps")  # fmt: skip
+    print(table(result))
+    print(f"ratio (stage step / bare step): {result['ratio']:.2f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
