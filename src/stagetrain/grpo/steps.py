@@ -305,7 +305,7 @@ class Row(NamedTuple):
     """What the model was given (for the debug prompt log)."""
 
 
-def _gather(values: list[Any], dp_rank: int) -> list[Any]:
+def gather_dp(values: list[Any], dp_rank: int) -> list[Any]:
     """Every data-parallel rank's `values`, in dp order. The ranks of one tensor-parallel group
     draw the same prompts and sample the same completions, so each dp rank counts once."""
     out: list[Any] = [None] * dist.get_world_size()
@@ -381,7 +381,7 @@ def step(
 
     groups, largest = _rollouts(run, prompts, reward, keys)
     loss, clip = train_on(run, groups)
-    rows: list[Row] = _gather([
+    rows: list[Row] = gather_dp([
         Row(family=p.family, level=p.level, rewards=g.rewards, solved=[judge.solved(p, r) for r in g.rewards],
             varies=g.varies, generated=g.generated_tokens,
             flat=g.flat_tokens, nodes=g.nodes, lengths=[len(c) for c in g.completions],

@@ -210,12 +210,27 @@ def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> Replay | None:
 
 
 def accuracy(run: Run) -> dict[str, float]:
-    """Greedy accuracy per family on the fixed held-out problems (every rank evaluates all of them)."""
+    """Greedy accuracy per family on the fixed held-out problems, every rank's.
+
+    The problems go to `greedy_scores` in chunks of the generation batch, and the chunks are
+    dealt round-robin over the data-parallel ranks (a tensor-parallel group shares its rank's),
+    then gathered: each chunk is the same `generate` call whichever rank makes it, so the
+    scores are those of one rank evaluating all of them, in 1/dp of the time."""
+    size, dp = run.generation_batch, run.layout.dp
+    chunks = [run.eval_set[at : at + size] for at in range(0, len(run.eval_set), size)]
+    mine = chunks[run.dp_rank :: dp]  # the short last chunk, if any, stays last
     run.engine.eval()
     with gathered(run.engine), torch.no_grad():
-        correct = greedy_scores(run.engine.module, run.judge, run.eval_set, max_new_tokens=run.cfg.max_new_tokens,
-                                chunk_size=run.generation_batch)  # fmt: skip
+        scores = greedy_scores(run.engine.module, run.judge, [p for c in mine for p in c],
+                               max_new_tokens=run.cfg.max_new_tokens, chunk_size=size)  # fmt: skip
     run.engine.train()
+    per_rank = grpo_steps.gather_dp(
+        [[scores[i * size : (i + 1) * size] for i in range(len(mine))]], run.dp_rank
+    )
+    by_chunk = {
+        r + i * dp: chunk for r, ranks in enumerate(per_rank) for i, chunk in enumerate(ranks)
+    }
+    correct = [c for k in sorted(by_chunk) for c in by_chunk[k]]
     families = sorted({p.family for p in run.eval_set})
     return {
         f: float(np.mean([c for c, p in zip(correct, run.eval_set, strict=True) if p.family == f]))
@@ -232,8 +247,9 @@ def val_loss(run: Run) -> float:
     return loss
 
 
-def loop(run: Run) -> dict[str, Any]:
-    """Train from the latest checkpoint (or the pretrained model) to grpo.steps; return the summary's core."""
+def loop(run: Run) -> tuple[dict[str, Any], dict[str, float] | None]:
+    """Train from the latest checkpoint (or the pretrained model) to grpo.steps; return the
+    summary's core and the accuracy measured at the last step (None when it trained none)."""
     cfg, stage = run.cfg, run.loop
     curriculum = Curriculum.start(run.curriculum, cfg.curriculum.families)
     client = stage.resume(METRICS)
@@ -245,7 +261,7 @@ def loop(run: Run) -> dict[str, Any]:
         log.info("curriculum levels at step %d: %s", stage.start, _levels(curriculum.levels()))
     run.eval_windows = stage.eval_set(run.eval_windows, client)
     prompts_log = stage.debug_log("prompts.jsonl", PROMPT_RECORD)  # pretrain's window log's twin
-    began = time.monotonic()
+    began, final = time.monotonic(), None
     if stage.start == 0 and stage.metrics:
         stage.metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
     elif stage.start == 0:
@@ -261,7 +277,8 @@ def loop(run: Run) -> dict[str, Any]:
         if prompts_log:
             prompts_log.write({"step": step, "prompts": prompts, "prompt_ids": prompt_ids})
         if stage.evaluates(step):
-            record.update(_accuracy_record(accuracy(run)))
+            final = accuracy(run)
+            record.update(_accuracy_record(final))
         if stage.metrics and (
             stage.logs(step) or "eval/accuracy" in record or "curriculum/events" in record
         ):
@@ -270,8 +287,9 @@ def loop(run: Run) -> dict[str, Any]:
                      record["reward/mean"], _levels(record["curriculum/level"]), record["train/loss"],
                      record["throughput/tokens_per_s"])  # fmt: skip
         stage.checkpoint(step, {"step": step, "curriculum": curriculum.to_json()})
-    return {"final_step": cfg.steps, "resumed_from_step": stage.start, "curriculum": curriculum.to_json(),
+    core = {"final_step": cfg.steps, "resumed_from_step": stage.start, "curriculum": curriculum.to_json(),
             "optimizer_steps": run.engine.global_steps}  # fmt: skip
+    return core, final  # the loop always evaluates its last step
 
 
 def _accuracy_record(by_family: dict[str, float]) -> dict[str, Any]:
@@ -356,8 +374,8 @@ def rank(spec: dict[str, Any]) -> None:
     """One rank of the GRPO stage: train, evaluate, then (rank 0) write the outputs."""
     run = setup(spec)
     quiet_other_ranks()
-    core = loop(run)
-    final_accuracy, loss = accuracy(run), val_loss(run)
+    core, final_accuracy = loop(run)
+    final_accuracy, loss = final_accuracy or accuracy(run), val_loss(run)
     if dist.get_rank() == 0:
         run.loop.write_outputs(
             summarise(run, core, final_accuracy, loss), grpo_steps.reward_plot, "reward_plot"
