@@ -2,6 +2,7 @@
 
     python -m benchmarks.grpo_step [--spec results/tiny/checkpoints/grpo/job.json]
                                    [--steps 30] [--warmup 5] [--precision fp32|bf16]
+                                   [--attention sdpa|eager]
 
 Run from the repository root. Needs the GRPO job spec of a finished default run
 (`snakemake --cores all grpo` writes it); its plan's ranks are started with torchrun, one
@@ -128,7 +129,7 @@ def _instrument(timers: Timers, trained: list[list[tuple[list[int], list[int]]]]
         (steps, "draw_problems", "draw"), (steps, "step_prompts", "draw"),
         (rollouts, "generate", "generate"),
         (steps, "grpo_loss", "loss"), (steps, "_token_rows", "loss"), (steps, "completion_mask", "loss"),
-        (steps, "_dp_sums", "collectives"), (steps, "_dp_max", "collectives"), (steps, "_gather", "collectives"),
+        (steps, "_dp_sums", "collectives"), (steps, "_dp_max", "collectives"), (steps, "gather_dp", "collectives"),
         (steps, "step", "other"), (train, "accuracy", "evaluation"), (train, "val_loss", "evaluation"),
     ):  # fmt: skip
         setattr(module, name, timers.wrap(phase, getattr(module, name)))
@@ -157,8 +158,15 @@ def _bare_floor(
 
     cfg, spec, pad = run.cfg, run.spec, run.tokenizer.pad_token_id
     dtype = next(run.engine.module.parameters()).dtype
-    policy = AutoModelForCausalLM.from_pretrained(spec["model"]).to(dtype)
-    reference = AutoModelForCausalLM.from_pretrained(spec["model"]).to(dtype).eval()
+    kernel = run.engine.module.config._attn_implementation  # the stage's, from its plan
+    policy = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel).to(
+        dtype
+    )
+    reference = (
+        AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel)
+        .to(dtype)
+        .eval()
+    )
     reference.requires_grad_(False)
     ddp = DistributedDataParallel(policy, process_group=run.engine.data_parallel_group)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.optimizer.lr)
@@ -257,15 +265,18 @@ def rank(spec_path: str, warmup: int, out: str) -> None:
         if dist.get_rank() == 0:
             result = {"steps": n, "step_s": elapsed / n, "phases": stage, "once": once, "bare_step_s": bare, "bare_phases": bare_phases, "lead_s": lead,
                       "eval_every": run.cfg.eval_every, "log_every": run.cfg.log_every, "checkpoint_every": run.cfg.checkpoint_every,
-                      "precision": run.layout.precision, "dp": run.layout.dp, "warmup": warmup,
+                      "precision": run.layout.precision, "attention": run.engine.module.config._attn_implementation, "dp": run.layout.dp, "warmup": warmup,
                       "tokens_per_step": sum(len(p) + len(c) for p, c in trained[-1]) * run.layout.dp}  # fmt: skip
             Path(out).write_text(json.dumps(result))
 
     rank_main(body, ["--spec", spec_path])
 
 
-def _job(spec_path: Path, scratch: Path, steps: int, precision: str | None) -> Path:
-    """A copy of the stage's job spec: `steps` steps, every output in `scratch`, and (with `precision`) its DeepSpeed config and plan in that precision."""
+def _job(
+    spec_path: Path, scratch: Path, steps: int, precision: str | None, attention: str | None
+) -> Path:
+    """A copy of the stage's job spec: `steps` steps, every output in `scratch`, and its plan
+    and DeepSpeed config copied too, in `precision` and with `attention` where given."""
     from stagetrain.io import read_json
 
     spec = read_json(spec_path)
@@ -276,19 +287,18 @@ def _job(spec_path: Path, scratch: Path, steps: int, precision: str | None) -> P
         str(scratch / "tensorboard"),
     )
     spec["grpo"] = {**spec["grpo"], "steps": steps}
+    ds, plan = read_json(spec["deepspeed_config"]), read_json(spec["plan"])
     if precision:
-        ds, plan = read_json(spec["deepspeed_config"]), read_json(spec["plan"])
         for key in ("bf16", "fp16"):
             ds.pop(key, None)
         if precision == "bf16":
             ds["bf16"] = {"enabled": True}
         plan["stages"]["grpo"]["layout"]["precision"] = precision
-        (scratch / "ds.json").write_text(json.dumps(ds))
-        (scratch / "plan.json").write_text(json.dumps(plan))
-        spec["deepspeed_config"], spec["plan"] = (
-            str(scratch / "ds.json"),
-            str(scratch / "plan.json"),
-        )
+    if attention:
+        plan["attention"] = attention
+    for name, doc in (("deepspeed_config", ds), ("plan", plan)):
+        (scratch / f"{name}.json").write_text(json.dumps(doc))
+        spec[name] = str(scratch / f"{name}.json")
     path = scratch / "job.json"
     path.write_text(json.dumps(spec))
     return path
@@ -332,6 +342,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="instead of the plan's")
+    parser.add_argument("--attention", choices=("sdpa", "eager"), help="instead of the plan's")
     parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -343,7 +354,7 @@ def main() -> None:
     from stagetrain.training.launch import torchrun_command
 
     with tempfile.TemporaryDirectory() as tmp:
-        job = _job(args.spec, Path(tmp), args.warmup + args.steps, args.precision)
+        job = _job(args.spec, Path(tmp), args.warmup + args.steps, args.precision, args.attention)
         world = read_json(read_json(job)["plan"])["world"]
         out = Path(tmp) / "result.json"
         cmd = torchrun_command(nodes=1, procs_per_node=world, module="benchmarks.grpo_step",
@@ -357,7 +368,7 @@ def main() -> None:
             )
         result = json.loads(out.read_text())
     result["ratio"] = result["step_s"] / result["bare_step_s"]
-    print(f"{result['precision']}, dp {result['dp']}, {result['tokens_per_step']} tokens trained per step, "
+    print(f"{result['precision']}, {result['attention']} attention, dp {result['dp']}, {result['tokens_per_step']} tokens trained per step, "
           f"{result['steps']} steady steps")  # fmt: skip
     print(table(result))
     print(f"ratio (stage step / bare step): {result['ratio']:.2f}")

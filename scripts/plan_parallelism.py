@@ -44,6 +44,7 @@ def main(io: StageIO) -> None:
         plan["source"],
     )
     log.info("precision %s: %s", plan["precision"], plan["precision_reason"])
+    log.info("attention %s: %s", plan["attention"], plan["attention_reason"])
     if plan["table"]["status"] not in ("none", "not needed"):
         log.info("table: %s", plan["table"].get("reason") or plan["table"].get("source"))
     for name, stage in plan["stages"].items():

@@ -41,3 +41,9 @@ def test_the_default_run_improves_on_held_out_problems_and_climbs_the_curriculum
     assert set(gain["by_family"]) == {"comparison", "counting"}, gain
     drop = gain["largest_drop"]
     assert drop is None or drop["sigmas"] <= FORGETTING_SIGMAS, drop
+    # Whatever kernel this machine's measurement picked, both stages ran the plan's.
+    plan = json.loads((workdir / "results/tiny/plan.json").read_text())
+    pretrain = json.loads((workdir / "results/tiny/pretrain/summary.json").read_text())
+    assert summary["attention"] == pretrain["attention"] == plan["attention"], plan[
+        "attention_reason"
+    ]

@@ -55,9 +55,11 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
     moments stay zero), so weights that moved are the loss's doing, not the decay's."""
     data, model = start
     cfg = grpo_config(kl_coef=0.04, passes=2, optimizer={"weight_decay": 0.0})
+    cfg["deepspeed"]["attention"] = "eager"  # the described machine's plan would say sdpa
     summary = run_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2},
                        cfg=cfg, generation_batch=4)  # fmt: skip
     assert summary["optimizer_steps"] == 6  # 3 steps x 2 passes, each through engine.step
+    assert summary["attention"] == "eager"  # the plan's kernel, as the engine ran it
     records = _records(tmp_path)
     # the stage generates in the plan's batches: 4 sequences, one prompt's group, not a rank's 8
     assert all(r["rollout/largest_generate_call"] == 4 for r in records[1:])

@@ -1,4 +1,5 @@
-"""Measured precision speed decides the precision; CPU plans predict tokens/s; GRPO's generation batch.
+"""Measured speed decides the precision and the attention kernel; CPU plans predict tokens/s;
+GRPO's generation batch.
 
 No test here depends on this machine's CPU: the choices are made from recorded
 measurements (hardware.json's `speed`), one from an AVX2-only CPU that emulates
@@ -18,6 +19,7 @@ from harness.workflow import default_config
 
 from stagetrain.hardware import speed
 from stagetrain.hardware.catalog import gpu_spec
+from stagetrain.planning import attention
 from stagetrain.planning.precision import choose
 
 # Recorded on two machines of the same kind (one thread, 512x512 products, GFLOP/s).
@@ -105,6 +107,38 @@ def test_cpu_plans_rank_candidates_by_predicted_speed() -> None:
     assert all(r["tokens_per_s"] <= round(best, 1) for r in plan["runners_up"])
 
 
+# Attention forward and backward at speed.ATTENTION_SHAPE, one thread, ms: the 2-core EPYC with
+# avx512_bf16 (2026-12-01), whose fused bf16 kernel ran 3-4x slower than the eager one.
+EPYC_ATTENTION = {"fp32": {"sdpa": 8.7, "eager": 13.9}, "bf16": {"sdpa": 23.6, "eager": 7.1}}
+
+
+def test_auto_attention_is_eager_only_where_it_was_measured_clearly_faster() -> None:
+    measured = {**AVX512_BF16, "attention_ms": EPYC_ATTENTION}
+    bf16 = attention.choose("auto", gpu=False, speed=measured, precision="bf16")
+    assert bf16.attention == "eager" and "23.60 ms (sdpa) against 7.10 ms (eager)" in bf16.reason
+    assert attention.choose("auto", gpu=False, speed=measured, precision="fp32").attention == "sdpa"
+    marginal = {**measured, "attention_ms": {"bf16": {"sdpa": 11.0, "eager": 10.0}}}
+    assert attention.choose("auto", gpu=False, speed=marginal, precision="bf16").attention == "sdpa"
+    unmeasured = attention.choose("auto", gpu=False, speed=AVX512_BF16, precision="bf16")
+    assert unmeasured.attention == "sdpa" and "no bf16 attention timing" in unmeasured.reason
+    assert attention.choose("auto", gpu=True, speed=measured, precision="bf16").attention == "sdpa"
+    assert attention.choose("eager", gpu=True, speed=None, precision="bf16").attention == "eager"
+
+
+def test_the_plan_carries_the_attention_kernel_to_every_part() -> None:
+    from stagetrain.planning.derived import stage_plan
+
+    cfg = default_config()
+    plan = plan_for(cfg, _cpu({**AVX512_BF16, "attention_ms": EPYC_ATTENTION}))
+    assert (plan["precision"], plan["attention"]) == ("bf16", "eager")
+    assert all(stage_plan(plan, stage)["attention"] == "eager" for stage in ("pretrain", "grpo"))
+    forced = {**cfg, "deepspeed": {**cfg["deepspeed"], "attention": "sdpa"}}
+    assert (
+        plan_for(forced, _cpu({**AVX512_BF16, "attention_ms": EPYC_ATTENTION}))["attention"]
+        == "sdpa"
+    )
+
+
 def test_measure_gives_every_precision_at_a_ranks_thread_count() -> None:
     hardware = {"gpu": None, "cpu_ranks": 2, "cpu": {"cores": 2}}
     before = torch.get_num_threads()
@@ -113,6 +147,11 @@ def test_measure_gives_every_precision_at_a_ranks_thread_count() -> None:
     assert result["device"] == "cpu" and result["threads"] == 1
     assert set(result["gflops"]) == {"fp32", "bf16", "fp16"}
     assert all(v > 0 for v in result["gflops"].values())
+    assert {k: set(v) for k, v in result["attention_ms"].items()} == {
+        "fp32": {"sdpa", "eager"},
+        "bf16": {"sdpa", "eager"},
+    }
+    assert all(ms > 0 for v in result["attention_ms"].values() for ms in v.values())
     assert result["capability"] == torch.backends.cpu.get_cpu_capability()
 
 

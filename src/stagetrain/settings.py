@@ -221,6 +221,7 @@ class ParallelismSettings(_Section):
 @dataclass(frozen=True)
 class DeepSpeedSettings(_Section):
     precision: str
+    attention: str
     overlap_comm: bool
     bucket_size: int
     stage3_max_live_parameters: int

@@ -69,10 +69,15 @@ uncached trees give the same tokens): toggling one resumes the checkpoint instea
 
 
 def _reference(
-    model_dir: str, ds_config: dict[str, Any], device: torch.device, dtype: torch.dtype
+    model_dir: str,
+    ds_config: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: str,
 ) -> Any:
-    """The frozen reference policy: partitioned like the policy under ZeRO-3, a plain copy otherwise."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    """The frozen reference policy: partitioned like the policy under ZeRO-3, a plain copy
+    otherwise; with the policy's attention kernel."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention)
     model.requires_grad_(False)
     if ds_config["zero_optimization"]["stage"] == 3:
         config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
@@ -118,9 +123,12 @@ def setup(spec: dict[str, Any]) -> Run:
     engine, _, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
         activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
+        attention=plan["attention"],
     )  # fmt: skip
     dtype = next(engine.module.parameters()).dtype
-    reference = _reference(spec["model"], ds_config, device, dtype) if cfg.kl_coef > 0 else None
+    reference = None
+    if cfg.kl_coef > 0:
+        reference = _reference(spec["model"], ds_config, device, dtype, plan["attention"])
     curriculum = CurriculumConfig(
         **{k: v for k, v in asdict(cfg.curriculum).items() if k != "families"}
     )

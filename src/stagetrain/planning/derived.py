@@ -14,7 +14,16 @@ from collections.abc import Mapping
 from typing import Any
 
 # The run-wide keys the training stages read (world, backend, device, model shape).
-SHARED_KEYS = ("backend", "device", "model", "nodes", "precision", "ranks_per_node", "world")
+SHARED_KEYS = (
+    "attention",
+    "backend",
+    "device",
+    "model",
+    "nodes",
+    "precision",
+    "ranks_per_node",
+    "world",
+)
 
 
 def vocab_padding(plan: Mapping[str, Any]) -> dict[str, int]:

@@ -11,6 +11,7 @@ from typing import Any
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import CATALOG_PATH, gpu_spec
 from stagetrain.model_config import build_config, padded_vocab
+from stagetrain.planning import attention as attentions
 from stagetrain.planning import precision as precisions
 from stagetrain.planning import table as tables
 from stagetrain.planning.memory import params_per_rank
@@ -265,6 +266,8 @@ def resolve(
     devices = devices_from(hardware, hw_config)
     choice = precisions.choose(deepspeed["precision"], devices.gpu, hardware.get("speed"))
     precision = choice.precision
+    kernel = attentions.choose(deepspeed["attention"], gpu=devices.gpu is not None,
+                               speed=hardware.get("speed"), precision=precision)  # fmt: skip
     rates = device_rates(devices, hardware.get("speed"), precision, parallelism)
 
     @cache
@@ -299,6 +302,8 @@ def resolve(
         "world": devices.world,
         "precision": precision,
         "precision_reason": choice.reason,
+        "attention": kernel.attention,
+        "attention_reason": kernel.reason,
         "model": {**asdict(base), "vocab_multiple": model["vocab_multiple"]},
         "table": table_record,
         "stages": stages,

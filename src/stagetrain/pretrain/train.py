@@ -101,6 +101,7 @@ def setup(spec: dict[str, Any]) -> Run:
     engine, params, spec["_hook"] = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"]["init_from"],
         activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
+        attention=plan["attention"],
     )  # fmt: skip
     if engine.dp_world_size != layout.dp:
         raise StageError(

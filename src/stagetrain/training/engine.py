@@ -199,8 +199,10 @@ def build(
     init_from: str | None,
     activation_checkpointing: bool,
     seed: int,
+    attention: str,
 ) -> tuple[Any, dict[str, int], HfDeepSpeedConfig | None]:
-    """The DeepSpeed engine, this rank's parameter count after construction, and the HF hook to keep alive."""
+    """The DeepSpeed engine, this rank's parameter count after construction, and the HF hook to
+    keep alive. `attention` is the plan's kernel (`planning.attention`)."""
     zero3 = ds_config["zero_optimization"]["stage"] == 3
     hook = HfDeepSpeedConfig(dict(ds_config)) if zero3 else None
     torch.manual_seed(seed)
@@ -209,6 +211,7 @@ def build(
     else:
         model = AutoModelForCausalLM.from_config(config)
         init_weights(model, seed=seed, std=config.initializer_range)
+    model.set_attn_implementation(attention)
     local, total = local_elements(model)
     resize_embeddings(model, config.vocab_size, seed=seed)
     if zero3 and config.model_type in SPARSE_BLOCKS:

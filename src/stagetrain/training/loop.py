@@ -121,8 +121,8 @@ class StageLoop:
         return [json.loads(line) for line in text.splitlines()]
 
     def summary(self, result: Mapping[str, Any], *, layout: Layout) -> dict[str, Any]:
-        """The summary keys every training stage writes: where its final checkpoint is and its
-        layout, and the validation windows its last loss was measured on (what consolidation
+        """The summary keys every training stage writes: where its final checkpoint is, its
+        layout and attention kernel, and the validation windows its last loss was measured on (what consolidation
         re-checks)."""
         saved, written = layout.to_json(), self.resumed_layout
         if self.start == result["final_step"] and written and written != layout.checkpoint_layout:
@@ -134,6 +134,7 @@ class StageLoop:
             **result,
             "layout": saved,
             "fingerprint": self.checkpoints.folder.name,
+            "attention": self.engine.module.config._attn_implementation,  # the plan's, as run
             "checkpoint": {
                 "folder": str(self.checkpoints.folder),
                 "tag": tag_of(result["final_step"]),
