@@ -167,7 +167,8 @@ def get_training(wildcards):
 
 
 def plan_resources(stage):
-    """The Slurm resources of a stage's job, read from plan.json just before submission.
+    """The Slurm resources of a stage's job, read from plan.json just before submission (the
+    whole plan: the runtime needs the predicted step time, which the stage's part leaves out).
 
     Training stages get nodes, tasks, CPUs, GPUs, memory and (pretrain on GPUs)
     runtime; consolidation its memory. Before planning (a dry run of a fresh run)
@@ -178,7 +179,8 @@ def plan_resources(stage):
         def resource(wildcards, input):
             if not os.path.exists(input.plan):
                 return TBDString()
-            return _stage_resources(stage, input.plan, os.stat(input.plan).st_mtime_ns)[key]
+            whole = f"{RUN}/plan.json"  # the part less its estimates (planning.derived)
+            return _stage_resources(stage, whole, os.stat(whole).st_mtime_ns)[key]
 
         return resource
 

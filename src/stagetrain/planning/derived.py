@@ -5,12 +5,19 @@ leaves that part alone does not rerun it: the tokenizer stage reads only the
 tensor-parallel degree its padded vocabulary must divide by (plan/vocab.json),
 each training stage (its DeepSpeed config, its consolidation) only the run-wide
 facts and its own stage's entry (plan/<stage>.json, plan.json's shape).
+
+A part leaves out the entry's ESTIMATES (predicted throughput, the runners-up's): they move
+with every measurement of the machine, so a part that held them changed at each detection,
+and a forced detection on the same machine reran every stage for a layout it kept. The
+stages and the Slurm resources read the estimates from plan.json itself (`whole_plan`),
+which is not a tracked input of any stage.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 # The run-wide keys the training stages read (world, backend, device, model shape).
@@ -31,6 +38,17 @@ def vocab_padding(plan: Mapping[str, Any]) -> dict[str, int]:
     return {"tp": math.lcm(*(stage["layout"]["tp"] for stage in plan["stages"].values()))}
 
 
+ESTIMATES = ("throughput", "runners_up")
+"""The keys of a stage's entry that predict rather than decide (module docstring)."""
+
+
 def stage_plan(plan: Mapping[str, Any], stage: str) -> dict[str, Any]:
-    """plan/<stage>.json: plan.json with only the run-wide keys and `stages.<stage>`."""
-    return {**{key: plan[key] for key in SHARED_KEYS}, "stages": {stage: plan["stages"][stage]}}
+    """plan/<stage>.json: plan.json with only the run-wide keys and `stages.<stage>`, less its
+    ESTIMATES."""
+    entry = {k: v for k, v in plan["stages"][stage].items() if k not in ESTIMATES}
+    return {**{key: plan[key] for key in SHARED_KEYS}, "stages": {stage: entry}}
+
+
+def whole_plan(part: str | Path) -> Path:
+    """plan.json of the plan/<stage>.json `part` (results/<run>/plan/ beside it)."""
+    return Path(part).resolve().parent.parent / "plan.json"

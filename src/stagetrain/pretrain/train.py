@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
+from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
@@ -123,8 +124,14 @@ def setup(spec: dict[str, Any]) -> Run:
         loop=StageLoop(stage="pretrain", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
-        params={**params, "predicted_tokens_per_s": plan["stages"]["pretrain"]["throughput"].get("tokens_per_s")},
+        params={**params, "predicted_tokens_per_s": predicted_tokens_per_s(spec)},
     )  # fmt: skip
+
+
+def predicted_tokens_per_s(spec: dict[str, Any]) -> float | None:
+    """The planner's prediction for this layout, from plan.json (`spec["estimates"]`): the
+    part the stage depends on leaves the estimates out (`planning.derived`)."""
+    return read_json(spec["estimates"])["stages"]["pretrain"]["throughput"].get("tokens_per_s")
 
 
 def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
