@@ -176,6 +176,15 @@ MUTANTS = (
     Mutant("lock-before-outputs", "a second run is refused before Snakemake deletes the live run's log",
            "workflow/rules/common.smk", '        refuse_while_running(Path(RUN).resolve() / "checkpoints", TRAINING_STAGES)', "        pass",
            ("tests/test_lifecycle.py::test_a_second_run_is_refused_in_one_line_and_no_rank_outlives_a_sigkilled_snakemake",)),
+    Mutant("evaluation-split", "GRPO's held-out evaluation deals each chunk to one dp rank and scores every problem once",
+           "src/stagetrain/grpo/train.py", "mine = chunks[run.dp_rank :: dp]", "mine = chunks[::dp]",
+           ("tests/test_grpo_tasks.py::test_grpo_trains_on_own_families_with_their_rewards_and_template",)),
+    Mutant("attention-from-plan", "the engine runs the plan's attention kernel",
+           "src/stagetrain/training/engine.py", "    model.set_attn_implementation(attention)\n", "",
+           (GRPO + "test_flat_grpo_trains_through_the_engine_with_a_reference",)),
+    Mutant("estimates-out-of-parts", "a forced detection that keeps a stage's layout does not rerun the stage",
+           "src/stagetrain/planning/derived.py", "if k not in ESTIMATES}", "}",
+           ("tests/test_commands.py::test_every_readme_command_works_as_written",)),
 )  # fmt: skip
 
 
