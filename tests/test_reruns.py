@@ -98,6 +98,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "model.architecture": {"model.architecture": "mixtral", "model.num_experts": 4, "model.experts_per_token": 2},
     "model.num_experts": {"model.architecture": "mixtral", "model.num_experts": 4, "model.experts_per_token": 2},
     "model.experts_per_token": {"model.architecture": "mixtral", "model.num_experts": 4, "model.experts_per_token": 2},
+    "model.router_aux_loss_coef": {"model.architecture": "mixtral", "model.num_experts": 4, "model.experts_per_token": 2,
+                                   "model.router_aux_loss_coef": 0.01},
     "model.moe_intermediate_size": {"model.architecture": "qwen2_moe", "model.num_experts": 4,
                                     "model.experts_per_token": 2, "model.moe_intermediate_size": 64},
     "tokenizer.source": {"tokenizer.source": "pretrained", "tokenizer.path": "gpt2"},

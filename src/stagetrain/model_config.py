@@ -57,6 +57,8 @@ def _check_shape(model: Mapping[str, Any]) -> str:
             f"(expected all of: {', '.join(needed)})"
         )
     stray = [k for k in ALL_MOE_KEYS if k in model and k not in MOE_KEYS[arch]]
+    if arch == "llama" and model.get("router_aux_loss_coef") is not None:
+        stray.append("router_aux_loss_coef")
     if stray:
         raise StageError(f"model.{stray[0]}: not used by architecture {arch!r}; remove it")
     heads, kv_heads, hidden = model["num_heads"], model["num_kv_heads"], model["hidden_size"]
@@ -100,14 +102,21 @@ def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
     )
     if arch == "llama":
         return LlamaConfig(**common)
+    coef = (
+        {}
+        if model.get("router_aux_loss_coef") is None
+        else {"router_aux_loss_coef": model["router_aux_loss_coef"]}
+    )
     if arch == "mixtral":
         return MixtralConfig(
             **common,
+            **coef,
             num_local_experts=model["num_experts"],
             num_experts_per_tok=model["experts_per_token"],
         )
     return Qwen2MoeConfig(
         **common,
+        **coef,
         num_experts=model["num_experts"],
         num_experts_per_tok=model["experts_per_token"],
         moe_intermediate_size=model["moe_intermediate_size"],
@@ -140,6 +149,13 @@ def _load_pretrained(model: Mapping[str, Any], vocab_size: int) -> PretrainedCon
             f"model.architecture: {model['architecture']!r} but {model['init_from']!r} is a "
             f"{config.model_type!r} model"
         )
+    if model.get("router_aux_loss_coef") is not None:
+        if not hasattr(config, "router_aux_loss_coef"):
+            raise StageError(
+                f"model.router_aux_loss_coef: {model['init_from']!r} is a {config.model_type!r} model "
+                "without a router (the coefficient is for mixture-of-experts models); remove it"
+            )
+        config.router_aux_loss_coef = model["router_aux_loss_coef"]
     config.vocab_size = max(config.vocab_size, vocab_size)
     return config
 

@@ -111,6 +111,7 @@ class ModelSettings(_Section):
     num_experts: int | None = None
     experts_per_token: int | None = None
     moe_intermediate_size: int | None = None
+    router_aux_loss_coef: float | None = None
 
 
 @dataclass(frozen=True)

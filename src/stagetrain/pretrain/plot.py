@@ -8,7 +8,8 @@ from typing import Any
 
 
 def loss_plot(summary: Mapping[str, Any], path: str | Path) -> None:
-    """Training loss per logged step and validation loss, as a PNG."""
+    """Training loss per logged step and validation loss, as a PNG; for an MoE model also the
+    expert load (the busiest expert's share over the mean, averaged over MoE layers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,7 +23,23 @@ def loss_plot(summary: Mapping[str, Any], path: str | Path) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(f"{summary['stage']}: final validation loss {summary['final_eval_loss']:.3f}")
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    if summary.get("experts"):
+        load = {int(k): v for k, v in summary["experts"]["load_max_over_mean"].items()}
+        twin = ax.twinx()
+        twin.plot(
+            list(load),
+            list(load.values()),
+            color="C3",
+            alpha=0.7,
+            label="expert load (busiest / mean)",
+        )
+        twin.set_ylabel(
+            f"busiest expert / mean (1 balanced, {summary['experts']['experts']} collapsed)"
+        )
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ from stagetrain.training import engine as engines
 from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.evaluation import validation_loss, window_loss
+from stagetrain.training.experts import Routing, load_stats, routing_of, training_loss
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
 from stagetrain.training.metrics import (
     MetricsLog,
@@ -69,6 +70,8 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     params: dict[str, Any]
+    routing: Routing | None
+    """An MoE model's routing (its load-balancing loss and expert load); None when dense."""
 
 
 def components(
@@ -124,7 +127,7 @@ def setup(spec: dict[str, Any]) -> Run:
         loop=StageLoop(stage="pretrain", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
-        params={**params, "predicted_tokens_per_s": predicted_tokens_per_s(spec)},
+        params={**params, "predicted_tokens_per_s": predicted_tokens_per_s(spec)}, routing=routing_of(config),
     )  # fmt: skip
 
 
@@ -148,20 +151,30 @@ def evaluate(run: Run) -> float:
     return loss
 
 
-def train_step(run: Run, step: int, windows: MetricsLog | None = None) -> float:
-    """One optimizer step over this rank's micro batches; the loss averaged over all ranks.
+def train_step(
+    run: Run, step: int, windows: MetricsLog | None = None
+) -> tuple[float, dict[str, Any]]:
+    """One optimizer step over this rank's micro batches: the language-model loss averaged over
+    all ranks, and for an MoE model the aux loss and expert load (`training.experts`) too.
 
     With the window log on (`window_log_on`), the windows every rank read are
     gathered and rank 0 appends them to `windows`.
     """
     losses, read = [], []
     for micro in run.sampler.rank_micro_batches(step, run.dp_rank):
-        loss = loss_on(run, micro, run.train)
+        if run.routing:
+            loss, lm, aux, shares = training_loss(run.engine, run.device, run.train, micro,
+                                                  run.cfg.seq_len, run.routing)  # fmt: skip
+            losses.append(
+                torch.cat([lm.detach().reshape(1), aux.detach().reshape(1), shares.flatten()])
+            )
+        else:
+            loss = loss_on(run, micro, run.train)
+            losses.append(loss.detach().float().reshape(1))
         run.engine.backward(loss)
         run.engine.step()
-        losses.append(loss.detach().float())
         read.extend(int(i) for i in micro)
-    mean = torch.stack(losses).mean()
+    mean = torch.stack(losses).mean(0)
     dist.all_reduce(mean, op=dist.ReduceOp.SUM)
     if window_log_on():
         every: list[Any] = [None] * dist.get_world_size()
@@ -169,7 +182,11 @@ def train_step(run: Run, step: int, windows: MetricsLog | None = None) -> float:
         if windows:  # ranks of one tp group read the same windows: one entry per dp rank
             by_dp = dict(every)
             windows.write({"step": step + 1, "windows": [by_dp[r] for r in sorted(by_dp)]})
-    return mean.item() / dist.get_world_size()
+    world = dist.get_world_size()
+    if not run.routing:
+        return mean[0].item() / world, {}
+    shares = mean[2:].reshape(-1, run.routing.experts).double().numpy() / world
+    return mean[0].item() / world, {"train/aux_loss": mean[1].item() / world, **load_stats(shares)}
 
 
 def record(
@@ -206,15 +223,23 @@ def loop(run: Run) -> dict[str, Any]:
     last_eval, window_s, window_steps = None, 0.0, 0
     for step in stage.steps():
         t0 = time.monotonic()
-        loss = train_step(run, step - 1, windows)
+        loss, moe = train_step(run, step - 1, windows)
         finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
         evaluating = stage.evaluates(step)
         if evaluating or stage.logs(step):
             # tokens/s over the training time since the last record (evaluation and saving excluded)
-            entry = record(
-                run, step, loss, window_s, window_steps * tokens_per_step, time.monotonic() - began
+            entry = (
+                record(
+                    run,
+                    step,
+                    loss,
+                    window_s,
+                    window_steps * tokens_per_step,
+                    time.monotonic() - began,
+                )
+                | moe
             )
             window_s, window_steps = 0.0, 0
             if evaluating:
@@ -260,8 +285,21 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
         "tokens_per_s_over_predicted": float(np.median(rates)) / predicted if predicted else None,
         "mfu(%)": float(np.median(mfus)) if mfus else None,
         "mfu_reason": None if mfus else "no MFU on CPUs or GPUs missing from the catalog",
+        "experts": experts_summary(run, records),
         **run.params,
     }  # fmt: skip
+
+
+def experts_summary(run: Run, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """An MoE run's routing, its expert load at the last record (the final imbalance) and the
+    imbalance at each record (for the loss plot); None for a dense model."""
+    if run.routing is None:
+        return None
+    last = records[-1]
+    return {"experts": run.routing.experts, "top_k": run.routing.top_k, "aux_loss_coef": run.routing.coef,
+            "final_aux_loss": last["train/aux_loss"], "final_load_entropy": last["moe/load_entropy"],
+            "final_load_max_over_mean": last["moe/load_max_over_mean"], "final_load_by_layer": last["moe/load_by_layer"],
+            "load_max_over_mean": {r["step"]: r["moe/load_max_over_mean"] for r in records}}  # fmt: skip
 
 
 def rank(spec: dict[str, Any]) -> None:
