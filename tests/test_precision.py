@@ -139,6 +139,19 @@ def test_the_plan_carries_the_attention_kernel_to_every_part() -> None:
     )
 
 
+def test_a_remeasured_machine_that_keeps_the_layouts_keeps_every_plan_part() -> None:
+    """Two detections of one machine measure slightly different rates: the predictions move,
+    the parts the stages depend on (`planning.derived`) must not, or every stage reruns."""
+    from stagetrain.planning.derived import stage_plan
+
+    cfg = default_config()
+    faster = {**AVX512_BF16, "gflops": {k: v * 1.03 for k, v in AVX512_BF16["gflops"].items()}}
+    a, b = plan_for(cfg, _cpu(AVX512_BF16)), plan_for(cfg, _cpu(faster))
+    for stage in ("pretrain", "grpo"):
+        assert a["stages"][stage]["throughput"] != b["stages"][stage]["throughput"]
+        assert stage_plan(a, stage) == stage_plan(b, stage)
+
+
 def test_measure_gives_every_precision_at_a_ranks_thread_count() -> None:
     hardware = {"gpu": None, "cpu_ranks": 2, "cpu": {"cores": 2}}
     before = torch.get_num_threads()

@@ -187,7 +187,7 @@ MUTANTS = (
            ("tests/test_experts.py::test_the_aux_loss_balances_the_experts_on_two_ranks",)),
     Mutant("estimates-out-of-parts", "a forced detection that keeps a stage's layout does not rerun the stage",
            "src/stagetrain/planning/derived.py", "if k not in ESTIMATES}", "}",
-           ("tests/test_commands.py::test_every_readme_command_works_as_written",)),
+           ("tests/test_precision.py::test_a_remeasured_machine_that_keeps_the_layouts_keeps_every_plan_part",)),
 )  # fmt: skip
 
 
