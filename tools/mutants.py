@@ -183,7 +183,7 @@ MUTANTS = (
            "src/stagetrain/training/engine.py", "    model.set_attn_implementation(attention)\n", "",
            (GRPO + "test_flat_grpo_trains_through_the_engine_with_a_reference",)),
     Mutant("verify-with-training-attention", "consolidation verifies with the kernel the stage trained with",
-           "src/stagetrain/consolidate/folder.py", ', attn_implementation=summary["attention"])', ")",
+           "src/stagetrain/consolidate/folder.py", ', attn_implementation=summary["attention"]', "",
            ("tests/test_default_run.py::test_the_default_run_improves_on_held_out_problems_and_climbs_the_curriculum",)),
     Mutant("router-aux-loss", "an MoE model pretrains with its router's load-balancing loss",
            "src/stagetrain/training/experts.py", "return lm + routing.coef * aux, lm, aux, shares", "return lm, lm, aux, shares",
