@@ -104,3 +104,18 @@ def test_the_aux_loss_balances_the_experts_on_two_ranks(
     assert late["balanced"] < 0.95 * late["free"], (late, b, f)
     assert b["final_aux_loss"] < f["final_aux_loss"], (b, f)
     assert (tmp_path / "aux" / "loss.png").stat().st_size > 0
+
+
+def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:
+    from harness.configs import named_config
+
+    from stagetrain.errors import StageError
+    from stagetrain.model_config import build_config
+
+    model = {**named_config("tiny")["model"], "router_aux_loss_coef": 0.01}
+    with pytest.raises(
+        StageError, match=r"^model\.router_aux_loss_coef: not used by architecture 'llama'"
+    ):
+        build_config(model, 512)
+    moe = build_config({**model, **MOE}, 512)
+    assert moe.router_aux_loss_coef == 0.01
