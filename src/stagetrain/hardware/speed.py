@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +45,12 @@ CPU_FLAGS = (
 )  # fmt: skip
 
 
-def _time_products(a: torch.Tensor, b: torch.Tensor, seconds: float) -> float:
-    """Seconds per product of a @ b, repeating for at least `seconds` (and at least once)."""
-    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+def _seconds_per_call(call: Callable[[], object], seconds: float, cuda: bool = False) -> float:
+    """Seconds per `call()`, repeating for at least `seconds` (and at least once)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     count, start = 0, time.perf_counter()
     while True:
-        a @ b
+        call()
         count += 1
         sync()
         elapsed = time.perf_counter() - start
@@ -68,12 +70,13 @@ def matmul_gflops(
         for name, dtype in DTYPES.items():
             a = torch.randn(size, size, device=device).to(dtype)
             b = torch.randn(size, size, device=device).to(dtype)
-            _time_products(a, b, 0.0)  # warm-up: kernel selection, first-touch of memory
+            _seconds_per_call(partial(torch.matmul, a, b), 0.0, a.is_cuda)  # warm-up
             pairs[name] = (a, b)
         best = dict.fromkeys(DTYPES, float("inf"))
         for _ in range(rounds):
             for name, (a, b) in pairs.items():
-                best[name] = min(best[name], _time_products(a, b, ROUND_SECONDS))
+                seconds = _seconds_per_call(partial(torch.matmul, a, b), ROUND_SECONDS, a.is_cuda)
+                best[name] = min(best[name], seconds)
     finally:
         torch.set_num_threads(previous)
     return {name: round(2 * size**3 / s / 1e9, 2) for name, s in best.items()}
@@ -95,15 +98,8 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def _time_attention(kernel: Any, qkv: tuple[torch.Tensor, ...], seconds: float) -> float:
-    """Seconds per forward and backward of `kernel`, repeating for at least `seconds`."""
-    count, start = 0, time.perf_counter()
-    while True:
-        kernel(*qkv).sum().backward()
-        count += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return elapsed / count
+def _forward_backward(kernel: Callable[..., torch.Tensor], qkv: tuple[torch.Tensor, ...]) -> None:
+    kernel(*qkv).sum().backward()
 
 
 def attention_ms(threads: int, *, rounds: int = ROUNDS) -> dict[str, dict[str, float]]:
@@ -120,11 +116,14 @@ def attention_ms(threads: int, *, rounds: int = ROUNDS) -> dict[str, dict[str, f
                 for _ in range(3)
             )
             for kernel in kernels.values():
-                _time_attention(kernel, qkv, 0.0)  # warm-up
+                _seconds_per_call(partial(_forward_backward, kernel, qkv), 0.0)  # warm-up
             best = dict.fromkeys(kernels, float("inf"))
             for _ in range(rounds):
                 for key, kernel in kernels.items():
-                    best[key] = min(best[key], _time_attention(kernel, qkv, ROUND_SECONDS))
+                    seconds = _seconds_per_call(
+                        partial(_forward_backward, kernel, qkv), ROUND_SECONDS
+                    )
+                    best[key] = min(best[key], seconds)
             out[name] = {key: round(s * 1e3, 3) for key, s in best.items()}
     finally:
         torch.set_num_threads(previous)
