@@ -31,9 +31,24 @@ def window_loss(
     `model` is a DeepSpeed engine or a plain module: anything called with
     `input_ids` that returns `.logits`. The result keeps its graph (training uses it).
     """
+    return forward_loss(model, device, shard, windows, seq_len)[0]
+
+
+def forward_loss(
+    model: Any,
+    device: torch.device,
+    shard: np.ndarray,
+    windows: np.ndarray,
+    seq_len: int,
+    **forward: Any,
+) -> tuple[torch.Tensor, Any]:
+    """`window_loss` and the model's output of its forward, called with `forward` too (an MoE
+    model's router logits: `training.experts`), so every stage's loss is this one formula."""
     tokens = torch.from_numpy(read_windows(shard, windows, seq_len)).to(device)
-    logits = model(input_ids=tokens[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    out = model(input_ids=tokens[:, :-1], **forward)
+    logits = out.logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return loss, out
 
 
 def validation_loss(

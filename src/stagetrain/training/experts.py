@@ -18,9 +18,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from stagetrain.training.batches import read_windows
+from stagetrain.training.evaluation import forward_loss
 
 
 class Routing(NamedTuple):
@@ -74,12 +73,9 @@ def training_loss(
     routing: Routing,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss to train on, language-model loss, aux loss, expert shares) of an MoE `model` on
-    `windows`: the cross-entropy as `evaluation.window_loss` computes it, plus `routing.coef`
+    `windows`: the cross-entropy of `evaluation.window_loss`, plus `routing.coef`
     times the router's load-balancing loss."""
-    tokens = torch.from_numpy(read_windows(shard, windows, seq_len)).to(device)
-    out = model(input_ids=tokens[:, :-1], output_router_logits=True)
-    logits = out.logits
-    lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    lm, out = forward_loss(model, device, shard, windows, seq_len, output_router_logits=True)
     aux = out.aux_loss.float()
     shares = expert_shares(out.router_logits, routing.top_k, routing.experts)
     return lm + routing.coef * aux, lm, aux, shares
