@@ -23,7 +23,7 @@ import pytest
 from harness.compare import same_losses, same_params
 from harness.configs import edit_config, small_grpo, small_run
 from harness.training import build_comm_op, run, write_job
-from harness.workflow import REPO, SNAKEMAKE, snakemake
+from harness.workflow import CLUSTER_SNAKEMAKE, REPO, snakemake
 
 from stagetrain.training.launch import node_torchrun, rank_environment
 
@@ -150,7 +150,7 @@ def lose_node2_mid_pretrain(workdir: Path) -> tuple[str, float, float]:
     output, seconds from the kill to the Slurm job's end and to Snakemake's exit."""
     run_dir = workdir / "results/tiny"
     proc = subprocess.Popen(
-        [SNAKEMAKE, "--cores", "2", "--workflow-profile", "profiles/slurm-local", "all"],
+        [*CLUSTER_SNAKEMAKE, "--cores", "2", "--workflow-profile", "profiles/slurm-local", "all"],
         cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip

@@ -20,6 +20,8 @@ from stagetrain import config as stconfig
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+CLUSTER_SNAKEMAKE = [sys.executable, str(Path(__file__).with_name("cluster_snakemake.py"))]
+"""Snakemake for a run that submits to a cluster: its status checks at a fixed short interval."""
 WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "examples")
 
 
@@ -41,9 +43,11 @@ def copy_workflow(root: Path) -> Path:
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run the real Snakemake in `workdir`; fail the test with its output if `check` and it fails."""
+    """Run the real Snakemake in `workdir`; fail the test with its output if `check` and it fails.
+    A run with a workflow profile (a cluster's) polls its jobs as CLUSTER_SNAKEMAKE does."""
+    command = CLUSTER_SNAKEMAKE if "--workflow-profile" in args else [SNAKEMAKE]
     proc = subprocess.run(
-        [SNAKEMAKE, "--cores", "2", *args],
+        [*command, "--cores", "2", *args],
         cwd=workdir,
         capture_output=True,
         text=True,
