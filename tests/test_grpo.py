@@ -116,11 +116,17 @@ def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) 
     assert manifest["stage"] == "grpo" and manifest["step"] == 2
 
 
-def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) -> None:
-    data, model = start
-    # A curriculum that moves within a few steps, so that per-family state crosses the
-    # restart: from level 2 with a window of two, a family's first full window always
-    # moves it (a rate of 0 demotes, 0.5 or 1 promotes), whatever the tiny model gets right.
+DRILL_LAYOUT = {"dp": 2, "tp": 1, "zero_stage": 1}
+LONE_STEPS = 4
+
+
+def lone_config() -> dict[str, Any]:
+    """The drills' one config: a checkpoint every step, all of them kept (the 2 -> 1 drill resumes
+    from step 2's), and a curriculum that moves within a few steps so that per-family state
+    crosses every restart: from level 2 with a window of two, a family's first full window always
+    moves it (a rate of 0 demotes, 0.5 or 1 promotes), whatever the tiny model gets right."""
+    cfg = grpo_config(steps=LONE_STEPS, checkpoint_every=1, eval_every=LONE_STEPS,
+                      keep_checkpoints=LONE_STEPS)  # fmt: skip
     curriculum = {
         "start_level": 2,
         "window": 2,
@@ -128,17 +134,42 @@ def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) ->
         "promote_at": 0.5,
         "demote_below": 0.0,
     }
+    cfg["grpo"]["curriculum"] = {**cfg["grpo"]["curriculum"], **curriculum}
+    return cfg
 
-    def config() -> dict[str, Any]:
-        cfg = grpo_config(steps=6, checkpoint_every=2, eval_every=6)
-        cfg["grpo"]["curriculum"] = {**cfg["grpo"]["curriculum"], **curriculum}
-        return cfg
 
-    cfg = config()
-    layout = {"dp": 2, "tp": 1, "zero_stage": 1}
-    straight = run_grpo(data, model, tmp_path / "straight", world=2, layout=layout, cfg=config())
+@pytest.fixture(scope="module")
+def lone(start: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uninterrupted GRPO run, alone on its folder, that every drill's runs must end as (the
+    killed, the two-at-once, the killed-while-saving, and the 2 -> 1 rank resume), with its
+    folder as `out` and the debug prompt log the 2 -> 1 drill compares."""
+    data, model = start
+    out = tmp_path_factory.mktemp("lone-grpo")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STAGETRAIN_WINDOW_LOG", "1")
+        summary = run_grpo(data, model, out, world=2, layout=DRILL_LAYOUT, cfg=lone_config())
+    assert_learning_signal(out / "metrics.jsonl")
+    return {**summary, "out": str(out)}
+
+
+def _same_as(summary: dict[str, Any], lone: dict[str, Any]) -> None:
+    assert summary["rewards"] == lone["rewards"] and summary["losses"] == lone["losses"]
+    a, b = final_params(summary), final_params(lone)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killed_grpo_resumes_to_the_same_result(
+    start: tuple, lone: dict[str, Any], tmp_path: Path
+) -> None:
+    data, model = start
     proc = launch_grpo(
-        data, model, tmp_path / "killed", world=2, layout=layout, cfg=cfg, popen=True
+        data,
+        model,
+        tmp_path / "killed",
+        world=2,
+        layout=DRILL_LAYOUT,
+        cfg=lone_config(),
+        popen=True,
     )
     deadline = time.monotonic() + 300
     pointers = tmp_path / "killed" / "checkpoints"
@@ -150,24 +181,23 @@ def test_killed_grpo_resumes_to_the_same_result(start: tuple, tmp_path: Path) ->
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
-    resumed = run_grpo(data, model, tmp_path / "killed", world=2, layout=layout, cfg=config())
-    assert 2 <= resumed["resumed_from_step"] < 6
-    assert resumed["rewards"] == straight["rewards"] and resumed["losses"] == straight["losses"]
-    a, b = final_params(resumed), final_params(straight)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert resumed["curriculum"] == straight["curriculum"]
-    assert resumed["levels"] == straight["levels"]
-    assert_learning_signal(tmp_path / "straight" / "metrics.jsonl")
-    events = [e for r in _records(tmp_path / "straight") for e in r.get("curriculum/events", [])]
+    resumed = run_grpo(
+        data, model, tmp_path / "killed", world=2, layout=DRILL_LAYOUT, cfg=lone_config()
+    )
+    assert 2 <= resumed["resumed_from_step"] < LONE_STEPS
+    _same_as(resumed, lone)
+    assert resumed["curriculum"] == lone["curriculum"]
+    assert resumed["levels"] == lone["levels"]
+    events = [e for r in _records(Path(lone["out"])) for e in r.get("curriculum/events", [])]
     assert events and all(e["family"] in FAMILIES for e in events)
     assert events == sorted(
-        (e for s in straight["curriculum"].values() for e in s["events"]),
+        (e for s in lone["curriculum"].values() for e in s["events"]),
         key=lambda e: (e["step"], e["family"]),
     )
 
 
 def test_grpo_on_two_ranks_resumes_on_one(
-    start: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    start: tuple, lone: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GRPO drill, 2 ranks ZeRO-1 -> 1 rank: the step-2 checkpoint is converted and loaded, the
     curriculum state carries over, the prompt stream goes on where the uninterrupted run's did,
@@ -177,11 +207,8 @@ def test_grpo_on_two_ranks_resumes_on_one(
 
     monkeypatch.setenv("STAGETRAIN_WINDOW_LOG", "1")
     data, model = start
-    layout = {"dp": 2, "tp": 1, "zero_stage": 1}
-    cfg = grpo_config(steps=4, checkpoint_every=2, eval_every=4, keep_checkpoints=2)
-    straight = run_grpo(data, model, tmp_path / "straight", world=2, layout=layout, cfg=cfg)
-    shrunk = tmp_path / "shrunk"
-    proc = launch_grpo(data, model, shrunk, world=1, layout={**layout, "dp": 1}, cfg=cfg,
+    straight, shrunk = lone, tmp_path / "shrunk"
+    proc = launch_grpo(data, model, shrunk, world=1, layout={**DRILL_LAYOUT, "dp": 1}, cfg=lone_config(),
                        checkpoints=killed_after_step_2(straight, shrunk))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (
@@ -189,7 +216,7 @@ def test_grpo_on_two_ranks_resumes_on_one(
         in proc.stdout + proc.stderr
     )
     resumed = json.loads((shrunk / "summary.json").read_text())
-    assert resumed["resumed_from_step"] == 2 and resumed["optimizer_steps"] == 4
+    assert resumed["resumed_from_step"] == 2 and resumed["optimizer_steps"] == LONE_STEPS
     assert resumed["levels"]["3"] == straight["levels"]["3"]  # drawn from the restored curriculum
     ages = {f: s["steps_at_level"] for f, s in resumed["curriculum"].items()}
     assert ages == {f: s["steps_at_level"] for f, s in straight["curriculum"].items()}
@@ -199,7 +226,7 @@ def test_grpo_on_two_ranks_resumes_on_one(
         return [json.loads(line)["prompts"] for line in path.read_text().splitlines()]
 
     got, want = prompts(resumed), prompts(straight)
-    assert len(got) == 4 and len(want[2]) == 4
+    assert len(got) == LONE_STEPS and len(want[2]) == 4
     assert got == want  # steps 3-4 drawn at dp=1 are the steps the 2 ranks drew
     assert_learning_signal(shrunk / "metrics.jsonl")
     assert resumed["rewards"] == straight["rewards"]  # the same completions, so the same rewards
@@ -224,26 +251,6 @@ def test_evaluation_script_reports_accuracy_per_family_and_level(
     assert lines[0].startswith("family") and lines[1].split()[:2] == ["counting", "1"]
 
 
-LOCK_LAYOUT = {"dp": 2, "tp": 1, "zero_stage": 1}
-
-
-@pytest.fixture(scope="module")
-def lone(start: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """An uninterrupted GRPO run alone on its folder, checkpointed every step: what the lock and
-    kill tests' runs must end as."""
-    data, model = start
-    out = tmp_path_factory.mktemp("lone-grpo")
-    return run_grpo(
-        data, model, out, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1)
-    )
-
-
-def _same_as(summary: dict[str, Any], lone: dict[str, Any]) -> None:
-    assert summary["rewards"] == lone["rewards"] and summary["losses"] == lone["losses"]
-    a, b = final_params(summary), final_params(lone)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
     start: tuple, lone: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -253,9 +260,7 @@ def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
     data, model = start
 
     def launch() -> subprocess.CompletedProcess[str]:
-        return launch_grpo(
-            data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=grpo_config(checkpoint_every=1)
-        )
+        return launch_grpo(data, model, tmp_path, world=2, layout=DRILL_LAYOUT, cfg=lone_config())
 
     winner, loser, ranks = second_run_while_first_holds(
         launch, tmp_path / "checkpoints" / LOCK_NAME
@@ -270,7 +275,7 @@ def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
     }
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from_step"] == 0
-    assert [r["step"] for r in _records(tmp_path)] == [0, 1, 2, 3]
+    assert [r["step"] for r in _records(tmp_path)] == list(range(LONE_STEPS + 1))
     _same_as(summary, lone)
 
 
@@ -278,15 +283,15 @@ def test_a_grpo_rank_killed_while_saving_resumes_from_the_previous_checkpoint(
     start: tuple, lone: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data, model = start
-    cfg = grpo_config(checkpoint_every=1)
+    cfg = lone_config()
     monkeypatch.setenv(KILL_DURING_SAVE, "1:2")  # rank 1, in its save at step 2
-    killed = launch_grpo(data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=cfg)
+    killed = launch_grpo(data, model, tmp_path, world=2, layout=DRILL_LAYOUT, cfg=cfg)
     assert killed.returncode != 0
     (pointer,) = (tmp_path / "checkpoints").glob("*/latest.json")
     assert (pointer.parent / "step00000002").exists()  # rank 1 died in the middle of writing it
     assert json.loads(pointer.read_text())["tag"] == "step00000001"
     monkeypatch.delenv(KILL_DURING_SAVE)
-    resumed = run_grpo(data, model, tmp_path, world=2, layout=LOCK_LAYOUT, cfg=cfg)
+    resumed = run_grpo(data, model, tmp_path, world=2, layout=DRILL_LAYOUT, cfg=cfg)
     assert resumed["resumed_from_step"] == 1
     assert_learning_signal(tmp_path / "metrics.jsonl")
     _same_as(resumed, lone)
