@@ -71,7 +71,7 @@ def test_defaults_are_not_shared_between_validations() -> None:
 
 def test_snakemake_validate_fills_the_same_defaults() -> None:
     """The Snakefile uses snakemake.utils.validate; scripts use ours: same result."""
-    raw = {"pretrain": {"steps": 7}, "grpo": {}}
+    raw = {"pretrain": {"steps": 17}, "grpo": {}}
     ours = stconfig.validate(raw)
     theirs = copy.deepcopy(raw)
     snakemake_validate(theirs, str(stconfig.SCHEMA_PATH))
@@ -173,6 +173,8 @@ def test_a_whole_number_float_is_refused_for_every_integer_key(
     whole = min(whole, sub.get("maximum", whole))
     if dotted == "model.max_position_embeddings":
         whole = 4096  # at least the default sequence lengths (test_settings_that_would_truncate...)
+    if dotted in ("pretrain.steps", "grpo.steps"):
+        whole = 10  # at least the default warmup (the same test)
     stconfig.validate(_nested(dotted, whole))  # the same number as an int is fine
     with pytest.raises(StageError) as err:
         stconfig.validate(_nested(dotted, float(whole)))
@@ -317,10 +319,12 @@ def test_init_from_a_folder_without_weights_is_one_line(tmp_path: Path) -> None:
         ({"curriculum": {"demote_below": 0.8, "promote_at": 0.7}}, "grpo.curriculum.demote_below: must be < promote_at 0.7 (got 0.8)"),
         ({"curriculum": {"start_level": 4, "max_level": 3}}, "grpo.curriculum.max_level: must be >= start_level 4 (got 3)"),
         ({"clip_eps_low": 1.0}, "grpo.clip_eps_low: expected a value < 1, got 1.0"),
+        ({"steps": 80, "passes": 2, "optimizer": {"warmup_steps": 500}},
+         "grpo.optimizer.warmup_steps: expected at most the stage's 160 optimizer steps (grpo.steps x grpo.passes), got 500"),
         ({"rollout": "tree", "tree": {"branching": 8}, "group_size": 4},
          "grpo.tree.branching: expected at most grpo.group_size (4), the leaves a tree is grown to, got 8"),
     ],
-    ids=["demote-above-promote", "start-above-max", "clip-low-1", "branching-above-group"],
+    ids=["demote-above-promote", "start-above-max", "clip-low-1", "grpo-warmup", "branching-above-group"],
 )  # fmt: skip
 def test_grpo_settings_that_keys_decide_together_fail_with_the_config(
     grpo: dict[str, Any], message: str
@@ -339,8 +343,10 @@ def test_grpo_settings_that_keys_decide_together_fail_with_the_config(
         ({"grpo": {"max_new_tokens": 300}},
          "grpo.max_prompt_len + grpo.max_new_tokens: 364 tokens, more than model.max_position_embeddings (256)"),
         ({"grpo": {"curriculum": {"earlier_share": 1.0}}}, "grpo.curriculum.earlier_share: expected a value < 1, got 1.0"),
+        ({"pretrain": {"steps": 50, "optimizer": {"warmup_steps": 51}}},
+         "pretrain.optimizer.warmup_steps: expected at most the stage's 50 optimizer steps (pretrain.steps), got 51"),
     ],
-    ids=["pretrain-seq", "grpo-seq", "earlier-share-1"],
+    ids=["pretrain-seq", "grpo-seq", "earlier-share-1", "pretrain-warmup"],
 )  # fmt: skip
 def test_settings_that_would_truncate_or_freeze_silently_are_refused(
     changes: dict, message: str

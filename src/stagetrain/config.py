@@ -204,8 +204,25 @@ def validate(
     if families:
         _check_family_names(filled, source)
     _check_grpo_settings(filled, source)
+    _check_warmups(filled, source)
     _check_positions(filled, source)
     return filled
+
+
+def _check_warmups(config: Mapping[str, Any], source: str) -> None:
+    """Each stage's warmup within its optimizer steps: DeepSpeed's schedule only logs a warning
+    and the learning rate never reaches the configured one."""
+    from stagetrain.settings import training_settings
+
+    for stage in ("pretrain", "grpo"):
+        steps = training_settings(stage, config[stage]).optimizer_steps
+        warmup = config[stage]["optimizer"]["warmup_steps"]
+        if warmup > steps:
+            counted = f"{stage}.steps" if stage == "pretrain" else "grpo.steps x grpo.passes"
+            raise StageError(
+                f"{source}: {stage}.optimizer.warmup_steps: expected at most the stage's {steps} "
+                f"optimizer steps ({counted}), got {warmup}"
+            )
 
 
 def _check_positions(config: Mapping[str, Any], source: str) -> None:

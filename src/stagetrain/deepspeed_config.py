@@ -96,10 +96,6 @@ def render(
         raise StageError(f"plan.json: no stage {stage!r} (has {', '.join(plan['stages'])})")
     layout = plan["stages"][stage]["layout"]
     optimizer, steps = training["optimizer"], training["steps"]
-    if optimizer["warmup_steps"] > steps:
-        raise StageError(
-            f"{stage}.optimizer.warmup_steps: {optimizer['warmup_steps']} exceeds {stage}.steps {steps}"
-        )
     offloaded = layout["offload"] != "none"
     config: dict[str, Any] = {
         # DeepSpeed counts every rank here, tensor-parallel ones included (it is given no
