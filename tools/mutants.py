@@ -191,6 +191,13 @@ MUTANTS = (
     Mutant("estimates-out-of-parts", "a forced detection that keeps a stage's layout does not rerun the stage",
            "src/stagetrain/planning/derived.py", "if k not in ESTIMATES}", "}",
            ("tests/test_precision.py::test_a_remeasured_machine_that_keeps_the_layouts_keeps_every_plan_part",)),
+    Mutant("reference-kl", "the KL term holds the policy to the frozen reference, not to itself",
+           "src/stagetrain/grpo/steps.py", "token_logprobs(run.reference, c, run.device", "token_logprobs(run.engine, c, run.device",
+           ("tests/test_golden.py::test_twenty_fp32_grpo_steps_give_the_golden_rewards_and_losses",)),
+    Mutant("warmup-within-steps", "a warmup longer than the stage's optimizer steps fails snakemake -n",
+           "src/stagetrain/config.py", "        if warmup > steps:", "        if False:",
+           ("tests/test_config.py::test_grpo_settings_that_keys_decide_together_fail_with_the_config",
+            "tests/test_config.py::test_settings_that_would_truncate_or_freeze_silently_are_refused")),
 )  # fmt: skip
 
 
