@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import os
@@ -186,6 +187,68 @@ def test_generated_problems_stay_in_their_split(sources: list[corpus_sources.Sou
     ]
 
 
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """`rows` as a data file of the kind `path`'s suffix names (.jsonl, .jsonl.gz, .jsonl.zst, .parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=64)  # several groups
+        return path
+    lines = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    if path.name.endswith(".gz"):
+        lines = gzip.compress(lines)
+    elif path.name.endswith(".zst"):
+        lines = zstandard.ZstdCompressor().compress(lines)
+    path.write_bytes(lines)
+    return path
+
+
+CORPUS_KINDS = (".jsonl.gz", ".jsonl.zst", ".parquet")
+
+
+@pytest.mark.parametrize("kind", CORPUS_KINDS)
+def test_compressed_and_parquet_corpora_read_as_their_json_lines(tmp_path: Path, kind: str) -> None:
+    """The same rows, in the formats hub corpora come in, give the same documents in the same
+    splits as plain JSON lines, through the task files' reader; other columns are ignored."""
+    rows = [{"id": i, "body": f"document {i} of the corpus."} for i in range(300)]
+
+    def documents(name: str) -> tuple[list[str], list[str]]:
+        write_rows(tmp_path / name / f"part{kind if name == 'other' else '.jsonl'}", rows)
+        source = corpus_sources.files(
+            {"path": str(tmp_path / name / "*"), "weight": 1.0, "text_field": "body"}, 0, 0.25
+        )
+        return list(source.documents("train")), list(source.documents("val"))
+
+    plain, other = documents("plain"), documents("other")
+    assert other == plain and len(plain[0]) + len(plain[1]) == 300 and plain[1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "rows", "message"),
+    [
+        (".parquet", [{"body": "a"}], "part.parquet: no column 'text' (it has: body); set text_field to the one that holds the text"),
+        (".parquet", [{"text": 3}], "part.parquet: column 'text' holds int64, not text (a string column)"),
+        (".parquet", [{"text": "a"}, {"text": None}], "part.parquet:row 2: column 'text' is null, not text"),
+        (".jsonl.zst", [{"text": "a"}, {"body": "b", "id": 2}], "part.jsonl.zst:2: no field 'text' (it has: body, id); set text_field to the one that holds the text"),
+        (".jsonl.gz", [{"text": ["a"]}], "part.jsonl.gz:1: field 'text' holds list, not text"),
+    ],
+    ids=["parquet-no-column", "parquet-int-column", "parquet-null", "zst-no-field", "gz-list"],
+)  # fmt: skip
+def test_a_corpus_file_without_its_text_is_one_line_naming_file_and_row(
+    tmp_path: Path, kind: str, rows: list[dict[str, Any]], message: str
+) -> None:
+    write_rows(tmp_path / f"part{kind}", rows)
+    source = corpus_sources.files(
+        {"path": str(tmp_path / f"part{kind}"), "weight": 1.0, "text_field": "text"}, 0, 0.0
+    )
+    with pytest.raises(StageError) as err:
+        list(source.documents("train"))
+    assert str(err.value) == f"{tmp_path}/{message}"
+
+
 def test_file_sources_read_txt_and_jsonl_with_a_stable_split(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("a whole file is one document")
     rows = [json.dumps({"text": f"line document {i}"}) for i in range(200)]
@@ -207,9 +270,13 @@ def test_file_sources_read_txt_and_jsonl_with_a_stable_split(tmp_path: Path) -> 
         (
             "bad.jsonl",
             '{"text": "ok"}\n\n{"body": "x"}\n',
-            "bad.jsonl:3: expected an object with a string field 'text'",
+            "bad.jsonl:3: no field 'text' (it has: body); set text_field to the one that holds the text",
         ),
-        ("bad.csv", "a,b\n", "bad.csv: expected a .txt or .jsonl file"),
+        (
+            "bad.csv",
+            "a,b\n",
+            "bad.csv: expected a .txt file or one of .jsonl, .jsonl.gz, .jsonl.zst, .parquet",
+        ),
     ],
 )
 def test_bad_files_name_the_file_and_line(
@@ -418,15 +485,19 @@ def test_continued_model_grows_or_refuses(tmp_path: Path) -> None:
 
 
 def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
-    """The real huggingface_hub client fetches dataset files; meta records the commit."""
+    """The real huggingface_hub client fetches dataset files, JSON lines and parquet; meta
+    records the commit."""
     rows = "".join(
         json.dumps({"text": f"hub document {i} says hello."}) + "\n" for i in range(3000)
+    )
+    parquet = write_rows(
+        tmp_path / "more.parquet", [{"text": f"parquet row {i}."} for i in range(500)]
     )
     sha = commit_sha("corpus")
     cfg_path = tmp_path / "config.yaml"
     raw = stconfig.load_yaml(REPO / "config" / "config.yaml")
     raw["data"] = {"train_tokens": 5000, "val_tokens": 500, "generated": {"weight": 1.0},
-                   "hub": [{"repo": "org/corpus", "files": ["train.jsonl"], "weight": 1.0}]}  # fmt: skip
+                   "hub": [{"repo": "org/corpus", "files": ["train.jsonl", "more.parquet"], "weight": 1.0}]}  # fmt: skip
     raw["tokenizer"]["training_sample_mb"] = 0.1
     import yaml
 
@@ -434,7 +505,8 @@ def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
     plan = tmp_path / "vocab.json"
     plan.write_text(json.dumps(vocab_padding(plan_for(stconfig.load(cfg_path), cpu_hardware()))))
     out = tmp_path / "out"
-    with serve_hub({"datasets/org/corpus": {"main": (sha, {"train.jsonl": rows.encode()})}}) as hub:
+    files = {"train.jsonl": rows.encode(), "more.parquet": parquet.read_bytes()}
+    with serve_hub({"datasets/org/corpus": {"main": (sha, files)}}) as hub:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         env.update(
             HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1"
@@ -448,7 +520,8 @@ def test_hub_dataset_source_through_a_loopback_hub(tmp_path: Path) -> None:
     hub_source = meta["sources"][1]
     assert hub_source["name"] == "hub:org/corpus" and hub_source["record"]["commit"] == sha
     assert hub_source["train_tokens"] >= 2500 and hub_source["val_tokens"] > 0
-    assert any("/datasets/org/corpus/resolve/main/train.jsonl" in r.path for r in hub.requests)
+    for name in files:
+        assert any(f"/datasets/org/corpus/resolve/main/{name}" in r.path for r in hub.requests)
 
     proc = subprocess.run(
         cmd,

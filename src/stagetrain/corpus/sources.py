@@ -20,9 +20,10 @@ from typing import Any, Literal
 from stagetrain.corpus.prose import paragraph
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
-from stagetrain.io import json_lines, not_utf8
+from stagetrain.io import not_utf8
 from stagetrain.tasks import sample, training_text
 from stagetrain.tasks.families import TaskSet, load_tasks
+from stagetrain.tasks.files import SUFFIXES, read_texts, suffix_of
 
 Split = Literal["train", "val"]
 log = logging.getLogger("stagetrain")
@@ -75,31 +76,32 @@ def generated(cfg: Mapping[str, Any], seed: int, tasks: TaskSet) -> Source:
                   controls=True)  # fmt: skip
 
 
-def _read_documents(path: Path, text_field: str) -> Iterator[str]:
-    """Documents of one file: a whole .txt file, or one per line of a .jsonl file."""
+def _read_documents(path: Path, text_field: str, shown: str) -> Iterator[str]:
+    """Documents of one file: a whole .txt file, or one per row of a JSON lines (plain, .gz,
+    .zst) or parquet file, read by the task files' reader. `shown`: the name errors use."""
     if path.suffix == ".txt":
         data = path.read_bytes()
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise not_utf8(str(path), data, err) from None
+            raise not_utf8(shown, data, err) from None
         yield text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as text mode reads them
         return
-    if path.suffix != ".jsonl":
-        raise StageError(f"{path}: expected a .txt or .jsonl file")
-    with open(path, "rb") as handle:
-        for where, row in json_lines(handle, str(path)):
-            if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                raise StageError(f"{where}: expected an object with a string field {text_field!r}")
-            yield row[text_field]
+    if suffix_of(path) is None:
+        raise StageError(f"{shown}: expected a .txt file or one of {', '.join(SUFFIXES)}")
+    for _, text in read_texts(path, text_field, shown):
+        yield text
 
 
 def _file_source(
-    name: str, paths: list[Path], cfg: Mapping[str, Any], val_share: float, record: dict
-) -> Source:
+    name: str, paths: list[tuple[Path, str]], cfg: Mapping[str, Any], val_share: float,
+    record: dict,
+) -> Source:  # fmt: skip
+    """`paths`: each file with the name its errors give."""
+
     def documents(split: Split) -> Iterator[str]:
-        for path in paths:
-            for text in _read_documents(path, cfg["text_field"]):
+        for path, shown in paths:
+            for text in _read_documents(path, cfg["text_field"], shown):
                 if text and text_split(text, val_share) == split:
                     yield text
 
@@ -107,12 +109,14 @@ def _file_source(
 
 
 def files(cfg: Mapping[str, Any], index: int, val_share: float) -> Source:
-    """Local .txt or .jsonl files matching a glob, in sorted order."""
+    """Local files matching a glob, in sorted order: .txt, JSON lines or parquet."""
     paths = sorted(Path(p) for p in glob.glob(cfg["path"], recursive=True))
     if not paths:
         raise StageError(f"data.files.{index}.path: {cfg['path']!r} matches no file")
     record = {"kind": "files", **cfg, "files": [str(p) for p in paths]}
-    return _file_source(f"files:{cfg['path']}", paths, cfg, val_share, record)
+    return _file_source(
+        f"files:{cfg['path']}", [(p, str(p)) for p in paths], cfg, val_share, record
+    )
 
 
 def hub(cfg: Mapping[str, Any], index: int, val_share: float) -> Source:
@@ -123,7 +127,7 @@ def hub(cfg: Mapping[str, Any], index: int, val_share: float) -> Source:
             path, commit = fetch(cfg["repo"], name, revision=cfg["revision"], repo_type="dataset")
         except HubError as err:
             raise StageError(f"data.hub.{index}: {err}") from None
-        paths.append(path)
+        paths.append((path, f"{cfg['repo']}/{name}"))
         commits.add(commit)
     record = {"kind": "hub", **cfg, "commit": sorted(commits)[0]}
     return _file_source(f"hub:{cfg['repo']}", paths, cfg, val_share, record)
