@@ -26,6 +26,7 @@ from stagetrain.training.experts import (
     routing_of,
     training_loss,
 )
+from stagetrain.training.metrics import scalars
 
 
 def test_load_stats_say_balanced_and_collapsed() -> None:
@@ -36,6 +37,21 @@ def test_load_stats_say_balanced_and_collapsed() -> None:
     assert collapsed["moe/load_entropy"] == pytest.approx((0.0 + 0.5) / 2)  # log 2 / log 4 = 0.5
     assert collapsed["moe/load_max_over_mean"] == pytest.approx((4.0 + 2.0) / 2)
     assert collapsed["moe/load_by_layer"] == [[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
+    assert collapsed["moe/load_entropy_by_layer"] == pytest.approx({"0": 0.0, "1": 0.5})
+    assert collapsed["moe/load_max_over_mean_by_layer"] == pytest.approx({"0": 4.0, "1": 2.0})
+
+
+def test_each_layers_load_reaches_tensorboard_as_a_scalar() -> None:
+    """TensorBoard takes scalars: the per-layer maps and the shares (layers x experts) are
+    flattened to one curve each, the way `MetricsLog` writes a record's events."""
+    record = {"step": 3, **load_stats(np.array([[1.0, 0.0], [0.25, 0.75]]))}
+    curves = scalars(record)
+    assert curves["moe/load_by_layer/1/1"] == 0.75 and curves["moe/load_by_layer/0/1"] == 0.0
+    assert curves["moe/load_max_over_mean_by_layer/0"] == pytest.approx(2.0)
+    assert curves["moe/load_entropy_by_layer/1"] == pytest.approx(0.8112781)
+    assert (
+        len([k for k in curves if k.startswith("moe/load_by_layer/")]) == 4 and "step" not in curves
+    )
 
 
 def test_expert_shares_count_each_tokens_top_k() -> None:

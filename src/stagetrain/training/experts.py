@@ -60,6 +60,8 @@ def load_stats(shares: np.ndarray) -> dict[str, Any]:
     return {
         "moe/load_entropy": float(entropy.mean()),
         "moe/load_max_over_mean": float(peak.mean()),
+        "moe/load_entropy_by_layer": {str(i): float(v) for i, v in enumerate(entropy)},
+        "moe/load_max_over_mean_by_layer": {str(i): float(v) for i, v in enumerate(peak)},
         "moe/load_by_layer": [[round(float(v), 5) for v in row] for row in shares],
     }
 

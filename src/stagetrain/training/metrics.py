@@ -45,19 +45,29 @@ def max_rss_gib() -> float:
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The plottable numbers of a record: numbers as they are, {name: number} maps flattened
-    to `key/name`; lists, strings and nulls left out."""
+    """The plottable numbers of a record: numbers as they are; {name: number} maps, lists of
+    numbers and lists of such lists (an MoE layer's expert shares) flattened to `key/name`,
+    `key/i` and `key/i/j`; strings, nulls and lists of anything else left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
-        if isinstance(value, bool) or key == "step":
-            continue
-        if isinstance(value, int | float):
-            out[key] = float(value)
-        elif isinstance(value, dict):
-            out.update(
-                {f"{key}/{k}": float(v) for k, v in value.items() if isinstance(v, int | float)}
-            )
+        if key != "step":
+            out.update(_numbers(key, value))
     return out
+
+
+def _numbers(key: str, value: Any) -> dict[str, float]:
+    if isinstance(value, bool):
+        return {}
+    if isinstance(value, int | float):
+        return {key: float(value)}
+    if isinstance(value, dict):
+        return {f"{key}/{k}": float(v) for k, v in value.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    if isinstance(value, list) and all(isinstance(v, int | float | list) for v in value):
+        return {
+            k: v for i, item in enumerate(value) for k, v in _numbers(f"{key}/{i}", item).items()
+        }
+    return {}
 
 
 WANDB_MISSING = (
