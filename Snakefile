@@ -19,8 +19,9 @@ from stagetrain import configfiles
 
 # A config file given with --configfile stands on its own: every key it leaves
 # out takes the schema's default, never config/config.yaml's. The embedded
-# default runs only when no --configfile is given (config/README.md).
-if not workflow.overwrite_configfiles:
+# default runs only when no --configfile is given (config/README.md), and not
+# when another workflow uses this one as a module with its own config.
+if not workflow.overwrite_configfiles and not workflow.modifier.skip_configfile:
     configfiles.check(["config/config.yaml"])
 
     configfile: "config/config.yaml"

@@ -35,6 +35,9 @@ except StageError as _err:
     sys.exit(f"error: {_err}")
 
 RUN = f"results/{config['run']['name']}"
+# The workflow's own folder (this file is workflow/rules/common.smk in it): workflow.basedir
+# is the using workflow's when another one uses this as a module.
+WORKFLOW_ROOT = Path(workflow.current_basedir).parents[1]
 TRAINING_STAGES = ["pretrain", "grpo"]
 # The keys of each section that shape the plan: editing any other key of these
 # sections (a learning rate, a curriculum threshold) must not replan.
@@ -105,7 +108,7 @@ def code_of(script):
     """A digest of scripts/<script>.py and every stagetrain module it reaches: a rule param,
     so an edited library module reruns exactly the stages that run it."""
     root = Path(stagetrain.__file__).resolve().parent.parent
-    return code_digest(Path(workflow.basedir) / "scripts" / f"{script}.py", root)
+    return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root)
 
 
 def get_vocab_padding(wildcards):
