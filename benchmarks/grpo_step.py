@@ -147,6 +147,21 @@ def _instrument(timers: Timers, trained: list[list[tuple[list[int], list[int]]]]
     train.setup = instrumented_setup
 
 
+@contextlib.contextmanager
+def _whole_models() -> Iterator[None]:
+    """Loading outside ZeRO-3: a stage run under ZeRO-3 registered its DeepSpeed config with
+    transformers, whose `from_pretrained` would then build the bare loop's models partitioned.
+    The registration is a module global of transformers' (no public way to set it aside)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
+
+
 def _bare_floor(
     run: Any, trained: list[list[tuple[list[int], list[int]]]], warmup: int
 ) -> tuple[float, dict[str, float]]:
@@ -159,14 +174,10 @@ def _bare_floor(
     cfg, spec, pad = run.cfg, run.spec, run.tokenizer.pad_token_id
     dtype = next(run.engine.module.parameters()).dtype
     kernel = run.engine.module.config._attn_implementation  # the stage's, from its plan
-    policy = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel).to(
-        dtype
-    )
-    reference = (
-        AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel)
-        .to(dtype)
-        .eval()
-    )
+    with _whole_models():
+        policy = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel)
+        reference = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel)
+    policy, reference = policy.to(dtype), reference.to(dtype).eval()
     reference.requires_grad_(False)
     ddp = DistributedDataParallel(policy, process_group=run.engine.data_parallel_group)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.optimizer.lr)
@@ -265,7 +276,7 @@ def rank(spec_path: str, warmup: int, out: str) -> None:
         if dist.get_rank() == 0:
             result = {"steps": n, "step_s": elapsed / n, "phases": stage, "once": once, "bare_step_s": bare, "bare_phases": bare_phases, "lead_s": lead,
                       "eval_every": run.cfg.eval_every, "log_every": run.cfg.log_every, "checkpoint_every": run.cfg.checkpoint_every,
-                      "precision": run.layout.precision, "attention": run.engine.module.config._attn_implementation, "dp": run.layout.dp, "warmup": warmup,
+                      "precision": run.layout.precision, "attention": run.engine.module.config._attn_implementation, "dp": run.layout.dp, "zero_stage": run.engine.zero_optimization_stage(), "warmup": warmup,
                       "tokens_per_step": sum(len(p) + len(c) for p, c in trained[-1]) * run.layout.dp}  # fmt: skip
             Path(out).write_text(json.dumps(result))
 
@@ -273,10 +284,12 @@ def rank(spec_path: str, warmup: int, out: str) -> None:
 
 
 def _job(
-    spec_path: Path, scratch: Path, steps: int, precision: str | None, attention: str | None
-) -> Path:
+    spec_path: Path, scratch: Path, steps: int, precision: str | None, attention: str | None,
+    zero: int | None = None,
+) -> Path:  # fmt: skip
     """A copy of the stage's job spec: `steps` steps, every output in `scratch`, and its plan
-    and DeepSpeed config copied too, in `precision` and with `attention` where given."""
+    and DeepSpeed config copied too, in `precision`, with `attention` and at ZeRO stage `zero`
+    where given."""
     from stagetrain.io import read_json
 
     spec = read_json(spec_path)
@@ -296,6 +309,9 @@ def _job(
         plan["stages"]["grpo"]["layout"]["precision"] = precision
     if attention:
         plan["attention"] = attention
+    if zero is not None:
+        ds["zero_optimization"] = {**ds["zero_optimization"], "stage": zero}
+        plan["stages"]["grpo"]["layout"]["zero_stage"] = zero
     for name, doc in (("deepspeed_config", ds), ("plan", plan)):
         (scratch / f"{name}.json").write_text(json.dumps(doc))
         spec[name] = str(scratch / f"{name}.json")
@@ -343,6 +359,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="instead of the plan's")
     parser.add_argument("--attention", choices=("sdpa", "eager"), help="instead of the plan's")
+    parser.add_argument(
+        "--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage, instead of the plan's"
+    )
     parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -354,7 +373,8 @@ def main() -> None:
     from stagetrain.training.launch import torchrun_command
 
     with tempfile.TemporaryDirectory() as tmp:
-        job = _job(args.spec, Path(tmp), args.warmup + args.steps, args.precision, args.attention)
+        job = _job(args.spec, Path(tmp), args.warmup + args.steps, args.precision, args.attention,
+                   args.zero)  # fmt: skip
         world = read_json(read_json(job)["plan"])["world"]
         out = Path(tmp) / "result.json"
         cmd = torchrun_command(nodes=1, procs_per_node=world, module="benchmarks.grpo_step",
@@ -368,7 +388,8 @@ def main() -> None:
             )
         result = json.loads(out.read_text())
     result["ratio"] = result["step_s"] / result["bare_step_s"]
-    print(f"{result['precision']}, {result['attention']} attention, dp {result['dp']}, {result['tokens_per_step']} tokens trained per step, "
+    print(f"{result['precision']}, {result['attention']} attention, dp {result['dp']}, ZeRO-{result['zero_stage']}, "
+          f"{result['tokens_per_step']} tokens trained per step, "
           f"{result['steps']} steady steps")  # fmt: skip
     print(table(result))
     print(f"ratio (stage step / bare step): {result['ratio']:.2f}")
