@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import os
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness.datafiles import write_rows
 from harness.hub import commit_sha, hub_call, serve_hub
 from harness.planning import cpu_hardware, plan_for
 from harness.workflow import REPO, default_config
@@ -187,25 +187,6 @@ def test_generated_problems_stay_in_their_split(sources: list[corpus_sources.Sou
     ]
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
-    """`rows` as a data file of the kind `path`'s suffix names (.jsonl, .jsonl.gz, .jsonl.zst, .parquet)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import zstandard
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.name.endswith(".parquet"):
-        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=64)  # several groups
-        return path
-    lines = "".join(json.dumps(row) + "\n" for row in rows).encode()
-    if path.name.endswith(".gz"):
-        lines = gzip.compress(lines)
-    elif path.name.endswith(".zst"):
-        lines = zstandard.ZstdCompressor().compress(lines)
-    path.write_bytes(lines)
-    return path
-
-
 CORPUS_KINDS = (".jsonl.gz", ".jsonl.zst", ".parquet")
 
 
@@ -216,7 +197,11 @@ def test_compressed_and_parquet_corpora_read_as_their_json_lines(tmp_path: Path,
     rows = [{"id": i, "body": f"document {i} of the corpus."} for i in range(300)]
 
     def documents(name: str) -> tuple[list[str], list[str]]:
-        write_rows(tmp_path / name / f"part{kind if name == 'other' else '.jsonl'}", rows)
+        write_rows(
+            tmp_path / name / f"part{kind if name == 'other' else '.jsonl'}",
+            rows,
+            row_group_size=64,
+        )
         source = corpus_sources.files(
             {"path": str(tmp_path / name / "*"), "weight": 1.0, "text_field": "body"}, 0, 0.25
         )

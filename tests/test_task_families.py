@@ -8,16 +8,13 @@ tests/test_grpo_tasks.py.
 from __future__ import annotations
 
 import gzip
-import json
 import random
 import re
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import zstandard
+from harness.datafiles import write_rows
 from harness.workflow import default_config
 
 from stagetrain import config as stconfig
@@ -39,20 +36,6 @@ def rows(n: int = 1800, levels: int = 3) -> list[dict[str, Any]]:
     ]
 
 
-def write(path: Path, content: list[dict[str, Any]]) -> Path:
-    """`content` in the format `path`'s suffix names."""
-    if path.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(content), path)
-        return path
-    data = "".join(json.dumps(r) + "\n" for r in content).encode()
-    if path.name.endswith(".gz"):
-        data = gzip.compress(data)
-    elif path.name.endswith(".zst"):
-        data = zstandard.ZstdCompressor().compress(data)
-    path.write_bytes(data)
-    return path
-
-
 def family(files: list[Any], **changes: Any) -> dict[str, Any]:
     return {
         "name": "doubles",
@@ -71,7 +54,7 @@ def tasks(*families: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst", "t.parquet"])
 def test_every_format_loads_the_same_family(tmp_path: Path, name: str) -> None:
-    loaded = load_tasks(tasks(family([str(write(tmp_path / name, rows()))])))
+    loaded = load_tasks(tasks(family([str(write_rows(tmp_path / name, rows()))])))
     pool = get_family("doubles").pool
     assert pool is not None and get_family("doubles").max_level == 3
     problems = sorted((p for ps in pool.values() for p in ps), key=lambda p: p.columns["i"])
@@ -91,12 +74,12 @@ def test_every_format_loads_the_same_family(tmp_path: Path, name: str) -> None:
 
 def test_globs_and_level_edges_bucket_a_difficulty(tmp_path: Path) -> None:
     content = rows(2400)
-    write(tmp_path / "a.jsonl", content[:1200])
-    write(tmp_path / "b.parquet", content[1200:])
+    write_rows(tmp_path / "a.jsonl", content[:1200])
+    write_rows(tmp_path / "b.parquet", content[1200:])
     for r in content:
         r["difficulty"] = [0.5, 2.5, 7.0][r["i"] % 3]
-    write(tmp_path / "a.jsonl", content[:1200])
-    write(tmp_path / "b.parquet", content[1200:])
+    write_rows(tmp_path / "a.jsonl", content[:1200])
+    write_rows(tmp_path / "b.parquet", content[1200:])
     load_tasks(
         tasks(family([str(tmp_path / "a.jsonl"), str(tmp_path / "*.parquet")], level_edges=[1, 5]))
     )
@@ -107,7 +90,7 @@ def test_globs_and_level_edges_bucket_a_difficulty(tmp_path: Path) -> None:
 
 
 def test_heldout_problems_are_the_test_split_once_each(tmp_path: Path) -> None:
-    load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", rows()))])))
+    load_tasks(tasks(family([str(write_rows(tmp_path / "t.jsonl", rows()))])))
     held = heldout("doubles", 1, 10_000, seed=1)
     assert held and len({p.key for p in held}) == len(held)
     assert {split_of(p.key) for p in held} == {"test"} and {p.level for p in held} == {1}
@@ -157,7 +140,7 @@ def test_heldout_problems_are_the_test_split_once_each(tmp_path: Path) -> None:
 def test_a_bad_row_is_one_line_naming_file_and_row(
     tmp_path: Path, row: dict[str, Any], expected: str
 ) -> None:
-    path = write(tmp_path / "t.jsonl", [*rows()[:5], row])
+    path = write_rows(tmp_path / "t.jsonl", [*rows()[:5], row])
     with pytest.raises(StageError) as err:
         load_tasks(tasks(family([str(path)])))
     message = str(err.value)
@@ -181,7 +164,7 @@ def test_an_empty_family_a_gap_or_a_small_level_is_refused(
     tmp_path: Path, content: list, expected: str
 ) -> None:
     with pytest.raises(StageError) as err:
-        load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", content))])))
+        load_tasks(tasks(family([str(write_rows(tmp_path / "t.jsonl", content))])))
     assert expected in str(err.value), err.value
     if "100 problems" in expected:  # the counts per split, and what each level needs
         assert "train, " in str(
@@ -286,7 +269,7 @@ def test_a_tasks_family_may_be_trained_replayed_and_in_the_corpus() -> None:
 
 
 def test_local_task_and_reward_files_are_declared_inputs(tmp_path: Path) -> None:
-    write(tmp_path / "a.jsonl", rows())
+    write_rows(tmp_path / "a.jsonl", rows())
     reward = tmp_path / "reward.py"
     reward.write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
     config = default_config()
@@ -330,7 +313,7 @@ def judge_for(
 ) -> tuple[Judge, list]:
     """A Judge of a 'doubles' family whose reward file holds `body`; and the family's level-1 problems."""
     (tmp_path / "reward.py").write_text(body)
-    path = write(tmp_path / "t.jsonl", rows())
+    path = write_rows(tmp_path / "t.jsonl", rows())
     rewards = [{**r, "function": r["function"].replace("FILE", str(tmp_path / "reward.py"))} if "function" in r else r
                for r in rewards]  # fmt: skip
     loaded = load_tasks(tasks(family([str(path)], rewards=rewards, **changes)))
@@ -471,7 +454,7 @@ def tokenizer() -> Any:
 
 
 def test_a_chat_template_renders_prompts_token_for_token(tokenizer: Any, tmp_path: Path) -> None:
-    load_tasks(tasks(family([str(write(tmp_path / "t.jsonl", rows()))])))
+    load_tasks(tasks(family([str(write_rows(tmp_path / "t.jsonl", rows()))])))
     problem = get_family("doubles").pool[(1, "train")][0]
     plain = Prompter(tokenizer, chat_template=True, limit=64)
     assert (
