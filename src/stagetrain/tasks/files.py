@@ -102,12 +102,12 @@ def read_texts(path: str | Path, field: str, shown: str | None = None) -> Iterat
         yield from _parquet_texts(path, shown, field)
         return
     for where, row in read_rows(path, shown):
-        text = row.get(field)
         if field not in row:
             has = ", ".join(sorted(row)) or "no fields"
             raise StageError(
                 f"{where}: no field {field!r} (it has: {has}); set text_field to the one that holds the text"
             )
+        text = row[field]
         if not isinstance(text, str):
             raise StageError(f"{where}: field {field!r} holds {type(text).__name__}, not text")
         yield where, text

@@ -60,9 +60,9 @@ def _numbers(key: str, value: Any) -> dict[str, float]:
         return {}
     if isinstance(value, int | float):
         return {key: float(value)}
-    if isinstance(value, dict):
-        return {f"{key}/{k}": float(v) for k, v in value.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    if isinstance(value, dict):  # a {name: number} map; deeper maps are left out
+        numbers = {k: v for k, v in value.items() if isinstance(v, int | float)}
+        return {f"{key}/{k}": float(v) for k, v in numbers.items() if not isinstance(v, bool)}
     if isinstance(value, list) and all(isinstance(v, int | float | list) for v in value):
         return {
             k: v for i, item in enumerate(value) for k, v in _numbers(f"{key}/{i}", item).items()
