@@ -52,8 +52,8 @@ GRPO_GOLDEN = {
     0.37297523021698, 0.0005397998611442745, -0.21207670867443085, 0.00011155747779412195,
   ],
 }  # fmt: skip
-"""Per step, from the scoring start (`harness.training.scoring_model`, itself ten golden-like fp32
-steps away from the same data): the mean reward, which holds the completions sampled (a token
+"""Per step, from the scoring start (`harness.training.scoring_model`: 150 fp32 pretraining steps on
+one rank, from the same data, as repeatable as the run above): the mean reward, which holds the completions sampled (a token
 sampled otherwise changes a reward), and the loss, which holds the log-probs, advantages, KL term
 and normaliser. Pinned so that a change meant to make a step cheaper (issue 32) shows that it
 left the samples and the updates alone."""
