@@ -101,6 +101,9 @@ def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) 
     assert set(summary["accuracy"]["gain"]["by_family"]) == {"counting", "comparison"}
     assert summary["accuracy"]["gain"]["mean"]["families"] == ["counting"]
     records = _records(tmp_path)[1:]
+    # The KL term's reference exists under ZeRO-3 too (partitioned like the policy): its
+    # DeepSpeed engine's eval() returns None, which once left GRPO under ZeRO-3 without one.
+    assert cfg["grpo"]["kl_coef"] > 0 and all(r.get("kl") is not None for r in records), records
     assert all(r["rollout/generated_tokens"] < r["rollout/flat_equivalent_tokens"] for r in records)
     assert all(
         r["tree/leaves"] >= 2 * 4 and r["tree/nodes"] >= r["tree/leaves"] for r in records

@@ -215,7 +215,7 @@ def _before_update(
         if run.cfg.passes > 1:
             old = [token_logprobs(run.engine, c, run.device, pad, **policy)[0] for c in items]
         ref = None
-        if run.reference:
+        if run.reference is not None:
             ref = [token_logprobs(run.reference, c, run.device, pad, **policy)[0] for c in items]
     sampler = [_token_rows(d, c, m.shape[1], fill=float("nan")).to(m.device)
                for c, d, m in zip(items, drawn, masks, strict=True)]  # fmt: skip

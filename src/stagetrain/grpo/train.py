@@ -82,7 +82,8 @@ def _reference(
     if ds_config["zero_optimization"]["stage"] == 3:
         config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
         engine, *_ = deepspeed.initialize(model=model, config=config)
-        return engine.eval()
+        engine.eval()  # DeepSpeedEngine.eval returns None, not the engine as nn.Module's does
+        return engine
     return model.to(device=device, dtype=dtype).eval()
 
 
