@@ -6,7 +6,7 @@ The one reader of the task families' files (`read_rows`) and of the corpus's
 it names the file and the row. Parquet is read with pyarrow and zstandard streams
 with the zstandard package (both maintained readers; Python's own gzip covers
 .gz). Files stream, a line or a record batch at a time; a corpus's parquet file is
-read one column, in batches of `TEXT_BATCH_ROWS`, so memory does not grow with it.
+read one column, in batches of `BATCH_ROWS`, so memory does not grow with it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from stagetrain.errors import StageError
 from stagetrain.io import json_lines
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-TEXT_BATCH_ROWS = 1024
-"""Rows of a corpus parquet file decoded at once: at 10 KB a document, 10 MB."""
+BATCH_ROWS = 1024
+"""Rows of a parquet file decoded at once: at 10 KB a corpus document, 10 MB."""
 
 
 def suffix_of(path: str | Path) -> str | None:
@@ -31,15 +31,18 @@ def suffix_of(path: str | Path) -> str | None:
     return next((s for s in SUFFIXES if name.endswith(s)), None)
 
 
-def read_rows(path: str | Path, shown: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+def read_rows(
+    path: str | Path, shown: str | None = None, *, columns: list[str] | None = None
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, row) of every row of a task file, in file order; `shown` is the name errors use
-    (a hub file's repo and name rather than its cache path)."""
+    (a hub file's repo and name rather than its cache path); `columns`: the only ones a parquet
+    file is read for (JSON lines are parsed whole)."""
     path, shown = Path(path), shown or str(path)
     kind = suffix_of(path)
     if kind is None:
         raise StageError(f"{shown}: not a task file; expected one of {', '.join(SUFFIXES)}")
     if kind == ".parquet":
-        yield from _parquet_rows(path, shown)
+        yield from _parquet_rows(path, shown, columns)
         return
     corrupt: tuple[type[Exception], ...] = (
         OSError,
@@ -76,67 +79,66 @@ def _json_lines(handle: IO[bytes], shown: str) -> Iterator[tuple[str, dict[str, 
         yield where, row
 
 
-def _parquet_rows(path: Path, shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def _parquet_rows(
+    path: Path, shown: str, columns: list[str] | None
+) -> Iterator[tuple[str, dict[str, Any]]]:
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
         table = pq.ParquetFile(path)
         number = 0
-        for batch in table.iter_batches():
+        for batch in table.iter_batches(batch_size=BATCH_ROWS, columns=columns):
             for row in batch.to_pylist():
                 number += 1
                 yield f"{shown}:row {number}", row
     except pyarrow.ArrowException as err:
-        raise StageError(
-            f"{shown}: not a readable parquet file ({str(err).splitlines()[0]})"
-        ) from None
+        raise _unreadable(shown, err) from None
+
+
+def _unreadable(shown: str, err: Exception) -> StageError:
+    return StageError(f"{shown}: not a readable parquet file ({str(err).splitlines()[0]})")
 
 
 def read_texts(path: str | Path, field: str, shown: str | None = None) -> Iterator[tuple[str, str]]:
     """(where, text) of `field` in every row of a data file, in file order: a corpus file's
     documents. A row without the field, or with something else than text in it, is one line
-    naming the file, the row and what it has."""
+    naming the file, the row and what it has; a parquet file's column is checked once, from
+    its schema, and read alone."""
     path, shown = Path(path), shown or str(path)
-    if suffix_of(path) == ".parquet":
-        yield from _parquet_texts(path, shown, field)
-        return
-    for where, row in read_rows(path, shown):
+    parquet = suffix_of(path) == ".parquet"
+    if parquet:
+        _check_text_column(path, shown, field)
+    word = "column" if parquet else "field"
+    for where, row in read_rows(path, shown, columns=[field] if parquet else None):
         if field not in row:
             has = ", ".join(sorted(row)) or "no fields"
             raise StageError(
                 f"{where}: no field {field!r} (it has: {has}); set text_field to the one that holds the text"
             )
         text = row[field]
+        if text is None:
+            raise StageError(f"{where}: {word} {field!r} is null, not text")
         if not isinstance(text, str):
-            raise StageError(f"{where}: field {field!r} holds {type(text).__name__}, not text")
+            raise StageError(f"{where}: {word} {field!r} holds {type(text).__name__}, not text")
         yield where, text
 
 
-def _parquet_texts(path: Path, shown: str, field: str) -> Iterator[tuple[str, str]]:
+def _check_text_column(path: Path, shown: str, field: str) -> None:
+    """A parquet file's `field` is a column of strings, from the file's footer alone."""
     import pyarrow
     import pyarrow.parquet as pq
     import pyarrow.types as types
 
     try:
-        handle = pq.ParquetFile(path)
-        schema = handle.schema_arrow
-        if field not in schema.names:
-            raise StageError(
-                f"{shown}: no column {field!r} (it has: {', '.join(schema.names)}); "
-                "set text_field to the one that holds the text"
-            )
-        kind = schema.field(field).type
-        if not (types.is_string(kind) or types.is_large_string(kind)):
-            raise StageError(f"{shown}: column {field!r} holds {kind}, not text (a string column)")
-        number = 0
-        for batch in handle.iter_batches(batch_size=TEXT_BATCH_ROWS, columns=[field]):
-            for text in batch.column(0).to_pylist():
-                number += 1
-                if text is None:
-                    raise StageError(f"{shown}:row {number}: column {field!r} is null, not text")
-                yield f"{shown}:row {number}", text
+        schema = pq.read_schema(path)
     except pyarrow.ArrowException as err:
+        raise _unreadable(shown, err) from None
+    if field not in schema.names:
         raise StageError(
-            f"{shown}: not a readable parquet file ({str(err).splitlines()[0]})"
-        ) from None
+            f"{shown}: no column {field!r} (it has: {', '.join(schema.names)}); "
+            "set text_field to the one that holds the text"
+        )
+    kind = schema.field(field).type
+    if not (types.is_string(kind) or types.is_large_string(kind)):
+        raise StageError(f"{shown}: column {field!r} holds {kind}, not text (a string column)")
