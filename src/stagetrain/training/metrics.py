@@ -55,15 +55,16 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _numbers(key: str, value: Any) -> dict[str, float]:
-    if isinstance(value, bool):
-        return {}
-    if isinstance(value, int | float):
+    if _is_number(value):
         return {key: float(value)}
     if isinstance(value, dict):  # a {name: number} map; deeper maps are left out
-        numbers = {k: v for k, v in value.items() if isinstance(v, int | float)}
-        return {f"{key}/{k}": float(v) for k, v in numbers.items() if not isinstance(v, bool)}
-    if isinstance(value, list) and all(isinstance(v, int | float | list) for v in value):
+        return {f"{key}/{k}": float(v) for k, v in value.items() if _is_number(v)}
+    if isinstance(value, list) and all(_is_number(v) or isinstance(v, list) for v in value):
         return {
             k: v for i, item in enumerate(value) for k, v in _numbers(f"{key}/{i}", item).items()
         }
