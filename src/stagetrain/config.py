@@ -37,6 +37,7 @@ import yaml
 from jsonschema import Draft202012Validator, validators
 
 from stagetrain.errors import StageError
+from stagetrain.settings import training_settings
 from stagetrain.tasks.registry import FAMILIES
 from stagetrain.tasks.rewards import parse_function
 
@@ -212,8 +213,6 @@ def validate(
 def _check_warmups(config: Mapping[str, Any], source: str) -> None:
     """Each stage's warmup within its optimizer steps: DeepSpeed's schedule only logs a warning
     and the learning rate never reaches the configured one."""
-    from stagetrain.settings import training_settings
-
     for stage in ("pretrain", "grpo"):
         steps = training_settings(stage, config[stage]).optimizer_steps
         warmup = config[stage]["optimizer"]["warmup_steps"]
