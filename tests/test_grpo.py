@@ -145,14 +145,14 @@ def lone_config() -> dict[str, Any]:
 def lone(start: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The uninterrupted GRPO run, alone on its folder, that every drill's runs must end as (the
     killed, the two-at-once, the killed-while-saving, and the 2 -> 1 rank resume), with its
-    folder as `out` and the debug prompt log the 2 -> 1 drill compares."""
+    debug prompt log the 2 -> 1 drill compares (beside metrics.jsonl, in its checkpoint folder)."""
     data, model = start
     out = tmp_path_factory.mktemp("lone-grpo")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("STAGETRAIN_WINDOW_LOG", "1")
         summary = run_grpo(data, model, out, world=2, layout=DRILL_LAYOUT, cfg=lone_config())
     assert_learning_signal(out / "metrics.jsonl")
-    return {**summary, "out": str(out)}
+    return summary
 
 
 def _same_as(summary: dict[str, Any], lone: dict[str, Any]) -> None:
@@ -191,7 +191,8 @@ def test_killed_grpo_resumes_to_the_same_result(
     _same_as(resumed, lone)
     assert resumed["curriculum"] == lone["curriculum"]
     assert resumed["levels"] == lone["levels"]
-    events = [e for r in _records(Path(lone["out"])) for e in r.get("curriculum/events", [])]
+    records = _records(Path(lone["checkpoint"]["folder"]))
+    events = [e for r in records for e in r.get("curriculum/events", [])]
     assert events and all(e["family"] in FAMILIES for e in events)
     assert events == sorted(
         (e for s in lone["curriculum"].values() for e in s["events"]),
