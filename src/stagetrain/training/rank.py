@@ -70,7 +70,10 @@ def rank_main(body: Callable[[dict], None], argv: list[str] | None = None) -> No
     try:
         body(spec)
     except StageError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        # One write of the whole line: every rank says it into one pipe, and a line printed
+        # in two writes (text, then newline, as print does unbuffered) interleaved with its twin.
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), f"error: {err}\n".encode())
         status = 1
     finally:
         if dist.is_initialized():
