@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from harness.configs import apply_config, small_grpo, small_run
+from harness.sessions import made_once, shared_root
 from harness.workflow import REPO, copy_workflow, snakemake
 
 from stagetrain.config import read_file
@@ -18,8 +19,34 @@ from stagetrain.config import read_file
 if TYPE_CHECKING:
     from harness.training import SharedRuns
 
+LONGEST_FIRST = (
+    "test_default_run.py", "test_elastic.py", "slurm", "test_commands.py", "test_workflow.py",
+    "test_consolidate.py", "test_pretrain_dist.py", "test_grpo.py", "test_reruns.py",
+    "test_experts.py",
+)  # fmt: skip
+"""The units of work (a module, or an `xdist_group`) that take longest, measured
+(docs/development.md): the workers take them first, so that the suite does not end waiting
+for one long test that started last."""
+
 EXAMPLE_FAMILY = read_file(REPO / "config/presets/own-tasks.yaml")["tasks"]["families"][0]
 """The worked example's family, as the own-tasks preset declares it (paths relative to a workflow copy)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`--dist loadgroup`, pyproject.toml), one worker runs the whole of a
+    unit: its module, so that a module fixture is made once, or the `xdist_group` it is
+    marked with (the Slurm tests share one cluster). The longest units come first."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    rank = {unit: at for at, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_unit(item), len(rank)))
+
+
+def _unit(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark and mark.args else item.path.name
 
 
 @pytest.fixture
@@ -33,12 +60,16 @@ def finished_small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A workflow copy whose shrunk default pipeline has run to the end, shared by the tests that
     read it. Its tasks section declares the worked example's family (examples/largest), which
     neither the corpus nor GRPO uses: its data and reward file are inputs all the same."""
-    root = copy_workflow(tmp_path_factory.mktemp("finished") / "wf")
-    small_run(root, steps=4)
-    small_grpo(root)
-    apply_config(root / "config/config.yaml", tasks={"families": [EXAMPLE_FAMILY]})
-    snakemake(root, "all")
-    return root
+
+    def make(folder: Path) -> str:
+        root = copy_workflow(folder / "wf")
+        small_run(root, steps=4)
+        small_grpo(root)
+        apply_config(root / "config/config.yaml", tasks={"families": [EXAMPLE_FAMILY]})
+        snakemake(root, "all")
+        return str(root)
+
+    return Path(made_once(shared_root(tmp_path_factory) / "finished", make))
 
 
 @pytest.fixture
@@ -50,12 +81,12 @@ def finished_copy(finished_small_run: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def comm_op() -> None:
+def comm_op(tmp_path_factory: pytest.TempPathFactory) -> None:
     """DeepSpeed's CPU shared-memory comm op, built once in a process of its own before any
     ranks start (as the stage's launcher does); every multi-rank test asks for it."""
     from harness.training import build_comm_op
 
-    build_comm_op()
+    made_once(shared_root(tmp_path_factory) / "comm-op", lambda _: build_comm_op())
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +95,7 @@ def data(comm_op: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     per session (read only)."""
     from harness.training import prepare_data
 
-    return prepare_data(tmp_path_factory.mktemp("data"))
+    return made_once(shared_root(tmp_path_factory) / "data", prepare_data)
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +104,9 @@ def scoring_start(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     per session for the GRPO tests (read only)."""
     from harness.training import scoring_model
 
-    return scoring_model(data, tmp_path_factory.mktemp("scoring"))
+    return made_once(
+        shared_root(tmp_path_factory) / "scoring", lambda folder: scoring_model(data, folder)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -82,4 +115,4 @@ def shared_runs(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
     shared by test_pretrain_dist, test_consolidate, test_grpo and test_lifecycle (read only)."""
     from harness.training import SharedRuns
 
-    return SharedRuns(data, tmp_path_factory.mktemp("shared-runs"))
+    return SharedRuns(data, shared_root(tmp_path_factory) / "shared-runs")

@@ -33,6 +33,7 @@ from stagetrain.training.launch import job_spec, torchrun_command
 
 from .configs import merge, named_config
 from .planning import cpu_hardware, plan_for
+from .sessions import made_once
 
 FIXED = {"activation_checkpointing": False, "offload": "none"}
 """What every harness run fixes beside the layout a test asks for."""
@@ -230,12 +231,14 @@ class SharedRuns:
 
     def __getitem__(self, name: str) -> dict[str, Any]:
         if name not in self._made:
-            layout, model = SHARED[name]
-            out = self.root / name
-            config = model_config(out / "model", **model) if model else self.data["model_config"]
-            summary = run(self.data, out, world=2, layout=layout, model_config=config)
-            self._made[name] = {**summary, "model_config": config}
+            self._made[name] = made_once(self.root / name, functools.partial(self._make, name))
         return self._made[name]
+
+    def _make(self, name: str, out: Path) -> dict[str, Any]:
+        layout, model = SHARED[name]
+        config = model_config(out / "model", **model) if model else self.data["model_config"]
+        summary = run(self.data, out, world=2, layout=layout, model_config=config)
+        return {**summary, "model_config": config}
 
 
 SCORING_FAMILIES = ["counting", "comparison"]
