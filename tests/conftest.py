@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from harness.configs import apply_config, small_grpo, small_run
@@ -19,34 +19,45 @@ from stagetrain.config import read_file
 if TYPE_CHECKING:
     from harness.training import SharedRuns
 
+SHARED_UNITS = {"test_cluster.py": "slurm", "test_multinode.py": "slurm"}
+"""Modules one xdist worker runs together: the Slurm tests, so that the two clusters' jobs do
+not run beside each other's."""
 LONGEST_FIRST = (
     "test_default_run.py", "test_elastic.py", "slurm", "test_commands.py", "test_workflow.py",
     "test_consolidate.py", "test_pretrain_dist.py", "test_grpo.py", "test_reruns.py",
     "test_experts.py",
 )  # fmt: skip
-"""The units of work (a module, or an `xdist_group`) that take longest, measured
-(docs/development.md): the workers take them first, so that the suite does not end waiting
-for one long test that started last."""
+"""The units of work that take longest, measured (docs/development.md): the workers take them
+first, so that the suite does not end waiting for one long test that started last."""
 
 EXAMPLE_FAMILY = read_file(REPO / "config/presets/own-tasks.yaml")["tasks"]["families"][0]
 """The worked example's family, as the own-tasks preset declares it (paths relative to a workflow copy)."""
 
 
-@pytest.hookimpl(tryfirst=True)
+def unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module, or its SHARED_UNITS group."""
+    module = Path(nodeid.split("::", 1)[0]).name
+    return SHARED_UNITS.get(module, module)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`--dist loadgroup`, pyproject.toml), one worker runs the whole of a
-    unit: its module, so that a module fixture is made once, or the `xdist_group` it is
-    marked with (the Slurm tests share one cluster). The longest units come first."""
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-    rank = {unit: at for at, unit in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_unit(item), len(rank)))
+    """The longest units first; xdist's workers take units in this order."""
+    rank = {name: at for at, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(unit(item.nodeid), len(rank)))
 
 
-def _unit(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0]) if mark and mark.args else item.path.name
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduler by scope, with `unit` as the scope: one worker runs the whole of a
+    unit, so that a module fixture is made once. (xdist's own `loadgroup` marks its groups by
+    rewriting node ids, which pytest 9 no longer reads: its groups were split over workers.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(nodeid)
+
+    return ByUnit(config, log)
 
 
 @pytest.fixture

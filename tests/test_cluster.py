@@ -17,7 +17,7 @@ import pytest
 from harness.configs import edit_config, small_run
 from harness.workflow import REPO, snakemake
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster: one worker
+pytestmark = pytest.mark.slow
 
 
 def resources(out: str, rule: str) -> dict[str, str]:

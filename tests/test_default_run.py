@@ -29,7 +29,8 @@ FORGETTING_SIGMAS = 2
 def test_the_default_run_improves_on_held_out_problems_and_climbs_the_curriculum(
     workdir: Path,
 ) -> None:
-    snakemake(workdir, "all")
+    # Seven minutes alone on 2 cores; beside the other xdist worker's tests, up to twice that.
+    snakemake(workdir, "all", timeout=1800)
     summary = json.loads((workdir / "results/tiny/grpo/summary.json").read_text())
     events = [e for state in summary["curriculum"].values() for e in state["events"]]
     assert any(e["kind"] == "promote" and e["to"] >= 2 for e in events), summary["curriculum"]

@@ -27,7 +27,7 @@ from harness.workflow import CLUSTER_SNAKEMAKE, REPO, snakemake
 
 from stagetrain.training.launch import node_torchrun, rank_environment
 
-pytestmark = [pytest.mark.slow, pytest.mark.multinode, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 HOSTS_SH = ["bash", str(REPO / ".ci" / "hosts.sh")]
 HOSTS = ("node1", "node2")
 LINK = "eth0"

@@ -42,7 +42,9 @@ def copy_workflow(root: Path) -> Path:
     return root
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def snakemake(
+    workdir: Path, *args: str, check: bool = True, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """Run the real Snakemake in `workdir`; fail the test with its output if `check` and it fails.
     A run with a workflow profile (a cluster's) polls its jobs as CLUSTER_SNAKEMAKE does."""
     command = CLUSTER_SNAKEMAKE if "--workflow-profile" in args else [SNAKEMAKE]
@@ -51,7 +53,7 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
         cwd=workdir,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
         pytest.fail(
