@@ -23,9 +23,9 @@ SHARED_UNITS = {"test_cluster.py": "slurm", "test_multinode.py": "slurm"}
 """Modules one xdist worker runs together: the Slurm tests, so that the two clusters' jobs do
 not run beside each other's."""
 LONGEST_FIRST = (
-    "test_default_run.py", "test_elastic.py", "slurm", "test_commands.py", "test_workflow.py",
-    "test_consolidate.py", "test_pretrain_dist.py", "test_grpo.py", "test_reruns.py",
-    "test_experts.py",
+    "test_default_run.py", "test_elastic.py", "test_commands.py", "slurm", "test_workflow.py",
+    "test_grpo.py", "test_pretrain_dist.py", "test_reruns.py", "test_experts.py",
+    "test_consolidate.py", "test_lifecycle.py", "test_grpo_tasks.py",
 )  # fmt: skip
 """The units of work that take longest, measured (docs/development.md): the workers take them
 first, so that the suite does not end waiting for one long test that started last."""
