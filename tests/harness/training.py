@@ -6,7 +6,7 @@ section, so the planner's own validation applies), its DeepSpeed config from
 the renderer, and its own checkpoint folder. The config is the default one
 with the named tiny configs tiny.yaml and tiny-ranks.yaml on top (fp32, so
 that runs can be compared exactly). `SharedRuns` keeps the two-rank runs that
-several test modules read, so that each is made once per session.
+several test modules read, so that each is made once per test run (`sessions.made_once`).
 """
 
 from __future__ import annotations
