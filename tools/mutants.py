@@ -235,8 +235,9 @@ def run(mutant: Mutant) -> tuple[str, float]:
         path.write_text(text.replace(mutant.before, mutant.after))
         env = {**os.environ, "PYTHONPATH": str(copy / "src")}
         began = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
-                              cwd=copy, env=env, capture_output=True, text=True)  # fmt: skip
+        # In one process (-n 0): xdist's workers stopped by -x exit 2, "interrupted", not 1.
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+                               *mutant.tests], cwd=copy, env=env, capture_output=True, text=True)  # fmt: skip
         seconds = time.monotonic() - began
         if done.returncode == 1:
             return "caught", seconds
