@@ -25,11 +25,11 @@ import argparse
 import itertools
 import json
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.tokenize_speed import run_prepare
 
 ROW_GROUP = 8192
 SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ou", "ai")]
@@ -40,25 +40,6 @@ WORDS = [
 CUMULATIVE = list(itertools.accumulate(1 / (rank + 1) for rank in range(len(WORDS))))
 """Zipf's law over WORDS, as word frequencies in text follow it (a flat choice of random
 letter strings tokenised at 2 bytes a token, text at about 4-5)."""
-
-STAGE = """
-import json, resource, sys, time
-from pathlib import Path
-from stagetrain import config as stconfig
-from stagetrain.prepare_tokenizer import prepare
-corpus, out = sys.argv[1], Path(sys.argv[2])
-cfg = stconfig.load("config/config.yaml")
-cfg["data"].update(train_tokens=2 * 10**12, val_tokens=2 * 10**10, files=[{"path": corpus, "weight": 1.0, "text_field": "text"}])
-cfg["data"]["generated"]["weight"] = 0
-cfg["tokenizer"].update(vocab_size=4096, training_sample_mb=8)
-names = {"tokenizer": "tokenizer", "train": "train.bin", "val": "val.bin", "meta": "meta.json", "model_config": "model_config.json"}
-start = time.perf_counter()
-meta = prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tasks=cfg["tasks"], tp=1,
-               outputs={k: str(out / v) for k, v in names.items()})
-seconds = time.perf_counter() - start
-tokens = (out / "train.bin").stat().st_size // 2 + (out / "val.bin").stat().st_size // 2
-print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds, "tokens": tokens}))
-"""
 
 
 def write_corpus(path: Path, gigabytes: float, seed: int) -> int:
@@ -85,12 +66,14 @@ def write_corpus(path: Path, gigabytes: float, seed: int) -> int:
     return written
 
 
-def run_stage(corpus: Path, out: Path) -> dict[str, float]:
-    """The whole tokenizer stage on `corpus` in a fresh process: peak MiB, seconds, tokens."""
-    out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-c", STAGE, str(corpus), str(out)],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _reads_all(corpus: Path) -> dict:
+    """The config changes under which the stage reads every row of `corpus` and nothing else:
+    train_tokens above what it holds, a 1% val share, no generated corpus."""
+    return {
+        "data": {"train_tokens": 2 * 10**12, "val_tokens": 2 * 10**10, "generated": {"weight": 0},
+                 "files": [{"path": str(corpus), "weight": 1.0, "text_field": "text"}]},
+        "tokenizer": {"vocab_size": 4096, "training_sample_mb": 8},
+    }  # fmt: skip
 
 
 def throughput(corpus: Path, tokenizer_dir: Path, row_groups: int) -> dict[str, float]:
@@ -160,7 +143,7 @@ def main() -> None:
             print(f"{name}: {text / 1e9:.2f} GB of text, {corpus.stat().st_size / 1e9:.2f} GB of parquet, "
                   f"written in {time.perf_counter() - start:.0f} s")  # fmt: skip
             results[name] = {"text_gb": text / 1e9, "parquet_gb": corpus.stat().st_size / 1e9,
-                             **run_stage(corpus, root / name)}  # fmt: skip
+                             **run_prepare(_reads_all(corpus), root / name)}  # fmt: skip
             r = results[name]
             print(
                 f"{name}: prepare read {r['tokens']:,} tokens in {r['seconds']:.0f} s, peak RSS {r['peak_mib']:.0f} MiB"

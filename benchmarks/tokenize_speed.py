@@ -76,29 +76,48 @@ def throughput() -> None:
     print(f"ratio (target >= 0.8):  {ours_rate / bare_rate:.2f}")
 
 
-PEAK = """
-import json, resource, sys, tempfile
+PREPARE = """
+import json, resource, sys, time
 from pathlib import Path
 from stagetrain import config as stconfig
 from stagetrain.prepare_tokenizer import prepare
-cfg = stconfig.load(sys.argv[1])
-cfg["data"]["train_tokens"] = int(sys.argv[2])
-cfg["tokenizer"]["training_sample_mb"] = 1
-with tempfile.TemporaryDirectory() as out:
-    names = {"tokenizer": "tok", "train": "train.bin", "val": "val.bin", "meta": "meta.json", "model_config": "mc.json"}
-    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tasks=cfg["tasks"], tp=1,
-            outputs={k: str(Path(out) / v) for k, v in names.items()})
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+
+def merge(into, changes):
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = value
+
+changes, out = json.loads(sys.argv[1]), Path(sys.argv[2])
+cfg = stconfig.load("config/config.yaml")
+merge(cfg, changes)
+names = {"tokenizer": "tokenizer", "train": "train.bin", "val": "val.bin", "meta": "meta.json", "model_config": "model_config.json"}
+start = time.perf_counter()
+prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tasks=cfg["tasks"], tp=1,
+        outputs={k: str(out / v) for k, v in names.items()})
+seconds = time.perf_counter() - start
+tokens = sum((out / f).stat().st_size for f in ("train.bin", "val.bin")) // 2
+print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds, "tokens": tokens}))
 """
+
+
+def run_prepare(changes: dict, out: Path) -> dict[str, float]:
+    """The whole tokenizer stage on the default config with `changes` (section -> keys, merged),
+    in a fresh process writing into `out`: its peak MiB, seconds and tokens written."""
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-c", PREPARE, json.dumps(changes), str(out)], cwd=REPO,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def peak_memory() -> None:
     peaks = {}
-    for tokens in (2_000_000, 8_000_000):
-        proc = subprocess.run([sys.executable, "-c", PEAK, str(REPO / "config/config.yaml"), str(tokens)],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-        peaks[tokens] = json.loads(proc.stdout.strip().splitlines()[-1]) / 1024
-        print(f"prepare with {tokens:,} train tokens: peak RSS {peaks[tokens]:.0f} MiB")
+    with tempfile.TemporaryDirectory() as tmp:
+        for tokens in (2_000_000, 8_000_000):
+            changes = {"data": {"train_tokens": tokens}, "tokenizer": {"training_sample_mb": 1}}
+            peaks[tokens] = run_prepare(changes, Path(tmp) / str(tokens))["peak_mib"]
+            print(f"prepare with {tokens:,} train tokens: peak RSS {peaks[tokens]:.0f} MiB")
     print(
         f"ratio 4x tokens / 1x tokens: {peaks[8_000_000] / peaks[2_000_000]:.2f} (flat memory: about 1)"
     )
