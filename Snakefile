@@ -1,14 +1,17 @@
 # stagetrain: one config, one command, from bare hardware to a trained model.
 #
 # results/<run.name>/
-#   hardware.json                 detect_hardware
-#   plan.json plan/{vocab,pretrain,grpo}.json   plan_parallelism (a checkpoint)
+#   hardware.json                 detect_hardware (a checkpoint)
+#   plan.json                     plan_parallelism
+#   plan/{vocab,pretrain,grpo}.json   plan_part
 #   tokenizer/ data/ model_config.json   prepare_tokenizer
 #   deepspeed/{pretrain,grpo}.json       render_deepspeed_config
 #   pretrain/summary.json         pretrain
 #   model/pretrain/               consolidate
 #   grpo/summary.json             grpo
 #   model/grpo/                   consolidate: the pipeline's product
+#   evaluate/{pretrain,grpo}.json  evaluate_model (the optional `evaluate` target)
+#   publish.json                  publish (optional: models, card and layouts pushed to the hub)
 #   logs/<rule>.log  benchmarks/<rule>.tsv
 from snakemake.utils import min_version
 
@@ -35,6 +38,8 @@ include: "workflow/rules/render_deepspeed_config.smk"
 include: "workflow/rules/pretrain.smk"
 include: "workflow/rules/consolidate.smk"
 include: "workflow/rules/grpo.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/publish.smk"
 
 
 # Quick steps that may reach the hub (login nodes have a network, compute nodes
@@ -43,6 +48,8 @@ localrules:
     all,
     plan,
     plan_parallelism,
+    plan_part,
+    publish,
     render_deepspeed_config,
 
 
@@ -50,6 +57,9 @@ rule all:
     default_target: True
     input:
         f"{RUN}/model/grpo",
+        # The whole plan's record: no stage reads it, and a DAG that finds it current reads
+        # the plan from it instead of working it out again.
+        rules.plan_parallelism.output.plan,
 
 
 rule plan:
@@ -57,3 +67,9 @@ rule plan:
         rules.detect_hardware.output.hardware,
         rules.plan_parallelism.output.plan,
         expand(f"{RUN}/deepspeed/{{stage}}.json", stage=TRAINING_STAGES),
+
+
+# Optional: lm-evaluation-harness on both consolidated models (pip install 'stagetrain[eval]').
+rule evaluate:
+    input:
+        expand(f"{RUN}/evaluate/{{stage}}.json", stage=TRAINING_STAGES),

@@ -138,9 +138,9 @@ def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
         render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
     )
     # No outputs: the benchmark times steps and writes no summary, metrics or plot.
-    spec = job_spec(inputs={**data, "plan": out / "plan.json", "estimates": out / "plan.json",
-                            "deepspeed_config": out / "ds.json"}, outputs={},
-                    checkpoints=out / "ckpt", extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": 1})  # fmt: skip
+    spec = job_spec(inputs={**data, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"}, outputs={},
+                    checkpoints=out / "ckpt", extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": 1,
+                                                     "throughput": plan["stages"]["pretrain"]["throughput"]})  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return out / "job.json"
 

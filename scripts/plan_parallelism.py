@@ -1,36 +1,28 @@
 """plan_parallelism: write plan.json, how each training stage splits over the devices, and why.
 
-Snakemake runs it through the `plan_parallelism` rule; on its own:
+Snakemake runs it through the `plan_parallelism` rule, with the plan it worked out while
+building the DAG (stagetrain.planning.ahead) and `key`, the digest of the inputs the plan comes
+from, recorded in plan.json so that the next DAG reads the plan instead of planning again.
+On its own it plans:
     python scripts/plan_parallelism.py --config config/config.yaml \
-        --hardware results/tiny/hardware.json --plan results/tiny/plan.json \
-        --vocab results/tiny/plan/vocab.json --pretrain-plan results/tiny/plan/pretrain.json \
-        --grpo-plan results/tiny/plan/grpo.json
-The files under plan/ are rewritten only when their content changes: what reads
-them reruns only then.
+        --hardware results/tiny/hardware.json --plan results/tiny/plan.json
 """
 
 import logging
 
-from stagetrain.io import write_json_if_changed
-from stagetrain.planning.derived import stage_plan, vocab_padding
-from stagetrain.planning.resolve import resolve
+from stagetrain.errors import StageError
+from stagetrain.planning.ahead import INPUTS_KEY
+from stagetrain.planning.resolve import plan_from
 from stagetrain.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")
 
 
 def main(io: StageIO) -> None:
-    s = io.sections
-    plan = resolve(
-        hardware=io.read_input("hardware"),
-        hw_config=s["hardware"],
-        model=s["model"],
-        tokenizer=s["tokenizer"],
-        parallelism=s["parallelism"],
-        deepspeed=s["deepspeed"],
-        pretrain=s["pretrain"],
-        grpo=s["grpo"],
-    )
+    smk = globals().get("snakemake")
+    plan = smk.params.plan if smk is not None else plan_from(io.read_input("hardware"), io.sections)
+    if isinstance(plan, str):
+        raise StageError(plan)  # the planner's refusal, found while the DAG was built
     model = plan["model"]
     log.info(
         "model: %.3fB parameters (%.3fB active), %d layers, hidden %d",
@@ -60,10 +52,7 @@ def main(io: StageIO) -> None:
             log.info("  runner-up %s: %s", other["layout"], other["reason"])
     for warning in plan["warnings"]:
         log.warning("warning: %s", warning)
-    io.write_output("plan", plan)
-    write_json_if_changed(io.outputs["vocab"], vocab_padding(plan))
-    for name in plan["stages"]:
-        write_json_if_changed(io.outputs[f"{name}_plan"], stage_plan(plan, name))
+    io.write_output("plan", {**plan, INPUTS_KEY: smk.params.key if smk is not None else None})
 
 
 run_stage(
@@ -71,6 +60,6 @@ run_stage(
     snakemake=globals().get("snakemake"),
     doc=__doc__,
     inputs=["hardware"],
-    outputs=["plan", "vocab", "pretrain_plan", "grpo_plan"],
+    outputs=["plan"],
     sections=["hardware", "model", "tokenizer", "parallelism", "deepspeed", "pretrain", "grpo"],
 )

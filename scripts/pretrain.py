@@ -12,15 +12,26 @@ so a rerun after a crash resumes from the newest complete one. On its own:
         --metrics results/tiny/pretrain/metrics.jsonl --loss-plot results/tiny/pretrain/loss.png
 """
 
+from stagetrain.io import read_json
+from stagetrain.planning.derived import whole_plan
 from stagetrain.stage import StageIO, run_stage
 from stagetrain.training.launch import launch_stage
 
 
 def main(io: StageIO) -> None:
+    smk = globals().get("snakemake")
+    # The prediction the summary reports against: the rule's from the plan worked out with the
+    # DAG (never a rerun trigger: it moves with every measurement), else plan.json's.
+    throughput = (
+        smk.params.predicted
+        if smk is not None
+        else read_json(whole_plan(io.inputs["plan"]))["stages"]["pretrain"]["throughput"]
+    )
     extra = {
         "pretrain": io.sections["pretrain"],
         "model": io.sections["model"],
         "seed": io.sections["run"]["seed"],
+        "throughput": throughput,
     }
     launch_stage(
         stage="pretrain",

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def resources(out: str, rule: str) -> dict[str, str]:
     """The resources a dry run prints for the first job of `rule`."""
-    block = out.split(f"\nrule {rule}:", 1)[1].split("\n\n", 1)[0]
+    block = re.split(rf"\n(?:rule|checkpoint) {rule}:", out, maxsplit=1)[1].split("\n\n", 1)[0]
     line = re.search(r"resources: (.*)", block).group(1)
     return dict(item.split("=", 1) for item in line.split(", "))
 

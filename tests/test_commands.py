@@ -82,7 +82,7 @@ def test_a_config_file_stands_on_its_own(workdir: Path, tmp_path: Path) -> None:
     snakemake(workdir, "results/continued/deepspeed/pretrain.json", "--configfile", file)
     ds = json.loads((workdir / "results/continued/deepspeed/pretrain.json").read_text())
     assert ds["scheduler"]["params"]["total_num_steps"] == 200
-    plan = json.loads((workdir / "results/continued/plan.json").read_text())
+    plan = json.loads((workdir / "results/continued/plan/pretrain.json").read_text())
     assert plan["model"]["hidden_size"] == 64  # the folder's shape, not config.yaml's 128
     assert not (workdir / "results/tiny").exists()
 

@@ -12,9 +12,14 @@ run, except the keys the workflow selects one by one (the planner's subset of
 tokenizer, pretrain and grpo, the steps and passes of the DeepSpeed config, the
 file keys, run.*), which each get their own. The test prints how many dry runs
 over how many keys; the counts follow the schema, so no document states them.
-A dry run cannot know what the planner will write, so it lists everything
-after plan_parallelism as possibly affected (the checkpoint's placeholder); the narrow dependencies are proven after a real
-planner run (test_a_replan_reruns_only_the_stage_whose_layout_it_changed).
+A key the planner reads reruns plan_parallelism (plan.json, which no stage reads)
+and the jobs of the plan parts that change (plan/vocab.json, plan/<stage>.json),
+with their readers: the expected set adds those, found by planning the changed
+config here (planning.ahead, the path the DAG takes). So a row fails when a
+replan reruns a stage whose part did not change, and
+test_a_replan_runs_what_its_dry_run_listed holds dry runs against real runs. A
+changed hardware key detects again, and what the new plan holds is unknown until
+then: that dry run lists every part.
 """
 
 from __future__ import annotations
@@ -35,23 +40,30 @@ import yaml
 from harness.workflow import REPO, SNAKEMAKE, snakemake
 
 from stagetrain import config as stconfig
+from stagetrain.errors import StageError
+from stagetrain.io import json_bytes
+from stagetrain.planning.ahead import plan_ahead, planner_sections
+from stagetrain.planning.derived import digest, part_of
 
 pytestmark = pytest.mark.slow
 RUN = "results/tiny"
-JOBS = ["detect_hardware", "plan_parallelism", "prepare_tokenizer", "render_deepspeed_config[pretrain]",
-        "render_deepspeed_config[grpo]", "pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]", "all"]  # fmt: skip
+PARTS = ("vocab", "pretrain", "grpo")
+JOBS = ["detect_hardware", "plan_parallelism", *(f"plan_part[{part}]" for part in PARTS), "prepare_tokenizer",
+        "render_deepspeed_config[pretrain]", "render_deepspeed_config[grpo]", "pretrain", "consolidate[pretrain]",
+        "grpo", "consolidate[grpo]", "all"]  # fmt: skip
 # Each job's direct dependents (what a dry run schedules after it).
 AFTER = {
-    "detect_hardware": {"plan_parallelism"},
-    "plan_parallelism": {
-        "prepare_tokenizer",
+    # Until detection has run, no part of the plan is known (Snakemake's <TBD>).
+    "detect_hardware": {"plan_parallelism", *(f"plan_part[{part}]" for part in PARTS)},
+    "plan_parallelism": {"all"},  # no stage reads plan.json
+    # A part's job reruns when the part's bytes change (a param), and its readers with it.
+    "plan_part[vocab]": {"prepare_tokenizer"},
+    "plan_part[pretrain]": {
         "render_deepspeed_config[pretrain]",
-        "render_deepspeed_config[grpo]",
         "pretrain",
         "consolidate[pretrain]",
-        "grpo",
-        "consolidate[grpo]",
-    },  # fmt: skip
+    },
+    "plan_part[grpo]": {"render_deepspeed_config[grpo]", "grpo", "consolidate[grpo]"},
     "prepare_tokenizer": {"pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]"},
     "render_deepspeed_config[pretrain]": {"pretrain"},
     "render_deepspeed_config[grpo]": {"grpo"},
@@ -85,6 +97,8 @@ READERS: list[tuple[str, set[str]]] = [
     ("grpo.", {"grpo"}),
     ("tracking.", {"pretrain", "grpo"}),
     ("consolidate.", CONSOLIDATE),
+    ("evaluate.", set()),  # the optional targets' sections: nothing of `all` reads them
+    ("publish.", set()),
 ]  # fmt: skip
 # Keys the workflow passes one by one (not as a whole section): each gets its own dry run.
 ALONE = re.compile(
@@ -117,6 +131,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "consolidate.max_shard_size": {"consolidate.max_shard_size": "1MB"},
     "tracking.report_to": {"tracking.report_to": []},
     "tracking.wandb_project": {"tracking.wandb_project": "other"},
+    "evaluate.levels": {"evaluate.levels": [1]},
+    "evaluate.tasks": {"evaluate.tasks": ["hellaswag"]},
+    "publish.repo": {"publish.repo": "me/model"},
+    "publish.revision": {"publish.revision": "dev"},
 }  # fmt: skip
 
 
@@ -233,13 +251,32 @@ def scheduled(out: str) -> dict[str, dict[str, str]]:
     jobs = {}
     for block in re.split(r"\n(?:rule|checkpoint) ", out)[1:]:
         rule = block.split(":", 1)[0].strip()
-        stage = re.search(r"wildcards: stage=(\w+)", block)
+        stage = re.search(r"wildcards: (?:stage|part)=(\w+)", block)
         fields = {
             k: (re.search(rf"^\s+{k}: (.*)$", block, re.M) or [None, ""])[1]
             for k in ("reason", "input")
         }
         jobs[f"{rule}[{stage.group(1)}]" if stage else rule] = fields
     return jobs
+
+
+def part_digests(workdir: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The digest of each plan part as the DAG works it out for `config` on the finished run's
+    hardware.json (planning.ahead, the plan_part rule's own trigger)."""
+    try:
+        sections = planner_sections(stconfig.validate(copy.deepcopy(config)))
+    except StageError as err:
+        return dict.fromkeys(PARTS, str(err))
+    plan = plan_ahead(
+        workdir / "no-recorded-plan.json", "", workdir / RUN / "hardware.json", sections
+    )
+    return {part: digest(part_of(plan, part)) for part in PARTS}
+
+
+def replanned(workdir: Path, base: dict[str, Any], config: dict[str, Any]) -> set[str]:
+    """The plan_part jobs whose part comes out different for `config` than for `base`."""
+    before, after = part_digests(workdir, base), part_digests(workdir, config)
+    return {f"plan_part[{part}]" for part in PARTS if before[part] != after[part]}
 
 
 def finished_config(workdir: Path) -> dict[str, Any]:
@@ -261,11 +298,18 @@ def test_rerun_matrix_over_every_config_key(finished_small_run: Path, tmp_path: 
         groups[name]["keys"].append(key)
         groups[name]["changes"].update(changed(key, node, get(base, key), files))
 
-    def jobs_after(index: int, group: dict[str, Any]) -> set[str]:
+    def config_of(group: dict[str, Any]) -> dict[str, Any]:
         config = copy.deepcopy(base)
         for key, value in group["changes"].items():
             put(config, key, value)
-        return set(scheduled(dry_run(workdir, config, tag=f"-{index}").stdout))
+        return config
+
+    for group in groups.values():
+        if "plan_parallelism" in group["expected"] and "detect_hardware" not in group["expected"]:
+            group["expected"] |= downstream(replanned(workdir, base, config_of(group)))
+
+    def jobs_after(index: int, group: dict[str, Any]) -> set[str]:
+        return set(scheduled(dry_run(workdir, config_of(group), tag=f"-{index}").stdout))
 
     # Two dry runs at a time: each is a mostly single-threaded Snakemake process, and a dry
     # run neither locks the folder nor writes to it.
@@ -376,21 +420,74 @@ def test_an_edited_library_module_reruns_the_stages_that_run_it(
     assert all(jobs[job]["reason"].startswith("Params have changed") for job in first)
 
 
-@pytest.mark.parametrize("key", ["grpo.kl_coef", "grpo.group_size"])
-def test_a_replan_reruns_only_the_stage_whose_layout_it_changed(
+# One key of each section the planner reads, the value it takes, and the target of the real run:
+# "plan" is the plan's own files (plan.json and the training stages' parts), "all" everything.
+REPLANS = {
+    "hardware.inter_node_gbps": (25.0, "plan"),  # detects again: the dry run cannot know the parts
+    "model.num_kv_heads": (4, "plan"),
+    "tokenizer.vocab_size": (600, "plan"),
+    "parallelism.assumed_mfu": (0.3, "plan"),  # GPUs' alone: a CPU plan keeps every part
+    "deepspeed.precision": ("bf16", "plan"),
+    "pretrain.seq_len": (64, "plan"),
+    "grpo.group_size": (2, "all"),  # the README's example: the whole run, GRPO retrained
+}
+
+
+def ran_jobs(log: str) -> set[str]:
+    """The jobs a real Snakemake run ran, from its log, named as `scheduled` names them."""
+    jobs = set()
+    for block in re.split(r"\n(?:local)?(?:rule|checkpoint) (?=\w+:\n)", log)[1:]:
+        rule = block.split(":", 1)[0]
+        stage = re.search(r"wildcards: (?:stage|part)=(\w+)", block)
+        jobs.add(f"{rule}[{stage.group(1)}]" if stage else rule)
+    return jobs
+
+
+@pytest.mark.parametrize("key", REPLANS)
+def test_a_replan_runs_what_its_dry_run_listed(
     finished_small_run: Path, tmp_path: Path, key: str
 ) -> None:
+    """The dry run after an edit the planner reads lists the planner and the jobs of the parts that
+    change, before the planner has run, and not one whose part the real run then leaves
+    byte-identical. `all` runs exactly what its dry run listed; the plan's files a part of it. Only a new detection is not known ahead:
+    its dry run lists every part, and the real run reruns only those that changed."""
     workdir = tmp_path / "wf"
     shutil.copytree(finished_small_run, workdir, symlinks=True)
+    value, target = REPLANS[key]
     config = finished_config(workdir)
-    put(
-        config, key, {"grpo.kl_coef": 0.0, "grpo.group_size": 2}[key]
-    )  # 0.0: no reference to plan for
+    assert get(config, key) != value
+    put(config, key, value)
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    snakemake(workdir, "plan_parallelism")
-    jobs = scheduled(dry_run(workdir, None).stdout)
-    assert "grpo" in jobs
-    assert set(jobs) <= {"render_deepspeed_config[grpo]", "grpo", "consolidate[grpo]", "all"}
+    parts = {part: (workdir / RUN / "plan" / f"{part}.json").read_bytes() for part in PARTS}
+
+    targets = {"all", "plan"}  # rules without outputs, listed when anything before them runs
+    listed = set(scheduled(dry_run(workdir, None).stdout))
+    files = [f"{RUN}/plan.json", f"{RUN}/plan/pretrain.json", f"{RUN}/plan/grpo.json"]
+    proc = snakemake(workdir, *(files if target == "plan" else [target]))
+    ran = ran_jobs(proc.stdout + proc.stderr) - targets
+    left = set(scheduled(dry_run(workdir, None).stdout)) - targets
+    kept = {f"plan_part[{part}]" for part, before in parts.items()
+            if (workdir / RUN / "plan" / f"{part}.json").read_bytes() == before}  # fmt: skip
+    assert "plan_parallelism" in ran
+    assert not ran & kept, f"{sorted(ran & kept)} ran although their part is kept"
+    assert ran | left <= listed and not ran & left
+    if key.startswith("hardware."):
+        assert listed == set(JOBS)
+    else:
+        assert not listed & kept, f"{sorted(listed & kept)} listed although their part is kept"
+        assert {"plan_part[pretrain]", "plan_part[grpo]"} - kept <= ran  # the `plan` target's parts
+    if target == "all":
+        assert ran == listed - targets
+        assert not left
+    # What the parts hold is the plan of the edited config, planned afresh here (not a plan the
+    # DAG reused): the `plan` target writes the training stages' parts, `all` every one.
+    fresh = plan_ahead(workdir / "no-recorded-plan.json", "", workdir / RUN / "hardware.json",
+                       planner_sections(stconfig.validate(copy.deepcopy(config))))  # fmt: skip
+    for part in PARTS if target == "all" else ("pretrain", "grpo"):
+        written = (workdir / RUN / "plan" / f"{part}.json").read_bytes()
+        assert written == json_bytes(part_of(fresh, part)), (
+            f"plan/{part}.json is not the new plan's"
+        )
 
 
 def test_a_new_shard_size_rewrites_the_model_and_grpo_resumes_at_its_final_step(

@@ -21,28 +21,33 @@ pytestmark = pytest.mark.slow
 PLAN_JOBS = {
     "detect_hardware",
     "plan_parallelism",
+    "plan_part[pretrain]",
+    "plan_part[grpo]",
     "render_deepspeed_config[pretrain]",
     "render_deepspeed_config[grpo]",
 }
+# Before detection (a fresh run's DAG) every job hangs on detect_hardware, the checkpoint after
+# which Snakemake builds them again (common.smk: after_detection); the stages depend on the plan
+# parts they read, never on plan.json.
 EDGES = {
     ("detect_hardware", "plan_parallelism"),
-    ("plan_parallelism", "render_deepspeed_config[pretrain]"),
-    ("plan_parallelism", "render_deepspeed_config[grpo]"),
-    ("plan_parallelism", "prepare_tokenizer"),
-    ("plan_parallelism", "pretrain"),
+    *(("detect_hardware", f"plan_part[{part}]") for part in ("vocab", "pretrain", "grpo")),
+    *(("detect_hardware", job) for job in ("prepare_tokenizer", "render_deepspeed_config[pretrain]",
+                                          "render_deepspeed_config[grpo]", "pretrain", "consolidate[pretrain]",
+                                          "grpo", "consolidate[grpo]")),
+    ("plan_part[vocab]", "prepare_tokenizer"),
+    *((f"plan_part[{stage}]", job) for stage in ("pretrain", "grpo")
+      for job in (f"render_deepspeed_config[{stage}]", stage, f"consolidate[{stage}]")),
     ("render_deepspeed_config[pretrain]", "pretrain"),
     ("prepare_tokenizer", "pretrain"),
     ("pretrain", "consolidate[pretrain]"),
-    ("plan_parallelism", "consolidate[pretrain]"),
-    ("plan_parallelism", "consolidate[grpo]"),
     ("prepare_tokenizer", "consolidate[pretrain]"),
     ("consolidate[pretrain]", "grpo"),
     ("render_deepspeed_config[grpo]", "grpo"),
-    ("plan_parallelism", "grpo"),
     ("prepare_tokenizer", "grpo"),
     ("grpo", "consolidate[grpo]"),
     ("prepare_tokenizer", "consolidate[grpo]"),
-}
+}  # fmt: skip
 
 
 def dag(workdir: Path, target: str) -> tuple[set[str], set[tuple[str, str]]]:
@@ -50,8 +55,8 @@ def dag(workdir: Path, target: str) -> tuple[set[str], set[tuple[str, str]]]:
     out = snakemake(workdir, "--dag", "dot", "--", target).stdout
     names = {}
     for node, label in re.findall(r'^\s*(\d+)\[label = "([^"]+)"', out, flags=re.M):
-        rule, _, stage = label.partition("\\nstage: ")
-        names[node] = f"{rule}[{stage}]" if stage else rule
+        rule, _, wildcard = label.partition("\\n")
+        names[node] = f"{rule}[{wildcard.split(': ')[1]}]" if wildcard else rule
     edges = {(names[a], names[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", out, flags=re.M)}
     return set(names.values()), edges
 
@@ -62,7 +67,7 @@ def scheduled(workdir: Path, target: str, *extra: str) -> dict[str, str]:
     jobs = {}
     for block in re.split(r"\n(?:rule|checkpoint) ", out)[1:]:
         rule = block.split(":", 1)[0].strip()
-        stage = re.search(r"wildcards: stage=(\w+)", block)
+        stage = re.search(r"wildcards: (?:stage|part)=(\w+)", block)
         reason = re.search(r"reason: (.*)", block)
         jobs[f"{rule}[{stage.group(1)}]" if stage else rule] = reason.group(1) if reason else ""
     return jobs
@@ -72,9 +77,12 @@ def scheduled(workdir: Path, target: str, *extra: str) -> dict[str, str]:
     ("target", "expected"),
     [
         ("plan", PLAN_JOBS | {"plan"}),
-        ("pretrain", {"detect_hardware", "plan_parallelism", "prepare_tokenizer", "render_deepspeed_config[pretrain]", "pretrain"}),
-        ("grpo", PLAN_JOBS | {"prepare_tokenizer", "pretrain", "consolidate[pretrain]", "grpo"}),
-        ("all", PLAN_JOBS | {"prepare_tokenizer", "pretrain", "consolidate[pretrain]", "grpo", "consolidate[grpo]", "all"}),
+        ("pretrain", {"detect_hardware", "plan_part[vocab]", "plan_part[pretrain]", "prepare_tokenizer",
+                      "render_deepspeed_config[pretrain]", "pretrain"}),
+        ("grpo", PLAN_JOBS - {"plan_parallelism"} | {"plan_part[vocab]", "prepare_tokenizer", "pretrain",
+                                                     "consolidate[pretrain]", "grpo"}),
+        ("all", PLAN_JOBS | {"plan_part[vocab]", "prepare_tokenizer", "pretrain", "consolidate[pretrain]", "grpo",
+                             "consolidate[grpo]", "all"}),
     ],
 )  # fmt: skip
 def test_each_target_has_the_right_jobs_in_the_right_order(
@@ -239,17 +247,23 @@ def test_bad_config_is_one_line_and_writes_nothing(workdir: Path) -> None:
 
 
 def test_a_stage_error_surfaces_its_line_and_leaves_no_artifact(workdir: Path) -> None:
+    """The planner's refusal fails the jobs that would write the plan (the first to run stops the
+    run), each with the line in its log; none writes a file."""
     edit_config(workdir, "parallelism", dp=3)
     proc = snakemake(workdir, "plan", check=False)
     assert proc.returncode != 0
-    log = (workdir / "results/tiny/logs/plan_parallelism.log").read_text().strip().splitlines()
-    assert log[-1].startswith(
-        "error: parallelism.dp: dp * tp must equal the world size (dp=3, tp=None, world=2"
-    )
-    assert (
-        log[-1] in proc.stdout + proc.stderr
-    )  # shown by --show-failed-logs from the default profile
+    logs = [*(workdir / "results/tiny/logs").glob("plan_*.log")]
+    assert logs
+    for path in logs:
+        line = path.read_text().strip().splitlines()[-1]
+        assert line.startswith(
+            "error: parallelism.dp: dp * tp must equal the world size (dp=3, tp=None, world=2"
+        )
+        assert (
+            line in proc.stdout + proc.stderr
+        )  # shown by --show-failed-logs from the default profile
     assert not (workdir / "results/tiny/plan.json").exists()
+    assert not [*(workdir / "results/tiny").glob("plan/*.json")]
 
 
 def test_two_run_names_do_not_clobber(finished_copy: Path) -> None:
@@ -281,11 +295,13 @@ def test_stage_script_runs_on_its_own_and_validates_the_whole_config(
 
     plan = tmp_path / "plan.json"
     plan_cmd = [sys.executable, "scripts/plan_parallelism.py", "--config", "config/config.yaml",
-                "--hardware", str(out), "--plan", str(plan), "--vocab", str(tmp_path / "vocab.json"),
-                "--pretrain-plan", str(tmp_path / "plan_pretrain.json"), "--grpo-plan", str(tmp_path / "plan_grpo.json")]  # fmt: skip
+                "--hardware", str(out), "--plan", str(plan)]  # fmt: skip
     subprocess.run(plan_cmd, cwd=workdir, check=True, capture_output=True)
+    part_cmd = [sys.executable, "scripts/plan_part.py", "--config", "config/config.yaml", "--plan", str(plan),
+                "--part", str(tmp_path / "grpo_part" / "grpo.json")]  # fmt: skip
+    subprocess.run(part_cmd, cwd=workdir, check=True, capture_output=True)
     render_cmd = [sys.executable, "scripts/render_deepspeed_config.py", "--config", "config/config.yaml",
-                  "--stage", "grpo", "--plan", str(tmp_path / "plan_grpo.json"), "--deepspeed-config", str(tmp_path / "grpo.json")]  # fmt: skip
+                  "--stage", "grpo", "--plan", str(tmp_path / "grpo_part" / "grpo.json"), "--deepspeed-config", str(tmp_path / "grpo.json")]  # fmt: skip
     subprocess.run(render_cmd, cwd=workdir, check=True, capture_output=True)
     assert json.loads((tmp_path / "grpo.json").read_text())["train_batch_size"] == 128
 

@@ -47,7 +47,8 @@ from stagetrain.tasks.rewards import parse_function
 SCHEMA_PATH = Path(str(resources.files("stagetrain") / "schemas" / "config.schema.yaml"))
 SECTIONS = (
     "run", "model", "tokenizer", "data", "tasks", "hardware",
-    "parallelism", "deepspeed", "pretrain", "grpo", "tracking", "consolidate",
+    "parallelism", "deepspeed", "pretrain", "grpo", "tracking", "consolidate", "evaluate",
+    "publish",
 )  # fmt: skip
 
 

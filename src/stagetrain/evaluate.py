@@ -33,7 +33,7 @@ from stagetrain.errors import StageError
 from stagetrain.heldout import accuracy_entry, gains, problems_for
 from stagetrain.io import atomic_write_json
 from stagetrain.tasks import FAMILIES, get_family, heldout, known
-from stagetrain.tasks.families import TaskSet, load_tasks
+from stagetrain.tasks.families import TaskSet, held_out_families, load_tasks
 from stagetrain.tasks.judge import Judge
 from stagetrain.training.evaluation import greedy_scores
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.config:
             config = stconfig.load(args.config)
             named, curriculum, tasks_section = (
-                _named_families(config),
+                held_out_families(config),
                 config["grpo"]["curriculum"]["families"],
                 config["tasks"],
             )
@@ -181,12 +181,6 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_json(
             args.json, {"model": args.model, "baseline": args.baseline, "seed": args.seed, **doc}
         )
-
-
-def _named_families(config: dict[str, Any]) -> list[str]:
-    """Every family a config names: the curriculum's, the corpus's, the tasks section's."""
-    return list(dict.fromkeys([*config["grpo"]["curriculum"]["families"], *config["data"]["generated"]["families"],
-                               *(f["name"] for f in config["tasks"]["families"])]))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -50,9 +50,14 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as the bytes every JSON artifact is written in: indented, keys sorted, a newline."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     """Write `obj` as indented, key-sorted JSON atomically, so reruns give identical bytes."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_write_bytes(path, json_bytes(obj))
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
@@ -74,7 +79,7 @@ def write_json_if_changed(path: str | os.PathLike[str], obj: Any) -> bool:
     A derived artifact rewritten with the same content keeps its modification
     time, so nothing that reads it looks out of date (Snakemake compares mtimes).
     """
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    data = json_bytes(obj)
     try:
         if Path(path).read_bytes() == data:
             return False

@@ -339,6 +339,21 @@ class ConsolidateSettings(_Section):
     verify: str
 
 
+@dataclass(frozen=True)
+class EvaluateSettings(_Section):
+    problems: int
+    levels: tuple[int, ...]
+    tasks: tuple[str, ...]
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class PublishSettings(_Section):
+    repo: str | None
+    revision: str
+    private: bool
+
+
 TrainingSettings = PretrainSettings | GrpoSettings
 
 
@@ -369,3 +384,5 @@ class Settings(_Section):
     grpo: GrpoSettings
     tracking: TrackingSettings
     consolidate: ConsolidateSettings
+    evaluate: EvaluateSettings
+    publish: PublishSettings

@@ -1,4 +1,5 @@
-"""A loopback Hugging Face hub for tests: enough of `/resolve/` for `hf_hub_download`.
+"""A loopback Hugging Face hub for tests: enough of `/resolve/` for `hf_hub_download`, and of the
+write API for `HfApi.create_repo` and `HfApi.create_commit`.
 
 The real `huggingface_hub` client talks to it over HTTP when `HF_ENDPOINT` points at
 `HubServer.endpoint`. It serves `HEAD` and `GET` on `/<repo>/resolve/<revision>/<file>`
@@ -12,6 +13,13 @@ into its typed errors:
 - forbidden repo: a plain 403 without an error code (as for a token lacking read access);
 - unknown revision: 404 `RevisionNotFound` (`RevisionNotFoundError`);
 - unknown file: 404 `EntryNotFound` (`RemoteEntryNotFoundError`).
+
+Writes (POST) need `Authorization: Bearer <token>` (else 401): `/api/repos/create` makes an
+empty repo (409 if it exists), `/api/validate-yaml` accepts any model card,
+`/api/models/<repo>/preupload/<revision>` takes every file as a regular one (no LFS), and
+`/api/models/<repo>/commit/<revision>` applies the NDJSON commit as one new commit on the
+branch, whose sha then resolves too; with `refuse_commits` set it answers 403 and changes
+nothing, as the hub does for a token without write access.
 
 Repo ids must be `namespace/name`; dataset repos are keyed `datasets/namespace/name`.
 Every other path gets a bare 404. Every request is
@@ -31,6 +39,7 @@ Usage::
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -108,7 +117,8 @@ class HubServer:
             for revision, (sha, _) in revisions.items():
                 if len(sha) != 40 or any(c not in "0123456789abcdef" for c in sha):
                     raise ValueError(f"{repo}@{revision}: commit {sha!r} is not 40 lowercase hex")
-        self.repos = repos
+        self.repos = {repo: dict(revisions) for repo, revisions in repos.items()}
+        self.refuse_commits = False
         self.private = frozenset(private)
         self.gated = frozenset(gated)
         self.forbidden = frozenset(forbidden)
@@ -190,6 +200,66 @@ class HubServer:
         }
         return 200, headers, content
 
+    def write(
+        self, path: str, authorization: str | None, body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        """The status, headers and body for a POST of `path` (the write API)."""
+        if authorization != f"Bearer {self.token}":
+            return _error(401, "Unauthorized", "Invalid credentials in Authorization header")
+        parts = [unquote(p) for p in urlsplit(path).path.split("/")]
+        if parts[1:] == ["api", "repos", "create"]:
+            request = json.loads(body)
+            repo = "/".join(p for p in (request.get("organization"), request["name"]) if p)
+            if repo in self.repos:  # the hub's body names the repo's url, which the client reads
+                status, headers, _ = _error(
+                    409, "RepoExists", f"You already created this model repo: {repo}"
+                )
+                return (
+                    status,
+                    {**headers, "Content-Type": "application/json"},
+                    json.dumps(
+                        {
+                            "error": "You already created this model repo",
+                            "url": f"{self.endpoint}/{repo}",
+                        }
+                    ).encode(),
+                )
+            with self._lock:
+                self.repos[repo] = {"main": (commit_sha(f"{repo}:created"), {})}
+            return _json(200, {"url": f"{self.endpoint}/{repo}", "name": repo})
+        if parts[1:] == ["api", "validate-yaml"]:
+            return _json(200, {"errors": [], "warnings": []})
+        # ['', 'api', 'models', org, name, 'preupload' | 'commit', revision]
+        if len(parts) != 7 or parts[1:3] != ["api", "models"]:
+            return 404, {}, b"Not Found"
+        repo, action, revision = f"{parts[3]}/{parts[4]}", parts[5], parts[6]
+        if repo not in self.repos:
+            return _error(404, "RepoNotFound", f"Repository {repo} not found")
+        if action == "preupload":
+            files = json.loads(body)["files"]
+            return _json(200, {"files": [{"path": f["path"], "uploadMode": "regular",
+                                          "shouldIgnore": False, "oid": None} for f in files]})  # fmt: skip
+        if action != "commit":
+            return 404, {}, b"Not Found"
+        if self.refuse_commits:
+            return _error(403, "Forbidden", "Your token does not have write access to this repo")
+        with self._lock:
+            found = self._revision(repo, revision)
+            if found is None:
+                return _error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            parent, files = found
+            files = dict(files)
+            for line in body.splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                elif item["key"] == "deletedFile":
+                    files.pop(item["value"]["path"], None)
+            sha = commit_sha(f"{parent}:{hashlib.sha256(body).hexdigest()}")
+            self.repos[repo][revision] = (sha, files)
+            self.repos[repo][sha] = (sha, files)
+        return _json(200, {"commitOid": sha, "commitUrl": f"{self.endpoint}/{repo}/commit/{sha}"})
+
     def _revision(self, repo: str, revision: str) -> tuple[str, Files] | None:
         revisions = self.repos[repo]
         if revision in revisions:
@@ -210,6 +280,17 @@ class HubServer:
 
             def do_GET(self) -> None:
                 self._answer(body=True)
+
+            def do_POST(self) -> None:
+                authorization = self.headers.get("Authorization")
+                server.record(Request(self.command, self.path, authorization))
+                content = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, headers, answer = server.write(self.path, authorization, content)
+                self.send_response(status)
+                for name, value in {"Content-Length": str(len(answer)), **headers}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(answer)
 
             def _answer(self, *, body: bool) -> None:
                 authorization = self.headers.get("Authorization")
@@ -235,6 +316,10 @@ class HubServer:
 def _error(status: int, code: str, message: str) -> tuple[int, dict[str, str], bytes]:
     body = message.encode()
     return status, {"X-Error-Code": code, "X-Error-Message": message}, body
+
+
+def _json(status: int, obj: Any) -> tuple[int, dict[str, str], bytes]:
+    return status, {"Content-Type": "application/json"}, json.dumps(obj).encode()
 
 
 @contextmanager

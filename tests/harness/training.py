@@ -101,11 +101,12 @@ def write_job(
         render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
     )
     spec = job_spec(
-        inputs={**data, "plan": out / "plan.json", "estimates": out / "plan.json", "deepspeed_config": out / "ds.json",
+        inputs={**data, "plan": out / "plan.json", "deepspeed_config": out / "ds.json",
                 "model_config": model_config or data["model_config"]},
         outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "loss_plot": out / "loss.png"},
         checkpoints=checkpoints or out / "checkpoints",
-        extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"]},
+        extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"],
+               "throughput": plan["stages"]["pretrain"]["throughput"]},
     )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return out / "job.json"
@@ -181,8 +182,7 @@ def launch_grpo(
         render(stage="grpo", plan=plan, deepspeed=cfg["deepspeed"], training=training),
     )
     spec = job_spec(
-        inputs={**data, "model": model_dir, "plan": out / "plan.json", "estimates": out / "plan.json",
-                "deepspeed_config": out / "ds.json"},
+        inputs={**data, "model": model_dir, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"},
         outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "reward_plot": out / "reward.png"},
         checkpoints=checkpoints or out / "checkpoints",
         extra={"grpo": cfg["grpo"], "tasks": cfg["tasks"], "seed": cfg["run"]["seed"]},

@@ -1,3 +1,4 @@
+import collections
 import functools
 import json
 import os
@@ -5,7 +6,7 @@ import sys
 from pathlib import Path
 
 from snakemake.common.tbdstring import TBDString
-from snakemake.exceptions import WorkflowError
+from snakemake.exceptions import IncompleteCheckpointException, WorkflowError
 from snakemake.utils import validate
 
 import stagetrain
@@ -15,8 +16,10 @@ from stagetrain.codedeps import code_digest
 from stagetrain.errors import StageError
 from stagetrain.training.lock import refuse_while_running
 from stagetrain.inputs import local_inputs
+from stagetrain.planning.ahead import inputs_key, plan_ahead, planner_sections
+from stagetrain.planning.derived import digest, part_of
 from stagetrain.settings import training_settings
-from stagetrain.tasks.families import data_part
+from stagetrain.tasks.families import data_part, held_out_families
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
@@ -35,21 +38,14 @@ except StageError as _err:
     sys.exit(f"error: {_err}")
 
 RUN = f"results/{config['run']['name']}"
+HARDWARE = f"{RUN}/hardware.json"
 # The workflow's own folder (this file is workflow/rules/common.smk in it): workflow.basedir
 # is the using workflow's when another one uses this as a module.
 WORKFLOW_ROOT = Path(workflow.current_basedir).parents[1]
 TRAINING_STAGES = ["pretrain", "grpo"]
-# The keys of each section that shape the plan: editing any other key of these
-# sections (a learning rate, a curriculum threshold) must not replan.
-PLAN_KEYS = {
-    "tokenizer": ["vocab_size"],
-    "pretrain": ["seq_len", "global_batch_size", "global_batch_unit"],
-    "grpo": ["prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "kl_coef"],
-}
-
-
 wildcard_constraints:
     stage="|".join(TRAINING_STAGES),
+    part="|".join(["vocab", *TRAINING_STAGES]),
 
 
 # Before Snakemake deletes any job's outputs and log: with --nolock, a second run of a
@@ -99,11 +95,6 @@ def benchmarked(rule_name):
     return f"{RUN}/benchmarks/{rule_name}.tsv"
 
 
-def get_plan_section(section):
-    """Only the keys of `section` the planner reads."""
-    return {key: config[section][key] for key in PLAN_KEYS[section]}
-
-
 def code_of(script):
     """A digest of scripts/<script>.py and every stagetrain module it reaches: a rule param,
     so an edited library module reruns exactly the stages that run it."""
@@ -111,19 +102,71 @@ def code_of(script):
     return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root)
 
 
-def get_vocab_padding(wildcards):
-    """plan/vocab.json: the tp the tokenizer stage pads the vocabulary for, not the whole plan."""
-    return checkpoints.plan_parallelism.get().output.vocab
+def after_detection(wildcards):
+    """No file: the first input of every job after detect_hardware, a checkpoint. Each is built
+    again once hardware.json is written: its params and resources that need the plan are known
+    then, and Snakemake judges it afresh (a job judged on the first, placeholder pass alone keeps
+    that pass's "input updated by another job": a forced detection reran the tokenizer stage
+    although its part of the plan had not changed)."""
+    checkpoints.detect_hardware.get()
+    return []
 
 
-def get_stage_plan(wildcards):
-    """plan/<stage>.json: a training stage's own layout and the run-wide facts, not the other stage's."""
-    return getattr(checkpoints.plan_parallelism.get().output, f"{wildcards.stage}_plan")
+def get_hardware(wildcards):
+    """hardware.json, once detect_hardware has written it: through the checkpoint, so that the
+    planner's job, whose params need the plan, is only judged once it can be built whole (a job
+    judged on Snakemake's <TBD> would leave its dependents marked to run)."""
+    return checkpoints.detect_hardware.get().output.hardware
 
 
-def get_plan_of(stage):
-    """get_stage_plan for a rule that is one stage (no stage wildcard)."""
-    return lambda wildcards: getattr(checkpoints.plan_parallelism.get().output, f"{stage}_plan")
+def planner_key(wildcards=None):
+    """The digest of everything the planner reads (planning.ahead.inputs_key). Known once
+    detect_hardware has run: before, a param that asks for it is Snakemake's <TBD>."""
+    hardware = checkpoints.detect_hardware.get().output.hardware
+    return _planner_key(hardware, os.stat(hardware).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _planner_key(hardware, mtime_ns):
+    files = [*LOCAL_INPUTS["table"], *LOCAL_INPUTS["init_from_config"]]
+    return inputs_key(Path(hardware), planner_sections(config), files, code_of("plan_parallelism"))
+
+
+def planned():
+    """The plan as plan_parallelism writes it (or the planner's refusal), worked out while the
+    DAG is built, so that a dry run knows which plan parts change (planning/ahead.py)."""
+    return _planned(planner_key())
+
+
+@functools.lru_cache(maxsize=4)
+def _planned(key):
+    cache = Path(".snakemake") / "stagetrain-plans"  # Snakemake's own state folder
+    return plan_ahead(Path(RUN) / "plan.json", key, Path(HARDWARE), planner_sections(config), cache=cache)
+
+
+def get_plan(wildcards, input):
+    """plan_parallelism's plan (a derived param: passed to the script, never a rerun trigger)."""
+    return planned()
+
+
+def get_part_digest(wildcards):
+    """plan_part's rerun trigger: the digest of the part it will write."""
+    return digest(part_of(planned(), wildcards.part))
+
+
+def get_part(wildcards, input):
+    """What plan_part writes (a derived param)."""
+    return part_of(planned(), wildcards.part)
+
+
+def get_predicted(stage):
+    """The planner's predicted throughput of a stage, which its summary reports against (a
+    derived param: it moves with every measurement of the machine, and reruns nothing)."""
+    def throughput(wildcards, input):
+        plan = planned()
+        return {} if isinstance(plan, str) else plan["stages"][stage]["throughput"]
+
+    return throughput
 
 
 def get_table(wildcards):
@@ -170,20 +213,21 @@ def get_training(wildcards):
 
 
 def plan_resources(stage):
-    """The Slurm resources of a stage's job, read from plan.json just before submission (the
-    whole plan: the runtime needs the predicted step time, which the stage's part leaves out).
+    """The Slurm resources of a stage's job, from the plan worked out with the DAG (the whole
+    plan: the runtime needs the predicted step time, which the stage's part leaves out).
 
     Training stages get nodes, tasks, CPUs, GPUs, memory and (pretrain on GPUs)
-    runtime; consolidation its memory. Before planning (a dry run of a fresh run)
+    runtime; consolidation its memory. Before detection (a dry run of a fresh run)
     each is Snakemake's <TBD>.
     """
 
     def read(key):
-        def resource(wildcards, input):
-            if not os.path.exists(input.plan):
+        def resource(wildcards):
+            try:
+                plan_key = planner_key()
+            except IncompleteCheckpointException:
                 return TBDString()
-            whole = f"{RUN}/plan.json"  # the part less its estimates (planning.derived)
-            return _stage_resources(stage, whole, os.stat(whole).st_mtime_ns)[key]
+            return _stage_resources(stage, plan_key)[key]
 
         return resource
 
@@ -192,11 +236,13 @@ def plan_resources(stage):
 
 
 @functools.lru_cache(maxsize=16)
-def _stage_resources(stage, plan_path, plan_mtime_ns):
+def _stage_resources(stage, plan_key):
     """All of a stage's resources at once: each resource function asks for one key,
-    and plan.json and hardware.json are read once per plan version, not once per key."""
-    plan = json.loads(Path(plan_path).read_text())
+    and the plan and hardware.json are read once per plan, not once per key."""
+    plan = _planned(plan_key)
+    if isinstance(plan, str):
+        return collections.defaultdict(TBDString)  # the planner's job fails with the reason
     if stage == "consolidate":
         return {"mem_mb": slurm.consolidate_mem_mb(plan, config["consolidate"])}
-    cores = json.loads(Path(f"{RUN}/hardware.json").read_text())["cpu"]["cores"]
+    cores = json.loads(Path(HARDWARE).read_text())["cpu"]["cores"]
     return slurm.job_resources(plan, stage, cores, training_settings(stage, config[stage]).optimizer_steps)

@@ -1,7 +1,8 @@
 rule consolidate:
     input:
+        after_detection,
         summary=f"{RUN}/{{stage}}/summary.json",
-        plan=get_stage_plan,
+        plan=f"{RUN}/plan/{{stage}}.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         model_config=rules.prepare_tokenizer.output.model_config,
         meta=rules.prepare_tokenizer.output.meta,

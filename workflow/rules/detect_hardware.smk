@@ -1,4 +1,6 @@
-rule detect_hardware:
+# A checkpoint: the jobs that read the plan are built again once hardware.json is
+# written, with their plan parts worked out from it (get_plan_part in common.smk).
+checkpoint detect_hardware:
     output:
         hardware=f"{RUN}/hardware.json",
     log:

@@ -1,7 +1,8 @@
 rule grpo:
     input:
+        after_detection,
         model=f"{RUN}/model/pretrain",
-        plan=get_plan_of("grpo"),
+        plan=f"{RUN}/plan/grpo.json",
         deepspeed_config=f"{RUN}/deepspeed/grpo.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         model_config=rules.prepare_tokenizer.output.model_config,

@@ -1,30 +1,43 @@
-# A checkpoint: once it has run, Snakemake re-evaluates the jobs after it, which
-# read the small files under plan/ (rewritten only when their content changes),
-# so a replan that leaves a stage's part alone does not rerun that stage.
-checkpoint plan_parallelism:
+# The plan is worked out while the DAG is built (common.smk: planned), so that a dry run
+# knows which of its parts change. plan.json is the whole record (the `plan` target, the
+# plan log); no stage reads it.
+rule plan_parallelism:
     input:
-        hardware=rules.detect_hardware.output.hardware,
+        hardware=get_hardware,
         table=get_table,
         init_from=get_init_config,
     output:
         plan=f"{RUN}/plan.json",
-        vocab=f"{RUN}/plan/vocab.json",
-        pretrain_plan=f"{RUN}/plan/pretrain.json",
-        grpo_plan=f"{RUN}/plan/grpo.json",
     log:
         logged("plan_parallelism"),
     benchmark:
         benchmarked("plan_parallelism")
     params:
         code=code_of("plan_parallelism"),
-        hardware=config["hardware"],
-        model=config["model"],
-        tokenizer=get_plan_section("tokenizer"),
-        parallelism=config["parallelism"],
-        deepspeed=config["deepspeed"],
-        pretrain=get_plan_section("pretrain"),
-        grpo=get_plan_section("grpo"),
+        # Recorded in plan.json: the next DAG reads the plan instead of working it out again.
+        key=planner_key,
+        plan=get_plan,
+        **planner_sections(config),
     conda:
         "../envs/stagetrain.yaml"
     script:
         "../../scripts/plan_parallelism.py"
+
+
+# Each part of the plan a stage reads, its own job: it reruns, and so do its readers, only
+# when the part's bytes change (the `digest` param, known before it runs).
+rule plan_part:
+    input:
+        after_detection,
+    output:
+        part=f"{RUN}/plan/{{part}}.json",
+    log:
+        logged("plan_part_{part}"),
+    params:
+        code=code_of("plan_part"),
+        digest=get_part_digest,
+        part=get_part,
+    conda:
+        "../envs/stagetrain.yaml"
+    script:
+        "../../scripts/plan_part.py"

@@ -1,6 +1,7 @@
 rule prepare_tokenizer:
     input:
-        vocab=get_vocab_padding,
+        after_detection,
+        vocab=f"{RUN}/plan/vocab.json",
         corpus=get_corpus_files,
         init_from=get_init_config,
     output:

@@ -1,6 +1,7 @@
 rule pretrain:
     input:
-        plan=get_plan_of("pretrain"),
+        after_detection,
+        plan=f"{RUN}/plan/pretrain.json",
         deepspeed_config=f"{RUN}/deepspeed/pretrain.json",
         tokenizer=rules.prepare_tokenizer.output.tokenizer,
         train=rules.prepare_tokenizer.output.train,
@@ -22,6 +23,7 @@ rule pretrain:
         benchmarked("pretrain")
     params:
         code=code_of("pretrain"),
+        predicted=get_predicted("pretrain"),
         run=config["run"],
         model=config["model"],
         pretrain=config["pretrain"],

@@ -1,6 +1,7 @@
 rule render_deepspeed_config:
     input:
-        plan=get_stage_plan,
+        after_detection,
+        plan=f"{RUN}/plan/{{stage}}.json",
     output:
         deepspeed_config=f"{RUN}/deepspeed/{{stage}}.json",
     log:

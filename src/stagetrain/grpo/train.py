@@ -38,7 +38,7 @@ from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.settings import GrpoSettings
 from stagetrain.tasks import Problem, get_family, heldout
-from stagetrain.tasks.families import load_tasks, reward_digests
+from stagetrain.tasks.families import hub_pins, load_tasks, reward_digests
 from stagetrain.tasks.judge import Judge
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import window_count
@@ -150,16 +150,6 @@ def setup(spec: dict[str, Any]) -> Run:
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
         generation_batch=plan["stages"]["grpo"]["generation"]["batch"], replay=replay,
     )  # fmt: skip
-
-
-def hub_pins(meta: dict[str, Any]) -> dict[str, str]:
-    """{hub task file: commit} as the corpus stage resolved them (data/meta.json), so GRPO reads
-    the same files even if a branch has moved since."""
-    return {
-        f["hub"]: f["commit"]
-        for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
-        for family in s["record"].get("tasks", {}).values() for f in family["files"] if "hub" in f
-    }  # fmt: skip
 
 
 LENGTH_SAMPLES = 256

@@ -15,10 +15,13 @@ which is not a tracked input of any stage.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from stagetrain.io import json_bytes
 
 # The run-wide keys the training stages read (world, backend, device, model shape).
 SHARED_KEYS = (
@@ -52,3 +55,17 @@ def stage_plan(plan: Mapping[str, Any], stage: str) -> dict[str, Any]:
 def whole_plan(part: str | Path) -> Path:
     """plan.json of the plan/<stage>.json `part` (results/<run>/plan/ beside it)."""
     return Path(part).resolve().parent.parent / "plan.json"
+
+
+def part_of(plan: Mapping[str, Any] | str, part: str) -> dict[str, Any] | str:
+    """plan/<part>.json ('vocab' or a stage) of `plan`, or the planner's refusal."""
+    if isinstance(plan, str):
+        return plan
+    return vocab_padding(plan) if part == "vocab" else stage_plan(plan, part)
+
+
+def digest(content: Mapping[str, Any] | str) -> str:
+    """The sha256 of a plan file's bytes as they are written (or of the refusal)."""
+    if isinstance(content, str):
+        return "refused: " + hashlib.sha256(content.encode("utf-8")).hexdigest()
+    return "sha256:" + hashlib.sha256(json_bytes(content)).hexdigest()

@@ -309,3 +309,20 @@ def resolve(
         "stages": stages,
         "warnings": [*choice.warnings, *(w for s in stages.values() for w in s["warnings"])],
     }
+
+
+def plan_from(
+    hardware: Mapping[str, Any], sections: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """`resolve` with the validated config sections by name, as the planner's rule passes them
+    (the planner's job and the plan worked out at DAG time, `planning.ahead`, both call this)."""
+    return resolve(
+        hardware=hardware,
+        hw_config=sections["hardware"],
+        model=sections["model"],
+        tokenizer=sections["tokenizer"],
+        parallelism=sections["parallelism"],
+        deepspeed=sections["deepspeed"],
+        pretrain=sections["pretrain"],
+        grpo=sections["grpo"],
+    )

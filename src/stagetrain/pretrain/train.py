@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
-from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
@@ -132,9 +131,9 @@ def setup(spec: dict[str, Any]) -> Run:
 
 
 def predicted_tokens_per_s(spec: dict[str, Any]) -> float | None:
-    """The planner's prediction for this layout, from plan.json (`spec["estimates"]`): the
-    part the stage depends on leaves the estimates out (`planning.derived`)."""
-    return read_json(spec["estimates"])["stages"]["pretrain"]["throughput"].get("tokens_per_s")
+    """The planner's prediction for this layout (`spec["throughput"]`, plan.json's estimate: the
+    part of the plan the stage depends on leaves the estimates out, `planning.derived`)."""
+    return spec["throughput"].get("tokens_per_s")
 
 
 def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:

@@ -290,3 +290,20 @@ def _problem(
                              f"of that name; rename the column or map it in {key}.columns")  # fmt: skip
     return Problem(family=entry["name"], level=level, question=question, answer=answer, solution=solution,
                    key=question, origin=where, columns=extra)  # fmt: skip
+
+
+def held_out_families(config: Mapping[str, Any]) -> list[str]:
+    """The families a held-out evaluation of a run scores: every family its config names (the
+    curriculum's, the corpus's, the tasks section's), in that order."""
+    return list(dict.fromkeys([*config["grpo"]["curriculum"]["families"], *config["data"]["generated"]["families"],
+                               *(f["name"] for f in config["tasks"]["families"])]))  # fmt: skip
+
+
+def hub_pins(meta: Mapping[str, Any]) -> dict[str, str]:
+    """{hub task file: commit} as the corpus stage resolved them (data/meta.json), so GRPO reads
+    the same files even if a branch has moved since."""
+    return {
+        f["hub"]: f["commit"]
+        for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
+        for family in s["record"].get("tasks", {}).values() for f in family["files"] if "hub" in f
+    }  # fmt: skip

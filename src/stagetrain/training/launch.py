@@ -314,9 +314,9 @@ def launch_stage(
 ) -> None:
     """Write the job spec of a training stage and run its ranks as the plan says.
 
-    The spec holds absolute paths of the stage's inputs and outputs, plan.json's (`estimates`:
-    the predicted throughput a stage reports against, `planning.derived`), its checkpoint folder results/<run>/checkpoints/<stage>/ (outside the declared
-    outputs, so reruns resume) and `extra` (config sections, seed).
+    The spec holds absolute paths of the stage's inputs and outputs, its checkpoint folder
+    results/<run>/checkpoints/<stage>/ (outside the declared outputs, so reruns resume) and
+    `extra` (config sections, seed, pretrain's predicted throughput).
     """
     import json
 
@@ -327,10 +327,7 @@ def launch_stage(
     plan = json.loads(Path(inputs["plan"]).read_text())
     root = Path(outputs["summary"]).resolve().parents[1] / "checkpoints" / stage
     StageLock(root).check_free()  # a second run fails here, before it writes its job.json
-    from stagetrain.planning.derived import whole_plan
-
-    estimates = {"estimates": str(whole_plan(inputs["plan"]))}  # read, not a tracked input
-    spec = job_spec(inputs={**inputs, **estimates}, outputs=outputs, checkpoints=root, extra=extra,
+    spec = job_spec(inputs=inputs, outputs=outputs, checkpoints=root, extra=extra,
                     **trackers(tracking, root.parents[1], stage))  # fmt: skip
     atomic_write_json(root / "job.json", spec)
     alloc = slurm.allocation(os.environ)

@@ -1,0 +1,57 @@
+"""evaluate: lm-evaluation-harness on a stage's consolidated model; evaluate/<stage>.json and .tsv.
+
+Snakemake runs it through the `evaluate_model` rule (wildcard: stage) for the optional
+`evaluate` target. The run's held-out problems become local lm-eval tasks scored by its own
+rewards (stagetrain.lmeval), run beside the lm-eval tasks `evaluate.tasks` names, offline.
+On its own:
+    python scripts/evaluate.py --config config/config.yaml --stage grpo \
+        --model results/tiny/model/grpo --meta results/tiny/data/meta.json \
+        --evaluation results/tiny/evaluate/grpo.json --table results/tiny/evaluate/grpo.tsv
+"""
+
+import logging
+from pathlib import Path
+
+from stagetrain.io import atomic_write_json, atomic_write_text, read_json
+from stagetrain.lmeval import Run, evaluate, table
+from stagetrain.stage import StageIO, run_stage, training_stage
+from stagetrain.tasks.families import held_out_families, hub_pins
+
+log = logging.getLogger("stagetrain")
+smk = globals().get("snakemake")
+STAGE = training_stage(smk)
+
+
+def main(io: StageIO) -> None:
+    s = io.sections
+    settings = s["evaluate"]
+    run = Run(model=str(Path(io.inputs["model"]).resolve()), tasks=s["tasks"], families=held_out_families(s),
+              levels=settings["levels"], problems=settings["problems"], seed=s["run"]["seed"],
+              max_prompt_len=s["grpo"]["max_prompt_len"], max_new_tokens=s["grpo"]["max_new_tokens"],
+              pins=hub_pins(read_json(io.inputs["meta"])))  # fmt: skip
+    # The task files beside the outputs (not outputs themselves: they are the means).
+    folder = Path(io.outputs["evaluation"]).parent / f".tasks-{STAGE}"
+    doc = evaluate(run, folder, settings["tasks"], settings["batch_size"])
+    for family, levels in doc["accuracy"].items():
+        for level, e in levels.items():
+            log.info(
+                "%s level %s: %.3f (se %.3f) on %d problems",
+                family,
+                level,
+                e["accuracy"],
+                e["se"],
+                e["problems"],
+            )
+    atomic_write_text(io.outputs["table"], table(doc))
+    atomic_write_json(io.outputs["evaluation"], {"stage": STAGE, "model": io.inputs["model"], "problems": run.problems,
+                                                 "seed": run.seed, **doc})  # fmt: skip
+
+
+run_stage(
+    main,
+    snakemake=smk,
+    doc=__doc__,
+    inputs=["model", "meta"],
+    outputs=["evaluation", "table"],
+    sections=["run", "data", "tasks", "grpo", "evaluate"],
+)

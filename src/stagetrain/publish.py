@@ -1,0 +1,157 @@
+"""The `publish` target: the consolidated models, a model card and the run's measured layouts,
+pushed to a hub repo in one commit.
+
+What a run hands back to the hub: the GRPO model at the repo's root (the pipeline's product) and
+the pretrained one under `pretrain/`; a model card (huggingface_hub's `ModelCard`) that says how
+they were made, from the run's own records (the start, the data with its hub commits, the plan,
+steps and tokens, the hardware, the held-out accuracy before and after GRPO); and
+`parallelism_data.json`, Psyche's table (GPU key -> GPU count -> {dp, tp, micro_batch_size}),
+with the layout this run trained with merged over the entries the repo already has, so that the
+next run planned on the same GPUs (`parallelism.table_repo`) starts from a layout that ran. Only
+layouts that ran to completion are written, and only GPU ones: a CPU run writes none and says so.
+
+Everything goes in one `create_commit`, so a push that fails leaves the repo as it was. The token
+is huggingface_hub's to find (HF_TOKEN, the cached login); nothing here reads or writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stagetrain.errors import StageError
+from stagetrain.inputs import looks_local
+
+log = logging.getLogger("stagetrain")
+
+TABLE = "parallelism_data.json"
+CPU = "cpu"
+
+
+def measured_layouts(plan: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:
+    """This run's entry of Psyche's table, from the plan's devices and the layout a finished
+    training stage ran: {gpu key: {gpu count: {dp, tp, micro_batch_size}}}; {} on CPU ranks."""
+    if plan["device"] == CPU:
+        return {}
+    layout = summary["layout"]
+    entry = {key: layout[key] for key in ("dp", "tp", "micro_batch_size")}
+    return {plan["device"]: {str(plan["world"]): entry}}
+
+
+def merged(existing: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
+    """`ours` over `existing`, entry by entry (another GPU or count of the repo's is kept)."""
+    out = {gpu: dict(counts) for gpu, counts in existing.items() if isinstance(counts, Mapping)}
+    for gpu, counts in ours.items():
+        out.setdefault(gpu, {}).update(counts)
+    return out
+
+
+def card_text(*, run: str, model: Mapping[str, Any], plan: Mapping[str, Any], meta: Mapping[str, Any],
+              summaries: Mapping[str, Mapping[str, Any]], repo: str) -> str:  # fmt: skip
+    """The model card (README.md): metadata for the hub, then how the models were made."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    start = model.get("init_from")
+    datasets = sorted(
+        {s["record"]["repo"] for s in meta["sources"] if s["record"].get("kind") == "hub"}
+    )
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=["stagetrain", "grpo"],
+                         base_model=start if start and not looks_local(start) else None, datasets=datasets or None)  # fmt: skip
+    shape = plan["model"]
+    lines = [
+        f"# {repo.split('/')[-1]}",
+        "",
+        f"Trained with stagetrain (run `{run}`): pretraining, then curriculum GRPO on verifiable tasks. "
+        "The GRPO model is at the root of this repo; the pretrained one under `pretrain/`.",
+        "",
+        "## Model",
+        "",
+        f"- Start: {f'`{start}`' if start else 'from scratch'}; {model['architecture']}, "
+        f"{shape['params'] / 1e6:.2f}M parameters ({shape['active_params'] / 1e6:.2f}M active), "
+        f"{shape['num_layers']} layers, hidden {shape['hidden_size']}.",
+        "",
+        "## Data",
+        "",
+        *(f"- {_source(s)}" for s in meta["sources"]),
+        "",
+        "## Training",
+        "",
+        f"- Hardware: {plan['world']} x {plan['device']} on {plan['nodes']} node(s), {plan['precision']}.",
+    ]
+    for stage, summary in summaries.items():
+        lay = summary["layout"]
+        tokens = (
+            summary["final_step"] * lay["global_batch"] * lay["seq_len"]
+            if stage == "pretrain"
+            else None
+        )
+        lines.append(
+            f"- {stage}: {summary['final_step']} steps, dp={lay['dp']} tp={lay['tp']} ZeRO-{lay['zero_stage']} "
+            f"micro batch {lay['micro_batch_size']} x {lay['grad_accum']} accumulation"
+            + (f", {tokens:,} tokens" if tokens else "")
+        )
+    accuracy = summaries.get("grpo", {}).get("accuracy")
+    if accuracy:
+        lines += ["", "## Held-out accuracy", "",
+                  "Greedy, on problems no stage trained on, before and after GRPO:", "",
+                  "| family | level | before | after | gain | se |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for family, levels in accuracy["gain"]["by_family"].items():
+            for level, e in levels.items():
+                lines.append(
+                    f"| {family} | {level} | {e['start']:.3f} | {e['end']:.3f} | {e['gain']:+.3f} | {e['se']:.3f} |"
+                )
+    body = "\n".join(lines) + "\n"
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+
+
+def _source(source: Mapping[str, Any]) -> str:
+    """One corpus source of data/meta.json as the card lists it, with its hub commit."""
+    record = source["record"]
+    what = {"generated": lambda r: f"generated task problems ({', '.join(r['families'])})",
+            "files": lambda r: f"{len(r.get('files', []))} local file(s)",
+            "hub": lambda r: f"`{r['repo']}` at commit `{r.get('commit')}`"}  # fmt: skip
+    describe = what.get(record.get("kind"), lambda r: source["name"])
+    return f"{describe(record)}: {source['train_tokens']:,} training tokens"
+
+
+def push(*, repo: str, revision: str, private: bool, models: Mapping[str, Path], card: str,
+         layouts: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """One commit to `repo`: the models (`grpo` at the root, the others under their stage's
+    folder), README.md and, when this run measured a GPU layout, the merged table.
+
+    Raises:
+        StageError: one line when the hub refuses or cannot be reached; the repo is as it was.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RevisionNotFoundError
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, private=private, exist_ok=True)
+        operations = [CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode())]
+        for stage, folder in models.items():
+            prefix = "" if stage == "grpo" else f"{stage}/"
+            operations += [CommitOperationAdd(path_in_repo=f"{prefix}{f.name}", path_or_fileobj=str(f))
+                           for f in sorted(Path(folder).iterdir()) if f.is_file()]  # fmt: skip
+        table = None
+        if layouts:
+            try:
+                existing = json.loads(
+                    Path(hf_hub_download(repo, TABLE, revision=revision)).read_text()
+                )
+            except (EntryNotFoundError, RevisionNotFoundError):
+                existing = {}
+            table = merged(existing, layouts)
+            operations.append(CommitOperationAdd(path_in_repo=TABLE, path_or_fileobj=json.dumps(table, indent=2, sort_keys=True).encode()))  # fmt: skip
+        info = api.create_commit(repo, operations=operations, revision=revision,
+                                 commit_message="stagetrain: models, model card and measured layouts")  # fmt: skip
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StageError(
+            f"publish: pushing to {repo}@{revision} failed, the repo is as it was: {first}"
+        ) from err
+    return {"repo": repo, "revision": revision, "commit": info.oid, "url": info.commit_url,
+            "files": sorted(op.path_in_repo for op in operations), "table": table}  # fmt: skip

@@ -1,0 +1,103 @@
+"""The `publish` target against the loopback hub (harness.hub, which takes commits): both models,
+the model card and the measured layouts in one commit, a table the next plan starts from, and a
+refused push that changes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness.configs import edit_config
+from harness.hub import DEFAULT_TOKEN, commit_sha, hub_call, serve_hub
+from harness.workflow import snakemake
+
+pytestmark = pytest.mark.slow
+REPO = "me/tiny-model"
+OTHER_GPU = {"A100-80GB": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 2}}}
+
+
+def test_publish_pushes_both_models_and_a_card_in_one_commit(
+    finished_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workdir = finished_copy
+    start = commit_sha("start")
+    with serve_hub({REPO: {"main": (start, {"notes.txt": b"kept\n"})}}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+        monkeypatch.setenv("HF_TOKEN", DEFAULT_TOKEN)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        edit_config(workdir, "publish", repo=REPO)
+        proc = snakemake(workdir, "publish")
+        receipt = json.loads((workdir / "results/tiny/publish.json").read_text())
+        sha, files = hub.repos[REPO]["main"]
+        assert receipt["commit"] == sha != start
+        commits = [r for r in hub.requests if r.method == "POST" and "/commit/" in r.path]
+        assert len(commits) == 1  # one commit: a failure half-way cannot leave half a push
+        for folder, prefix in (("grpo", ""), ("pretrain", "pretrain/")):
+            model = workdir / "results/tiny/model" / folder
+            for path in model.iterdir():
+                assert files[prefix + path.name] == path.read_bytes()
+        assert files["notes.txt"] == b"kept\n"
+        card = files["README.md"].decode()
+        assert "library_name: transformers" in card and "stagetrain" in card
+        assert "| comparison | 1 |" in card  # the held-out accuracy before and after GRPO
+        # On CPU ranks no GPU layout was measured: no table, and the log says so.
+        assert "parallelism_data.json" not in files and receipt["table"] is None
+        assert "measures no GPU layout" in proc.stdout + proc.stderr
+        written = [p.read_bytes() for p in (workdir / "results").rglob("*") if p.is_file()]
+        assert not any(DEFAULT_TOKEN.encode() in data for data in written)
+
+        hub.refuse_commits = True
+        proc = snakemake(workdir, "publish", "--forcerun", "publish", check=False)
+        assert proc.returncode != 0
+        line = (workdir / "results/tiny/logs/publish.log").read_text().strip().splitlines()[-1]
+        assert line.startswith(
+            f"error: publish: pushing to {REPO}@main failed, the repo is as it was: "
+        )
+        assert hub.repos[REPO]["main"] == (sha, files)
+        assert not (workdir / "results/tiny/publish.json").exists()
+
+
+PUSH = """
+import json, sys
+from pathlib import Path
+from stagetrain.publish import measured_layouts, push
+folder = Path(sys.argv[1])
+folder.mkdir()
+(folder / "config.json").write_text("{}")
+plan = {"device": "H100", "world": 8}
+summary = {"layout": {"dp": 8, "tp": 1, "micro_batch_size": 4}}
+receipt = push(repo="me/tables", revision="main", private=False, models={"grpo": folder},
+               card="---\\nlibrary_name: transformers\\n---\\n", layouts=measured_layouts(plan, summary))
+print(json.dumps(receipt))
+"""
+PLAN = """
+import json
+from stagetrain.hardware.catalog import gpu_spec
+from stagetrain.planning.resolve import table_values
+from stagetrain.planning.search import Devices
+devices = Devices(gpu=gpu_spec("H100"), nodes=1, per_node=8, device_bytes=80 * 2**30,
+                  host_bytes_per_node=None, inter_node_gbps=50)
+parallelism = {"table_path": None, "table_repo": "me/tables", "table_revision": "main", "on_table_miss": "planner"}
+print(json.dumps(list(table_values(parallelism, {"init_from": None}, devices))))
+"""
+
+
+def test_a_published_table_is_what_the_next_plan_starts_from(tmp_path: Path) -> None:
+    """A GPU run's layout, merged over the repo's entries for other GPUs, is found by the next
+    plan on the same GPUs, which records the commit it came from."""
+    table = json.dumps(OTHER_GPU).encode()
+    with serve_hub(
+        {"me/tables": {"main": (commit_sha("t"), {"parallelism_data.json": table})}}
+    ) as hub:
+        receipt = hub_call(
+            tmp_path, hub.endpoint, [str(tmp_path / "model")], code=PUSH, token=DEFAULT_TOKEN
+        )
+        assert receipt["table"] == {
+            **OTHER_GPU,
+            "H100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 4}},
+        }
+        values, record = hub_call(tmp_path, hub.endpoint, [], code=PLAN, cache=tmp_path / "next")
+    assert values == {"dp": 8, "tp": 1, "micro_batch_size": 4}
+    assert record["status"] == "used" and record["source"] == f"hub:me/tables@{receipt['commit']}"
