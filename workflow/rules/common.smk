@@ -43,6 +43,8 @@ HARDWARE = f"{RUN}/hardware.json"
 # is the using workflow's when another one uses this as a module.
 WORKFLOW_ROOT = Path(workflow.current_basedir).parents[1]
 TRAINING_STAGES = ["pretrain", "grpo"]
+
+
 wildcard_constraints:
     stage="|".join(TRAINING_STAGES),
     part="|".join(["vocab", *TRAINING_STAGES]),
