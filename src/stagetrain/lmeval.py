@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,8 @@ class Run:
 
     def problems_of(self, family: str, level: int) -> list[Any]:
         """The held-out problems of one task, as `stagetrain.evaluate` draws them."""
-        self.cells()
+        if family not in self.task_set.families:  # loading them registers the file families
+            raise StageError(f"evaluate: no task family {family!r} in the run's tasks section")
         return heldout(family, level, self.problems, seed=self.seed)
 
 
@@ -137,7 +138,7 @@ def write_tasks(folder: Path, run: Run) -> dict[str, tuple[str, int, int]]:
             encode back to its token ids (the harness would ask another question).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(folder / "run.json", run.__dict__ | {"pins": dict(run.pins)})
+    atomic_write_json(folder / "run.json", asdict(run))
     atomic_write_text(folder / "scoring.py", _SCORING)
     tokenizer = run.tokenizer
     prompter = Prompter(
