@@ -11,7 +11,7 @@ On its own it plans:
 import logging
 
 from stagetrain.errors import StageError
-from stagetrain.planning.ahead import INPUTS_KEY
+from stagetrain.planning.ahead import INPUTS_KEY, PLANNED_SECTIONS
 from stagetrain.planning.resolve import plan_from
 from stagetrain.stage import StageIO, run_stage
 
@@ -61,5 +61,5 @@ run_stage(
     doc=__doc__,
     inputs=["hardware"],
     outputs=["plan"],
-    sections=["hardware", "model", "tokenizer", "parallelism", "deepspeed", "pretrain", "grpo"],
+    sections=PLANNED_SECTIONS,
 )
