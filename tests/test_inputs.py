@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +15,6 @@ from stagetrain.consolidate.folder import weights_sha256
 from stagetrain.consolidate.writer import write_shards
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
-from stagetrain.io import write_json_if_changed
 from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
 
 
@@ -100,16 +97,6 @@ def test_a_hub_id_whose_namespace_is_a_local_folder_must_say_which_it_is(
         "exist), or move models/ away to mean the hub repository"
     )
     assert not any(local_inputs(_config(**{section: {**changes, name: "org/model"}})).values())
-
-
-def test_a_derived_file_with_the_same_content_keeps_its_modification_time(tmp_path: Path) -> None:
-    path = tmp_path / "plan" / "vocab.json"
-    assert write_json_if_changed(path, {"tp": 2})
-    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
-    assert not write_json_if_changed(path, {"tp": 2})
-    assert path.stat().st_mtime_ns == 1_000_000_000
-    assert write_json_if_changed(path, {"tp": 4})
-    assert json.loads(path.read_text()) == {"tp": 4} and path.stat().st_mtime_ns > 1_000_000_000
 
 
 def test_each_reader_gets_only_its_part_of_the_plan() -> None:

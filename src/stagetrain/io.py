@@ -73,22 +73,6 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise StageError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
 
 
-def write_json_if_changed(path: str | os.PathLike[str], obj: Any) -> bool:
-    """Write `obj` as atomic_write_json does, but only if the bytes differ; return whether it wrote.
-
-    A derived artifact rewritten with the same content keeps its modification
-    time, so nothing that reads it looks out of date (Snakemake compares mtimes).
-    """
-    data = json_bytes(obj)
-    try:
-        if Path(path).read_bytes() == data:
-            return False
-    except FileNotFoundError:
-        pass
-    atomic_write_bytes(path, data)
-    return True
-
-
 def not_utf8(where: str, data: bytes, err: UnicodeDecodeError, offset: int = 0) -> StageError:
     """The one-line error for bytes that are not UTF-8: the first bad byte and its offset in the
     file (`offset`: where `data` starts in it)."""
