@@ -12,7 +12,6 @@ import logging
 
 from stagetrain.errors import StageError
 from stagetrain.planning.ahead import INPUTS_KEY, PLANNED_SECTIONS
-from stagetrain.planning.resolve import plan_from
 from stagetrain.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")
@@ -20,7 +19,12 @@ log = logging.getLogger("stagetrain")
 
 def main(io: StageIO) -> None:
     smk = globals().get("snakemake")
-    plan = smk.params.plan if smk is not None else plan_from(io.read_input("hardware"), io.sections)
+    if smk is not None:
+        plan = smk.params.plan
+    else:  # the planner's import (torch, transformers' model classes) is paid only here
+        from stagetrain.planning.resolve import plan_from
+
+        plan = plan_from(io.read_input("hardware"), io.sections)
     if isinstance(plan, str):
         raise StageError(plan)  # the planner's refusal, found while the DAG was built
     model = plan["model"]

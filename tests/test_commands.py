@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from harness.configs import edit_config, small_grpo, small_run
+from harness.datafiles import lm_eval_task
 from harness.workflow import REPO, SNAKEMAKE, snakemake
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -204,17 +205,43 @@ def _only_changed_parts_rerun(workdir: Path, before: dict[str, bytes], log: str)
             assert stage not in ran, f"{stage} reran although plan/{part} did not change"
 
 
-def test_every_readme_command_works_as_written(finished_copy: Path) -> None:
+def _evaluated(workdir: Path) -> None:
+    """What the `evaluate` target wrote for each model: every family the config names (the
+    tasks section's own file family included) and the user's own lm-eval task, as JSON and as
+    the report's table; and a second `evaluate` has nothing to do."""
+    out = workdir / "results/tiny/evaluate"
+    for stage in ("pretrain", "grpo"):
+        doc = json.loads((out / f"{stage}.json").read_text())
+        assert set(doc["accuracy"]) == {"counting", "comparison", "largest"}
+        assert all(e["1"]["problems"] >= 1 for e in doc["accuracy"].values())
+        assert 0.0 <= doc["tasks"]["my_yes_no"]["acc,none"] <= 1.0
+        rows = (out / f"{stage}.tsv").read_text().splitlines()
+        assert rows[0].split("\t") == ["task", "level", "problems", "metric", "value", "se"]
+        assert {r.split("\t")[0] for r in rows[1:]} == {
+            "counting",
+            "comparison",
+            "largest",
+            "my_yes_no",
+        }
+    assert "Nothing to be done" in snakemake(workdir, "-n", "evaluate").stdout
+
+
+def test_every_readme_command_works_as_written(finished_copy: Path, tmp_path: Path) -> None:
     """Every command runs for real, in order, on a copy of the finished small run (so the
     recovery and inspection commands need no --cores), except the cluster submissions, which
-    are dry runs. The presets a command trains are shrunk as the default config is."""
+    are dry runs. The presets a command trains are shrunk as the default config is. The
+    `evaluate` command's outputs are checked here, where it runs, with a task of the user's
+    own listed (test_evaluate.py: the harness's scoring, the target's DAG and its refusals)."""
     commands = readme_commands()
     for needed in (
         "snakemake --unlock",
         "snakemake --report report.html",
         "snakemake --dag dot all",
+        "snakemake --cores all evaluate",
     ):
         assert any(c.startswith(needed) for c in commands), needed
+    task = lm_eval_task(tmp_path / "mine")
+    edit_config(finished_copy, "evaluate", problems=8, levels=[1], tasks=[str(task)])
     for command in commands:
         if (
             SUBMITS not in command
@@ -234,6 +261,8 @@ def test_every_readme_command_works_as_written(finished_copy: Path) -> None:
         print(f"{time.monotonic() - began:5.1f} s  {command}")
         if "--forcerun detect_hardware" in command:
             _only_changed_parts_rerun(finished_copy, parts, proc.stdout + proc.stderr)
+        if command.endswith(" evaluate"):
+            _evaluated(finished_copy)
     assert (finished_copy / "report.html").stat().st_size > 10_000
     report = (finished_copy / "report.html").read_text()
     for plot in ("pretrain/loss.png", "grpo/reward.png"):

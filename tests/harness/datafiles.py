@@ -29,3 +29,20 @@ def write_rows(
         data = zstandard.ZstdCompressor().compress(data)
     path.write_bytes(data)
     return path
+
+
+def lm_eval_task(folder: Path) -> Path:
+    """A user's own multiple-choice lm-eval task, its data a local file: its YAML's path."""
+    folder.mkdir(parents=True)
+    rows = [
+        {"question": f"Is {a} more than {b}?", "label": 0 if a > b else 1}
+        for a, b in [(3, 2), (1, 5), (7, 4), (2, 9)]
+    ]
+    (folder / "yes_no.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "yes_no.yaml").write_text(
+        "task: my_yes_no\ndataset_path: json\n"
+        f"dataset_kwargs: {{data_files: {{test: {json.dumps(str(folder / 'yes_no.jsonl'))}}}}}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: ['yes', 'no']\ndoc_to_target: label\nmetric_list: [{metric: acc}]\n"
+    )  # fmt: skip
+    return folder / "yes_no.yaml"
