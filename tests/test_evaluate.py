@@ -58,7 +58,9 @@ def test_the_evaluate_target_lists_the_evaluations_alone_and_refuses_an_unknown_
     assert line in proc.stdout + proc.stderr
     # The first evaluation to fail stops the run: it leaves its line and no evaluation.
     out = workdir / "results/tiny/evaluate"
-    logs = {stage: workdir / f"results/tiny/logs/evaluate_{stage}.log" for stage in ("pretrain", "grpo")}
+    logs = {
+        stage: workdir / f"results/tiny/logs/evaluate_{stage}.log" for stage in ("pretrain", "grpo")
+    }
     failed = [stage for stage, log in logs.items()
               if log.exists() and log.read_text().strip().splitlines()[-1] == line]  # fmt: skip
     assert failed and not any((out / f"{stage}.json").exists() for stage in failed)
