@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from transformers.integrations import HfDeepSpeedConfig
 
 from stagetrain.grpo.curriculum import CurriculumConfig
 from stagetrain.grpo.tree import TreeConfig
@@ -50,3 +51,5 @@ class Run:
     generation_batch: int
     """Most sequences one `generate` call makes: the plan counted their KV cache."""
     replay: Replay | None = None
+    zero3_config: HfDeepSpeedConfig | None = None
+    """Held for the run's life under ZeRO-3: transformers keeps only a weak reference to it."""

@@ -121,7 +121,7 @@ def setup(spec: dict[str, Any]) -> Run:
            for f in [*evaluated, *sorted(replay.levels if replay else ())]}  # fmt: skip
     check_families(judge, top)  # before the engines are built
     config = engines.load_model_config(spec["model_config"])
-    engine, _, spec["_hook"] = engines.build(
+    engine, _, zero3_config = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
         activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
         attention=plan["attention"],
@@ -149,6 +149,7 @@ def setup(spec: dict[str, Any]) -> Run:
         loop=StageLoop(stage="grpo", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
         generation_batch=plan["stages"]["grpo"]["generation"]["batch"], replay=replay,
+        zero3_config=zero3_config,
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers.integrations import HfDeepSpeedConfig
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
@@ -71,6 +72,8 @@ class Run:
     params: dict[str, Any]
     routing: Routing | None
     """An MoE model's routing (its load-balancing loss and expert load); None when dense."""
+    zero3_config: HfDeepSpeedConfig | None
+    """Held for the run's life under ZeRO-3: transformers keeps only a weak reference to it."""
 
 
 def components(
@@ -101,7 +104,7 @@ def setup(spec: dict[str, Any]) -> Run:
                               layout.checkpoint_layout, cfg.keep_checkpoints)  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
-    engine, params, spec["_hook"] = engines.build(
+    engine, params, zero3_config = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"]["init_from"],
         activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
         attention=plan["attention"],
@@ -110,7 +113,7 @@ def setup(spec: dict[str, Any]) -> Run:
         raise StageError(
             f"plan.json: dp={layout.dp}, but DeepSpeed formed dp={engine.dp_world_size}"
         )
-    seq = cfg.seq_len
+    seq = layout.seq_len  # the plan's, which its memory and throughput were worked out for
     train = np.memmap(spec["train"], dtype=meta["dtype"], mode="r")
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
     n_eval = min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)
@@ -127,6 +130,7 @@ def setup(spec: dict[str, Any]) -> Run:
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
         params={**params, "predicted_tokens_per_s": predicted_tokens_per_s(spec)}, routing=routing_of(config),
+        zero3_config=zero3_config,
     )  # fmt: skip
 
 
@@ -138,13 +142,13 @@ def predicted_tokens_per_s(spec: dict[str, Any]) -> float | None:
 
 def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
     """The training loss of `run`'s model on `windows` of `shard`."""
-    return window_loss(run.engine, run.device, shard, windows, run.cfg.seq_len)
+    return window_loss(run.engine, run.device, shard, windows, run.layout.seq_len)
 
 
 def evaluate(run: Run) -> float:
     """Loss on the fixed validation windows, the same on every rank."""
     run.engine.eval()
-    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.cfg.seq_len,
+    loss = validation_loss(run.engine, run.val, run.eval_windows, seq_len=run.layout.seq_len,
                            micro_batch_size=run.layout.micro_batch_size, device=run.device)  # fmt: skip
     run.engine.train()
     return loss
@@ -163,7 +167,7 @@ def train_step(
     for micro in run.sampler.rank_micro_batches(step, run.dp_rank):
         if run.routing:
             loss, lm, aux, shares = training_loss(run.engine, run.device, run.train, micro,
-                                                  run.cfg.seq_len, run.routing)  # fmt: skip
+                                                  run.layout.seq_len, run.routing)  # fmt: skip
             losses.append(
                 torch.cat([lm.detach().reshape(1), aux.detach().reshape(1), shares.flatten()])
             )
@@ -197,7 +201,7 @@ def record(
     out = {
         "step": step, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
         "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "train/tokens": step * run.layout.global_batch * run.cfg.seq_len,
+        "train/tokens": step * run.layout.tokens_per_step,
         "throughput/tokens_per_s": rate,
         "throughput/mfu(%)": 100 * run.flops_per_token * rate / run.peak_flops if run.peak_flops else None,
         "time/elapsed_s": elapsed,
@@ -218,7 +222,7 @@ def loop(run: Run) -> dict[str, Any]:
     run.eval_windows = stage.eval_set(run.eval_windows, client)
     windows = stage.debug_log("windows.jsonl", WINDOW_RECORD)
     progress, began = Progress(cfg.steps, stage.start), time.monotonic()
-    tokens_per_step = run.layout.global_batch * cfg.seq_len
+    tokens_per_step = run.layout.tokens_per_step
     last_eval, window_s, window_steps = None, 0.0, 0
     for step in stage.steps():
         t0 = time.monotonic()
