@@ -1,5 +1,6 @@
 """Data files as users hand them in: rows written as JSON lines (plain, gzip, zstandard) or
-parquet, by the path's suffix, for the task-family and corpus tests."""
+parquet, by the path's suffix, for the task-family and corpus tests; and a user's own lm-eval
+task with its local data, for the evaluate target."""
 
 from __future__ import annotations
 
