@@ -60,6 +60,7 @@ CONSOLIDATE = (
     + """
 import time
 from stagetrain.consolidate.folder import consolidate
+from stagetrain.settings import ConsolidateSettings
 def io():
     fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
     return {k: int(fields[k]) for k in ("read_bytes", "rchar")}
@@ -70,7 +71,7 @@ def on_phase(name):
     open("/proc/self/clear_refs", "w").write("5")  # the next phase's peak starts from here
 on_phase("start")
 consolidate(stage="pretrain", summary_path=a["summary"], tokenizer_dir=a["tokenizer"], model_config_path=a["model_config"],
-            meta_path=a["meta"], out=a["out"], cfg={"dtype": "bf16", "max_shard_size": "20MB", "verify": "loss"},
+            meta_path=a["meta"], out=a["out"], cfg=ConsolidateSettings(dtype="bf16", max_shard_size="20MB", verify="loss"),
             on_phase=on_phase)
 print(json.dumps(marks))
 """

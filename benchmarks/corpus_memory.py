@@ -86,10 +86,11 @@ def throughput(corpus: Path, tokenizer_dir: Path, row_groups: int) -> dict[str, 
 
     from stagetrain.corpus.shards import write_split
     from stagetrain.corpus.sources import files
+    from stagetrain.settings import FileData
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     backend = tokenizer.backend_tokenizer
-    source = files({"path": str(corpus), "weight": 1.0, "text_field": "text"}, 0, 0.0)
+    source = files(FileData(path=str(corpus), weight=1.0, text_field="text"), 0, 0.0)
 
     def bare() -> tuple[int, int]:
         tokens = documents = 0

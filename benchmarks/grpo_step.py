@@ -40,9 +40,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from stagetrain.grpo.run import Run
+    from stagetrain.training.spec import GrpoJob
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = (
@@ -136,7 +140,7 @@ def _instrument(timers: Timers, trained: list[list[tuple[list[int], list[int]]]]
     checkpoints.Checkpoints.save = timers.wrap("checkpoint", checkpoints.Checkpoints.save)
     setup = train.setup
 
-    def instrumented_setup(spec: dict[str, Any]) -> Any:
+    def instrumented_setup(spec: GrpoJob) -> Run:
         run = setup(spec)
         run.engine.backward = timers.wrap("backward", run.engine.backward)
         run.engine.step = timers.wrap("optimizer", run.engine.step)
@@ -245,7 +249,7 @@ def rank(spec_path: str, warmup: int, out: str) -> None:
         float
     ] = []  # this rank's own work (not waiting in a collective) at each step's start
 
-    def body(spec: dict[str, Any]) -> None:
+    def body(spec: GrpoJob) -> None:
         run = train.setup(spec)
         original_steps = run.loop.steps
 
@@ -292,7 +296,7 @@ def _job(
     where given."""
     from stagetrain.io import read_json
 
-    spec = read_json(spec_path)
+    spec: GrpoJob = read_json(spec_path)
     for key in ("summary", "metrics", "reward_plot"):
         spec[key] = str(scratch / Path(spec[key]).name)
     spec["checkpoints"], spec["tensorboard"] = (

@@ -28,7 +28,8 @@ from transformers import AutoModelForCausalLM
 from stagetrain import config as stconfig
 from stagetrain.hardware.detect import describe
 from stagetrain.model_config import build_config
-from stagetrain.planning.resolve import resolve
+from stagetrain.planning.plan import PlanRecord
+from stagetrain.planning.resolve import PlannerSettings, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {  # Llama shapes: hidden, intermediate, layers, heads, kv heads, vocab
@@ -66,12 +67,9 @@ def _median(fn, repeat: int = 5) -> float:
     return statistics.median(times)
 
 
-def _plan(cfg: dict) -> dict:
-    return resolve(
-        hardware=describe(cfg["hardware"]), hw_config=cfg["hardware"], model=cfg["model"],
-        tokenizer=cfg["tokenizer"], parallelism=cfg["parallelism"], deepspeed=cfg["deepspeed"],
-        pretrain=cfg["pretrain"], grpo=cfg["grpo"],
-    )  # fmt: skip
+def _plan(cfg: dict) -> PlanRecord:
+    settings = PlannerSettings.from_config(cfg)
+    return resolve(describe(settings.hardware), settings)
 
 
 def _meta_build(cfg: dict) -> None:

@@ -27,6 +27,7 @@ from stagetrain import config as stconfig
 from stagetrain.corpus import sources as corpus_sources
 from stagetrain.corpus.shards import BATCH_DOCUMENTS, write_documents
 from stagetrain.prepare_tokenizer import training_sample
+from stagetrain.settings import DataSettings
 from stagetrain.tokenizer import train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ def _bare(tokenizer, docs: list[str]) -> int:
 
 def throughput() -> None:
     cfg = stconfig.load(REPO / "config" / "config.yaml")
-    sources = corpus_sources.build(cfg["data"], seed=1)
+    sources = corpus_sources.build(DataSettings.from_config(cfg["data"], "data"), seed=1)
     hf = train_bpe(training_sample(sources, 1.0), cfg["tokenizer"]["vocab_size"])
     backend = hf.backend_tokenizer
     docs = [d for _, d in zip(range(DOCUMENTS), sources[0].documents("train"), strict=False)]
@@ -94,8 +95,7 @@ cfg = stconfig.load("config/config.yaml")
 merge(cfg, changes)
 names = {"tokenizer": "tokenizer", "train": "train.bin", "val": "val.bin", "meta": "meta.json", "model_config": "model_config.json"}
 start = time.perf_counter()
-prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tasks=cfg["tasks"], tp=1,
-        outputs={k: str(out / v) for k, v in names.items()})
+prepare(cfg, tp=1, outputs={k: str(out / v) for k, v in names.items()})
 seconds = time.perf_counter() - start
 tokens = sum((out / f).stat().st_size for f in ("train.bin", "val.bin")) // 2
 print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds, "tokens": tokens}))

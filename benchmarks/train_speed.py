@@ -119,7 +119,7 @@ def main() -> None:
 def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
     from stagetrain.deepspeed_config import render
     from stagetrain.io import atomic_write_json
-    from stagetrain.training.launch import job_spec
+    from stagetrain.training.launch import job_spec, pretrain_part
     from tests.harness.planning import cpu_hardware, plan_for
 
     cfg["parallelism"].update(
@@ -138,9 +138,9 @@ def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
         render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
     )
     # No outputs: the benchmark times steps and writes no summary, metrics or plot.
+    part = pretrain_part(cfg, plan["stages"]["pretrain"]["throughput"]) | {"seed": 1}
     spec = job_spec(inputs={**data, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"}, outputs={},
-                    checkpoints=out / "ckpt", extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": 1,
-                                                     "throughput": plan["stages"]["pretrain"]["throughput"]})  # fmt: skip
+                    checkpoints=out / "ckpt", part=part)  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return out / "job.json"
 

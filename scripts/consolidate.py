@@ -10,6 +10,7 @@ Snakemake runs it through the `consolidate` rule (wildcard: stage); on its own:
 import logging
 
 from stagetrain.consolidate.folder import consolidate
+from stagetrain.settings import ConsolidateSettings
 from stagetrain.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
@@ -25,7 +26,7 @@ def main(io: StageIO) -> None:
         model_config_path=io.inputs["model_config"],
         meta_path=io.inputs["meta"],
         out=io.outputs["model"],
-        cfg=io.sections["consolidate"],
+        cfg=ConsolidateSettings.from_config(io.sections["consolidate"], "consolidate"),
     )
     size = sum(f["bytes"] for name, f in manifest["files"].items() if name.endswith(".safetensors"))
     log.info("%s: step %d as %s, %.1f MB of weights in %s", STAGE, manifest["step"], manifest["dtype"],

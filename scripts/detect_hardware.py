@@ -8,13 +8,14 @@ import logging
 
 from stagetrain.hardware import speed
 from stagetrain.hardware.detect import detect
+from stagetrain.settings import HardwareSettings
 from stagetrain.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")
 
 
 def main(io: StageIO) -> None:
-    hardware = detect(io.sections["hardware"])
+    hardware = detect(HardwareSettings.from_config(io.sections["hardware"], "hardware"))
     for line in hardware["fallbacks"]:
         log.info("fallback: %s", line)
     for line in hardware["warnings"]:

@@ -13,7 +13,14 @@ import logging
 from pathlib import Path
 
 from stagetrain.io import atomic_write_json, atomic_write_text, read_json
-from stagetrain.lmeval import Run, evaluate, table
+from stagetrain.lmeval import Run, StageEvaluation, evaluate, table
+from stagetrain.settings import (
+    DataSettings,
+    EvaluateSettings,
+    GrpoSettings,
+    RunSettings,
+    TasksSettings,
+)
 from stagetrain.stage import StageIO, run_stage, training_stage
 from stagetrain.tasks.families import held_out_families, hub_pins
 
@@ -24,14 +31,18 @@ STAGE = training_stage(smk)
 
 def main(io: StageIO) -> None:
     s = io.sections
-    settings = s["evaluate"]
-    run = Run(model=str(Path(io.inputs["model"]).resolve()), tasks=s["tasks"], families=held_out_families(s),
-              levels=settings["levels"], problems=settings["problems"], seed=s["run"]["seed"],
-              max_prompt_len=s["grpo"]["max_prompt_len"], max_new_tokens=s["grpo"]["max_new_tokens"],
-              pins=hub_pins(read_json(io.inputs["meta"])))  # fmt: skip
+    settings = EvaluateSettings.from_config(s["evaluate"], "evaluate")
+    grpo = GrpoSettings.from_config(s["grpo"], "grpo")
+    families = held_out_families(grpo, DataSettings.from_config(s["data"], "data"),
+                                 TasksSettings.from_config(s["tasks"], "tasks"))  # fmt: skip
+    # run.json keeps the tasks section as the config gives it; the rest as its settings have it
+    run = Run(model=str(Path(io.inputs["model"]).resolve()), tasks=s["tasks"], families=families,
+              levels=list(settings.levels), problems=settings.problems,
+              seed=RunSettings.from_config(s["run"], "run").seed, max_prompt_len=grpo.max_prompt_len,
+              max_new_tokens=grpo.max_new_tokens, pins=hub_pins(read_json(io.inputs["meta"])))  # fmt: skip
     # The task files beside the outputs (not outputs themselves: they are the means).
     folder = Path(io.outputs["evaluation"]).parent / f".tasks-{STAGE}"
-    doc = evaluate(run, folder, settings["tasks"], settings["batch_size"])
+    doc = evaluate(run, folder, settings.tasks, settings.batch_size)
     for family, levels in doc["accuracy"].items():
         for level, e in levels.items():
             log.info(
@@ -43,8 +54,9 @@ def main(io: StageIO) -> None:
                 e["problems"],
             )
     atomic_write_text(io.outputs["table"], table(doc))
-    atomic_write_json(io.outputs["evaluation"], {"stage": STAGE, "model": io.inputs["model"], "problems": run.problems,
-                                                 "seed": run.seed, **doc})  # fmt: skip
+    evaluation = StageEvaluation(stage=STAGE, model=io.inputs["model"], problems=run.problems,
+                                 seed=run.seed, **doc)  # fmt: skip
+    atomic_write_json(io.outputs["evaluation"], evaluation)
 
 
 run_stage(

@@ -10,24 +10,20 @@ with checkpoints in results/<run>/checkpoints/grpo/<fingerprint>/. On its own:
         --reward-plot results/tiny/grpo/reward.png
 """
 
+from stagetrain.settings import TrackingSettings
 from stagetrain.stage import StageIO, run_stage
-from stagetrain.training.launch import launch_stage
+from stagetrain.training.launch import grpo_part, launch_stage
 
 
 def main(io: StageIO) -> None:
-    extra = {
-        "grpo": io.sections["grpo"],
-        "tasks": io.sections["tasks"],
-        "seed": io.sections["run"]["seed"],
-    }
     launch_stage(
         stage="grpo",
         module="stagetrain.grpo.train",
         # task and reward files are read through the tasks section
         inputs={k: v for k, v in io.inputs.items() if k not in ("task_files", "reward_files")},
         outputs=io.outputs,
-        extra=extra,
-        tracking=io.sections["tracking"],
+        part=grpo_part(io.sections),
+        tracking=TrackingSettings.from_config(io.sections["tracking"], "tracking"),
     )
 
 

@@ -12,6 +12,7 @@ import logging
 
 from stagetrain.errors import StageError
 from stagetrain.planning.ahead import INPUTS_KEY, PLANNED_SECTIONS
+from stagetrain.planning.plan import PlanRecord
 from stagetrain.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")
@@ -19,6 +20,7 @@ log = logging.getLogger("stagetrain")
 
 def main(io: StageIO) -> None:
     smk = globals().get("snakemake")
+    plan: PlanRecord | str
     if smk is not None:
         plan = smk.params.plan
     else:  # the planner's import (torch, transformers' model classes) is paid only here
@@ -27,6 +29,12 @@ def main(io: StageIO) -> None:
         plan = plan_from(io.read_input("hardware"), io.sections)
     if isinstance(plan, str):
         raise StageError(plan)  # the planner's refusal, found while the DAG was built
+    _log(plan)
+    io.write_output("plan", {**plan, INPUTS_KEY: smk.params.key if smk is not None else None})
+
+
+def _log(plan: PlanRecord) -> None:
+    """The plan in a few lines: the model, the devices, the choices and each stage's layout."""
     model = plan["model"]
     log.info(
         "model: %.3fB parameters (%.3fB active), %d layers, hidden %d",
@@ -56,7 +64,6 @@ def main(io: StageIO) -> None:
             log.info("  runner-up %s: %s", other["layout"], other["reason"])
     for warning in plan["warnings"]:
         log.warning("warning: %s", warning)
-    io.write_output("plan", {**plan, INPUTS_KEY: smk.params.key if smk is not None else None})
 
 
 run_stage(

@@ -16,15 +16,7 @@ log = logging.getLogger("stagetrain")
 
 
 def main(io: StageIO) -> None:
-    meta = prepare(
-        run=io.sections["run"],
-        model=io.sections["model"],
-        tokenizer_cfg=io.sections["tokenizer"],
-        data=io.sections["data"],
-        tasks=io.sections["tasks"],
-        tp=io.read_input("vocab")["tp"],
-        outputs=io.outputs,
-    )
+    meta = prepare(io.sections, tp=io.read_input("vocab")["tp"], outputs=io.outputs)
     for source in meta["sources"]:
         log.info("source %s: %d train and %d val tokens", source["name"], source["train_tokens"],
                  source["val_tokens"])  # fmt: skip

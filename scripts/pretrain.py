@@ -14,8 +14,9 @@ so a rerun after a crash resumes from the newest complete one. On its own:
 
 from stagetrain.io import read_json
 from stagetrain.planning.derived import whole_plan
+from stagetrain.settings import TrackingSettings
 from stagetrain.stage import StageIO, run_stage
-from stagetrain.training.launch import launch_stage
+from stagetrain.training.launch import launch_stage, pretrain_part
 
 
 def main(io: StageIO) -> None:
@@ -27,19 +28,13 @@ def main(io: StageIO) -> None:
         if smk is not None
         else read_json(whole_plan(io.inputs["plan"]))["stages"]["pretrain"]["throughput"]
     )
-    extra = {
-        "pretrain": io.sections["pretrain"],
-        "model": io.sections["model"],
-        "seed": io.sections["run"]["seed"],
-        "throughput": throughput,
-    }
     launch_stage(
         stage="pretrain",
         module="stagetrain.pretrain.train",
         inputs=io.inputs,
         outputs=io.outputs,
-        extra=extra,
-        tracking=io.sections["tracking"],
+        part=pretrain_part(io.sections, throughput),
+        tracking=TrackingSettings.from_config(io.sections["tracking"], "tracking"),
     )
 
 

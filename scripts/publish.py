@@ -10,35 +10,47 @@ usual sources (HF_TOKEN, `hf auth login`) and is never written. On its own:
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
+from stagetrain.planning.plan import PlanRecord
 from stagetrain.publish import card_text, measured_layouts, push
+from stagetrain.settings import ModelSettings, PublishSettings, RunSettings
 from stagetrain.stage import StageIO, run_stage
+
+if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
+    from stagetrain.grpo.run import GrpoSummary
+    from stagetrain.pretrain.summary import PretrainSummary
 
 log = logging.getLogger("stagetrain")
 STAGES = ("pretrain", "grpo")
 
 
 def main(io: StageIO) -> None:
-    settings = io.sections["publish"]
-    if settings["repo"] is None:
+    settings = PublishSettings.from_config(io.sections["publish"], "publish")
+    if settings.repo is None:
         raise StageError(
             "publish.repo: expected the hub repo to push to (namespace/name); none is set"
         )
     results = Path(io.inputs["plan"]).parent
-    plan, meta = read_json(io.inputs["plan"]), read_json(io.inputs["meta"])
-    summaries = {stage: read_json(results / stage / "summary.json") for stage in STAGES}
-    layouts = measured_layouts(plan, summaries["pretrain"])
+    plan: PlanRecord = read_json(io.inputs["plan"])
+    meta: TokenizerMeta = read_json(io.inputs["meta"])
+    pretrain: PretrainSummary = read_json(results / "pretrain/summary.json")
+    grpo: GrpoSummary = read_json(results / "grpo/summary.json")
+    layouts = measured_layouts(plan, pretrain["layout"])
     if not layouts:
         log.info(
             "%s: a run on CPU ranks measures no GPU layout; %s is not written",
-            settings["repo"],
+            settings.repo,
             "parallelism_data.json",
         )
-    card = card_text(run=io.sections["run"]["name"], model=io.sections["model"], plan=plan, meta=meta,
-                     summaries=summaries, repo=settings["repo"])  # fmt: skip
-    receipt = push(repo=settings["repo"], revision=settings["revision"], private=settings["private"],
+    run = RunSettings.from_config(io.sections["run"], "run")
+    model = ModelSettings.from_config(io.sections["model"], "model")
+    card = card_text(run=run.name, model=model, plan=plan, meta=meta, pretrain=pretrain, grpo=grpo,
+                     repo=settings.repo)  # fmt: skip
+    receipt = push(repo=settings.repo, revision=settings.revision, private=settings.private,
                    models={stage: results / "model" / stage for stage in STAGES}, card=card, layouts=layouts)  # fmt: skip
     log.info(
         "pushed %d files to %s@%s: commit %s",

@@ -8,7 +8,7 @@ Snakemake runs it through the `render_deepspeed_config` rule (wildcard: stage); 
 import logging
 
 from stagetrain.deepspeed_config import render
-from stagetrain.settings import training_settings
+from stagetrain.settings import DeepSpeedSettings, training_settings
 from stagetrain.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
@@ -19,15 +19,11 @@ STAGE = training_stage(smk)
 def main(io: StageIO) -> None:
     # The rule passes the stage's optimizer steps as `steps` (passes already counted, so
     # the section's `passes` is its default, 1); run on its own, the whole stage section.
-    training = io.sections["training"]
     config = render(
         stage=STAGE,
         plan=io.read_input("plan"),
-        deepspeed=io.sections["deepspeed"],
-        training={
-            "steps": training_settings(STAGE, training).optimizer_steps,
-            "optimizer": training["optimizer"],
-        },
+        deepspeed=DeepSpeedSettings.from_config(io.sections["deepspeed"], "deepspeed"),
+        training=training_settings(STAGE, io.sections["training"]),
     )
     zero = config["zero_optimization"]["stage"]
     log.info(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.configs import model_settings
 from harness.workflow import REPO, default_config
 from snakemake.utils import validate as snakemake_validate
 
@@ -288,29 +289,29 @@ def test_model_shape_errors(change: dict[str, Any], message: str) -> None:
     model = {**default_config()["model"], **change}
     model = {k: v for k, v in model.items() if v is not None or k == "init_from"}
     with pytest.raises(StageError, match=message.replace("(", r"\(")):
-        build_config(model, 512)
+        build_config(model_settings(model), 512)
 
 
 def test_init_from_a_local_model_takes_its_shape(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    config = build_config(default_config()["model"], 512)
+    config = build_config(model_settings(default_config()["model"]), 512)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     model = {"init_from": str(tmp_path), "architecture": "llama", "vocab_multiple": 64}
-    loaded = build_config(model, 640)
+    loaded = build_config(model_settings(model), 640)
     assert (loaded.hidden_size, loaded.num_hidden_layers, loaded.vocab_size) == (128, 4, 640)
     with pytest.raises(StageError, match="model.init_from: cannot load config of"):
-        build_config({**model, "init_from": str(tmp_path / "missing")}, 512)
+        build_config(model_settings({**model, "init_from": str(tmp_path / "missing")}), 512)
 
 
 def test_init_from_a_folder_without_weights_is_one_line(tmp_path: Path) -> None:
     """config.json alone would pass planning and fail much later, inside the training ranks."""
-    build_config(default_config()["model"], 512).save_pretrained(tmp_path)
+    build_config(model_settings(default_config()["model"]), 512).save_pretrained(tmp_path)
     model = {"init_from": str(tmp_path), "architecture": "llama", "vocab_multiple": 64}
     with pytest.raises(
         StageError, match=f"model.init_from: {tmp_path} has a config.json but no weight files"
     ) as err:
-        build_config(model, 512)
+        build_config(model_settings(model), 512)
     assert "\n" not in str(err.value)
 
 
@@ -395,7 +396,7 @@ def test_init_from_a_model_the_planner_cannot_count_is_one_line(
     (tmp_path / "model.safetensors").write_bytes(b"")
     model = {"init_from": str(tmp_path), "architecture": None, "vocab_multiple": 64}
     with pytest.raises(StageError) as err:
-        build_config(model, 512)
+        build_config(model_settings(model), 512)
     assert str(err.value).startswith(
         f"model.init_from: {str(tmp_path)!r} {expected}; stagetrain trains Llama-style decoders"
     )

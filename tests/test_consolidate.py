@@ -12,13 +12,23 @@ from typing import Any
 import pytest
 import torch
 from harness.checkpoints import Crafted, truncate
+from harness.contracts import mismatches
 from harness.training import SharedRuns, final_params
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stagetrain.consolidate.folder import DTYPES, MANIFEST, _tied_names, consolidate, eval_loss
+from stagetrain.consolidate.folder import (
+    DTYPES,
+    MANIFEST,
+    FiniteCheck,
+    Manifest,
+    _tied_names,
+    consolidate,
+    eval_loss,
+)
 from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
 from stagetrain.errors import StageError
+from stagetrain.settings import ConsolidateSettings
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.integrity import expected_files, safe_globals, weights_only_loads
 
@@ -34,14 +44,15 @@ def runs(shared_runs: SharedRuns) -> SharedRuns:
 
 
 def _consolidate(
-    data: dict[str, str], summary: dict[str, Any], out: Path, on_phase: Any = None, **cfg: Any
-) -> dict[str, Any]:
+    data: dict[str, str], summary: dict[str, Any], out: Path, on_phase: Any = None, **cfg: str
+) -> Manifest:
     summary_path = out.parent / f"{out.name}-summary.json"
     summary_path.write_text(json.dumps(summary))
     return consolidate(
         stage="pretrain", summary_path=str(summary_path), tokenizer_dir=data["tokenizer"],
         model_config_path=summary.get("model_config", data["model_config"]), meta_path=data["meta"],
-        out=str(out), cfg={"dtype": "fp32", "max_shard_size": "2GB", **cfg}, on_phase=on_phase,
+        out=str(out), cfg=ConsolidateSettings(**{"dtype": "fp32", "max_shard_size": "2GB", "verify": "loss", **cfg}),
+        on_phase=on_phase,
     )  # fmt: skip
 
 
@@ -142,6 +153,7 @@ def test_fp32_output_equals_deepspeeds_fp32_state_dict(
     assert all(torch.equal(written[k], reference[k]) for k in written)
     assert manifest["verification"]["relative_tolerance"] == 1e-4
     assert manifest["vocab_size"] == 512 and manifest["step"] == 4
+    assert not mismatches(json.loads((tmp_path / "model" / MANIFEST).read_text()), Manifest)
 
 
 def test_finite_verification_reads_every_shard_back(
@@ -153,6 +165,10 @@ def test_finite_verification_reads_every_shard_back(
     index = json.loads((tmp_path / "model" / INDEX).read_text())
     assert manifest["verification"] == {"method": "finite", "tensors": len(index["weight_map"]),
                                         "training_eval_loss": runs["zero3"]["final_eval_loss"]}  # fmt: skip
+    written = json.loads((tmp_path / "model" / MANIFEST).read_text())
+    # harness.contracts checks a union against its first member (LossCheck): FiniteCheck apart
+    found = [m for m in mismatches(written, Manifest) if not m.startswith(".verification.")]
+    assert not found + mismatches(written["verification"], FiniteCheck)
     _reference_shards(runs["zero3"], "bf16", "1MB", tmp_path / "reference")
     assert all((tmp_path / "model" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "reference").iterdir())  # fmt: skip
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness.configs import model_settings
+from harness.contracts import mismatches
 from harness.datafiles import write_rows
 from harness.hub import commit_sha, hub_call, serve_hub
 from harness.planning import cpu_hardware, plan_for
@@ -23,11 +25,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from stagetrain import config as stconfig
 from stagetrain.corpus import sources as corpus_sources
+from stagetrain.corpus.meta import FilesRecord, GeneratedRecord, TokenizerMeta
 from stagetrain.corpus.shards import token_dtype, write_split
 from stagetrain.errors import StageError
 from stagetrain.model_config import training_config
 from stagetrain.planning.derived import vocab_padding
 from stagetrain.prepare_tokenizer import prepare
+from stagetrain.settings import DataSettings, FileData, TasksSettings, TokenizerSettings
 from stagetrain.tasks import ANSWER_TOKEN, PROBLEM_TOKEN, split_of
 from stagetrain.tokenizer import SPECIAL_TOKENS, load_pretrained, save, train_bpe
 
@@ -43,7 +47,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def sources() -> list[corpus_sources.Source]:
-    return corpus_sources.build(default_config()["data"], seed=7)
+    return corpus_sources.build(_data(default_config()["data"]), seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +57,23 @@ def tokenizer(sources: list[corpus_sources.Source]) -> PreTrainedTokenizerFast:
     return train_bpe(training_sample(sources, 0.3), 512)
 
 
+def _data(section: dict[str, Any]) -> DataSettings:
+    return DataSettings.from_config(section, "data")
+
+
+def _files(path: Path | str, text_field: str = "text") -> FileData:
+    """A data.files entry of weight 1."""
+    return FileData(path=str(path), weight=1.0, text_field=text_field)
+
+
+def _listed(name: str, weight: float, documents: list[str]) -> corpus_sources.Source:
+    """A source of the same `documents` for either split."""
+    record = FilesRecord(kind="files", path=name, weight=weight, text_field="text",
+                                        files=[])  # fmt: skip
+    return corpus_sources.Source(name=name, weight=weight, documents=lambda split: iter(documents),
+                                 record=record)  # fmt: skip
+
+
 def _small(**data: Any) -> dict[str, Any]:
     cfg = default_config()
     cfg["data"] = {**cfg["data"], "train_tokens": 20_000, "val_tokens": 2_000, **data}
@@ -60,15 +81,14 @@ def _small(**data: Any) -> dict[str, Any]:
     return cfg
 
 
-def _prepare(cfg: dict[str, Any], out: Path, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+def _prepare(cfg: dict[str, Any], out: Path, plan: dict[str, Any] | None = None) -> TokenizerMeta:
     outputs = {
         "tokenizer": str(out / "tokenizer"), "train": str(out / "data/train.bin"), "val": str(out / "data/val.bin"),
         "meta": str(out / "data/meta.json"), "model_config": str(out / "model_config.json"),
     }  # fmt: skip
     return prepare(
-        run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"],
-        tp=vocab_padding(plan or plan_for(cfg, cpu_hardware()))["tp"], outputs=outputs,
-    )  # fmt: skip
+        cfg, tp=vocab_padding(plan or plan_for(cfg, cpu_hardware()))["tp"], outputs=outputs
+    )
 
 
 # --- tokenizer ------------------------------------------------------------------
@@ -116,8 +136,14 @@ def _bare_tokenizer(folder: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
     return folder
 
 
-def _pretrained_cfg(folder: Path, **changes: Any) -> dict[str, Any]:
-    return {**default_config()["tokenizer"], "source": "pretrained", "path": str(folder), **changes}
+def _pretrained_cfg(folder: Path, **changes: Any) -> TokenizerSettings:
+    section = {
+        **default_config()["tokenizer"],
+        "source": "pretrained",
+        "path": str(folder),
+        **changes,
+    }
+    return TokenizerSettings.from_config(section, "tokenizer")
 
 
 def test_pretrained_tokenizer_gets_pad_and_markers(
@@ -181,7 +207,7 @@ def test_generated_problems_stay_in_their_split(sources: list[corpus_sources.Sou
         d
         for _, d in zip(
             range(50),
-            corpus_sources.build(default_config()["data"], 7)[0].documents("train"),
+            corpus_sources.build(_data(default_config()["data"]), 7)[0].documents("train"),
             strict=False,
         )
     ]
@@ -202,9 +228,7 @@ def test_compressed_and_parquet_corpora_read_as_their_json_lines(tmp_path: Path,
             rows,
             row_group_size=64,
         )
-        source = corpus_sources.files(
-            {"path": str(tmp_path / name / "*"), "weight": 1.0, "text_field": "body"}, 0, 0.25
-        )
+        source = corpus_sources.files(_files(tmp_path / name / "*", "body"), 0, 0.25)
         return list(source.documents("train")), list(source.documents("val"))
 
     plain, other = documents("plain"), documents("other")
@@ -226,9 +250,7 @@ def test_a_corpus_file_without_its_text_is_one_line_naming_file_and_row(
     tmp_path: Path, kind: str, rows: list[dict[str, Any]], message: str
 ) -> None:
     write_rows(tmp_path / f"part{kind}", rows)
-    source = corpus_sources.files(
-        {"path": str(tmp_path / f"part{kind}"), "weight": 1.0, "text_field": "text"}, 0, 0.0
-    )
+    source = corpus_sources.files(_files(tmp_path / f"part{kind}"), 0, 0.0)
     with pytest.raises(StageError) as err:
         list(source.documents("train"))
     assert str(err.value) == f"{tmp_path}/{message}"
@@ -238,14 +260,13 @@ def test_file_sources_read_txt_and_jsonl_with_a_stable_split(tmp_path: Path) -> 
     (tmp_path / "a.txt").write_text("a whole file is one document")
     rows = [json.dumps({"text": f"line document {i}"}) for i in range(200)]
     (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n\n")
-    source = corpus_sources.files(
-        {"path": str(tmp_path / "*"), "weight": 1.0, "text_field": "text"}, 0, 0.25
-    )
+    source = corpus_sources.files(_files(tmp_path / "*"), 0, 0.25)
     train, val = list(source.documents("train")), list(source.documents("val"))
     assert len(train) + len(val) == 201 and not set(train) & set(val)
     assert 20 < len(val) < 80
     assert val == [d for d in list(source.documents("val"))]
     assert source.record["files"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]
+    assert mismatches(dict(source.record), FilesRecord) == []
 
 
 @pytest.mark.parametrize(
@@ -268,9 +289,7 @@ def test_bad_files_name_the_file_and_line(
     tmp_path: Path, name: str, content: str, message: str
 ) -> None:
     (tmp_path / name).write_text(content)
-    source = corpus_sources.files(
-        {"path": str(tmp_path / name), "weight": 1.0, "text_field": "text"}, 0, 0.1
-    )
+    source = corpus_sources.files(_files(tmp_path / name), 0, 0.1)
     with pytest.raises(StageError, match=re.escape(message)):
         list(source.documents("train"))
 
@@ -288,9 +307,7 @@ def test_a_file_that_is_not_utf8_names_the_file_and_byte(
     tmp_path: Path, name: str, content: bytes, message: str
 ) -> None:
     (tmp_path / name).write_bytes(content)
-    source = corpus_sources.files(
-        {"path": str(tmp_path / name), "weight": 1.0, "text_field": "text"}, 0, 0.1
-    )
+    source = corpus_sources.files(_files(tmp_path / name), 0, 0.1)
     with pytest.raises(StageError) as err:
         list(source.documents("train"))
     assert str(err.value) == f"{tmp_path}/{message}"
@@ -298,27 +315,23 @@ def test_a_file_that_is_not_utf8_names_the_file_and_byte(
 
 def test_txt_files_read_with_the_newlines_of_text_mode(tmp_path: Path) -> None:
     (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\rthree\n")
-    source = corpus_sources.files(
-        {"path": str(tmp_path / "crlf.txt"), "weight": 1.0, "text_field": "text"}, 0, 0.0
-    )
+    source = corpus_sources.files(_files(tmp_path / "crlf.txt"), 0, 0.0)
     assert list(source.documents("train")) == ["one\ntwo\nthree\n"]
 
 
 def test_a_glob_matching_nothing_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(StageError, match=r"data.files.3.path: '.*nothing\*' matches no file"):
-        corpus_sources.files(
-            {"path": str(tmp_path / "nothing*"), "weight": 1.0, "text_field": "text"}, 3, 0.1
-        )
+        corpus_sources.files(_files(tmp_path / "nothing*"), 3, 0.1)
 
 
 def test_unknown_family_and_no_source_are_errors() -> None:
     data = default_config()["data"]
     with pytest.raises(StageError, match="data.generated.families: unknown family 'poetry'"):
         corpus_sources.build(
-            {**data, "generated": {**data["generated"], "families": ["poetry"]}}, 1
+            _data({**data, "generated": {**data["generated"], "families": ["poetry"]}}), 1
         )
     with pytest.raises(StageError, match="data: no source"):
-        corpus_sources.build({**data, "generated": {**data["generated"], "weight": 0}}, 1)
+        corpus_sources.build(_data({**data, "generated": {**data["generated"], "weight": 0}}), 1)
 
 
 # --- shards ------------------------------------------------------------------------
@@ -333,7 +346,7 @@ def test_shard_readback_equals_the_token_stream(
     tokenizer: PreTrainedTokenizerFast, tmp_path: Path
 ) -> None:
     docs = [f"document number {i} with {i * 7} items." for i in range(5000)]
-    source = corpus_sources.Source(name="list", weight=1.0, documents=lambda split: iter(docs))
+    source = _listed("list", 1.0, docs)
     eos = tokenizer.eos_token_id
     path = tmp_path / "train.bin"
     written = write_split(
@@ -357,11 +370,7 @@ def test_shard_readback_equals_the_token_stream(
 
 def test_weights_split_the_tokens(tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
     def make(word: str, weight: float) -> corpus_sources.Source:
-        return corpus_sources.Source(
-            name=word,
-            weight=weight,
-            documents=lambda split: iter([f"{word} {i}" for i in range(10**5)]),
-        )
+        return _listed(word, weight, [f"{word} {i}" for i in range(10**5)])
 
     written = write_split(tokenizer.backend_tokenizer, [make("alpha", 3.0), make("beta", 1.0)], "train", 40_000,
                           tmp_path / "t.bin", eos_id=tokenizer.eos_token_id, dtype=np.dtype(np.uint16))  # fmt: skip
@@ -371,9 +380,7 @@ def test_weights_split_the_tokens(tokenizer: PreTrainedTokenizerFast, tmp_path: 
 def test_a_short_source_gives_what_it_has(
     tokenizer: PreTrainedTokenizerFast, tmp_path: Path
 ) -> None:
-    source = corpus_sources.Source(
-        name="short", weight=1.0, documents=lambda split: iter(["only one"])
-    )
+    source = _listed("short", 1.0, ["only one"])
     written = write_split(tokenizer.backend_tokenizer, [source], "val", 1000, tmp_path / "v.bin",
                           eos_id=tokenizer.eos_token_id, dtype=np.dtype(np.uint16))  # fmt: skip
     assert written[0].documents == 1 and written[0].tokens < 10
@@ -404,6 +411,7 @@ def test_prepare_writes_everything_and_reruns_byte_identical(tmp_path: Path) -> 
     assert not [
         p for p in (tmp_path / "a").rglob(".*") if p.name != ".snakemake_timestamp"
     ]  # no temp files left
+    assert mismatches(json.loads((tmp_path / "a/data/meta.json").read_text()), TokenizerMeta) == []
 
 
 def test_vocab_is_padded_for_the_plans_tp(tmp_path: Path) -> None:
@@ -448,24 +456,39 @@ def test_continued_model_grows_or_refuses(tmp_path: Path) -> None:
     folder = _init_model(tmp_path, 300)
     model = {**stconfig.validate({})["model"], "init_from": str(folder)}
     ids = {"eos_token_id": 1}
-    assert training_config(model, tokenizer_size=512, special_ids=ids, tp=2).vocab_size == 512
-    assert training_config(model, tokenizer_size=200, special_ids=ids, tp=1).vocab_size == 320
+    assert (
+        training_config(model_settings(model), tokenizer_size=512, special_ids=ids, tp=2).vocab_size
+        == 512
+    )
+    assert (
+        training_config(model_settings(model), tokenizer_size=200, special_ids=ids, tp=1).vocab_size
+        == 320
+    )
     with pytest.raises(
         StageError,
         match="model.resize_embeddings: false, but the tokenizer has 512 tokens .* only 300",
     ):
         training_config(
-            {**model, "resize_embeddings": False}, tokenizer_size=512, special_ids=ids, tp=1
+            model_settings({**model, "resize_embeddings": False}),
+            tokenizer_size=512,
+            special_ids=ids,
+            tp=1,
         )
     assert (
         training_config(
-            {**model, "resize_embeddings": False}, tokenizer_size=200, special_ids=ids, tp=1
+            model_settings({**model, "resize_embeddings": False}),
+            tokenizer_size=200,
+            special_ids=ids,
+            tp=1,
         ).vocab_size
         == 300
     )
     with pytest.raises(StageError, match="model.architecture: 'mixtral' but .* is a 'llama' model"):
         training_config(
-            {**model, "architecture": "mixtral"}, tokenizer_size=200, special_ids=ids, tp=1
+            model_settings({**model, "architecture": "mixtral"}),
+            tokenizer_size=200,
+            special_ids=ids,
+            tp=1,
         )
 
 
@@ -548,7 +571,8 @@ def test_task_families_join_the_corpus_in_their_split(tmp_path: Path) -> None:
     }
     config["data"]["generated"].update(families=["arithmetic", "capitals"], prose_share=0.0)
     config = stconfig.validate(config)
-    source = corpus_sources.build(config["data"], seed=3, tasks=load_tasks(config["tasks"]))[0]
+    tasks = load_tasks(TasksSettings.from_config(config["tasks"], "tasks"))
+    source = corpus_sources.build(_data(config["data"]), seed=3, tasks=tasks)[0]
     pattern = re.compile(
         re.escape(PROBLEM_TOKEN) + "(capital of country (\\d+)\\?)" + re.escape(ANSWER_TOKEN)
     )
@@ -558,6 +582,7 @@ def test_task_families_join_the_corpus_in_their_split(tmp_path: Path) -> None:
         assert len(mine) > 500, split
         assert {split_of(m.group(1)) for m in mine} == {split}
         assert {1 + int(m.group(2)) % 3 for m in mine} == {1, 2}  # level 3 is above max_level 2
+    assert mismatches(dict(source.record), GeneratedRecord) == []
     record = source.record["tasks"]["capitals"]
     assert record["files"] == [{"path": str(tmp_path / "capitals.jsonl")}]
     assert sum(record["problems"]["1"].values()) == 400
@@ -622,8 +647,8 @@ HUB_SOURCE = """
 import json, sys, time
 from stagetrain.corpus import sources
 from stagetrain.errors import StageError
-cfg = {"repo": "org/corpus", "revision": "main", "files": ["train.jsonl"], "weight": 1.0,
-       "text_field": "text"}
+from stagetrain.settings import HubData
+cfg = HubData(repo="org/corpus", revision="main", files=("train.jsonl",), weight=1.0, text_field="text")
 start = time.monotonic()
 try:
     result = {"record": sources.hub(cfg, 0, 0.1).record}

@@ -11,11 +11,15 @@ from harness.workflow import default_config
 
 from stagetrain.deepspeed_config import check, render
 from stagetrain.errors import StageError
+from stagetrain.settings import DeepSpeedSettings, training_settings
 
 
 def _render(cfg: dict[str, Any], stage: str, plan: dict[str, Any] | None = None) -> dict[str, Any]:
     plan = plan or plan_for(cfg)
-    return render(stage=stage, plan=plan, deepspeed=cfg["deepspeed"], training=cfg[stage])
+    deepspeed = DeepSpeedSettings.from_config(cfg["deepspeed"])
+    return render(
+        stage=stage, plan=plan, deepspeed=deepspeed, training=training_settings(stage, cfg[stage])
+    )
 
 
 def _no_auto(obj: Any) -> bool:
@@ -124,7 +128,12 @@ def test_unknown_stage_is_an_error() -> None:
     cfg = default_config()
     plan = plan_for(cfg, cpu_hardware())
     with pytest.raises(StageError, match="plan.json: no stage 'sft'"):
-        render(stage="sft", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"])
+        render(
+            stage="sft",
+            plan=plan,
+            deepspeed=DeepSpeedSettings.from_config(cfg["deepspeed"]),
+            training=training_settings("pretrain", cfg["pretrain"]),
+        )
 
 
 def test_rendering_is_deterministic() -> None:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from harness.contracts import run_mismatches
 from harness.workflow import snakemake
 
 pytestmark = pytest.mark.slow
@@ -48,3 +49,5 @@ def test_the_default_run_improves_on_held_out_problems_and_climbs_the_curriculum
     assert summary["attention"] == pretrain["attention"] == plan["attention"], plan[
         "attention_reason"
     ]
+    # Every artifact between the stages is what its writer's type declares.
+    assert run_mismatches(workdir / "results/tiny") == []

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness.configs import model_settings
 from harness.workflow import REPO, default_config
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -44,7 +45,7 @@ def tiny_model(*, tied: bool = True, seed: int = 0) -> PreTrainedModel:
     """The default config's model, from scratch with OLD_ROWS rows; same seed, same weights."""
     section = {**default_config()["model"], "tie_word_embeddings": tied}
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(build_config(section, OLD_ROWS))
+    return AutoModelForCausalLM.from_config(build_config(model_settings(section), OLD_ROWS))
 
 
 def weights(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,7 +123,7 @@ def test_the_aux_loss_balances_the_experts_on_two_ranks(
 
 
 def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:
-    from harness.configs import named_config
+    from harness.configs import model_settings, named_config
 
     from stagetrain.errors import StageError
     from stagetrain.model_config import build_config
@@ -132,6 +132,6 @@ def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:
     with pytest.raises(
         StageError, match=r"^model\.router_aux_loss_coef: not used by architecture 'llama'"
     ):
-        build_config(model, 512)
-    moe = build_config({**model, **MOE}, 512)
+        build_config(model_settings(model), 512)
+    moe = build_config(model_settings({**model, **MOE}), 512)
     assert moe.router_aux_loss_coef == 0.01

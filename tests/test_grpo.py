@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 from harness.compare import LOSS_RTOL, PARAM_ATOL
+from harness.contracts import mismatches
 from harness.processes import second_run_while_first_holds
 from harness.training import (
     SCORING_FAMILIES,
@@ -26,8 +27,10 @@ from harness.training import (
 from harness.training import grpo_config as harness_grpo_config
 from safetensors.torch import load_file
 
-from stagetrain.consolidate.folder import consolidate
-from stagetrain.grpo.metrics import METRICS
+from stagetrain.consolidate.folder import Manifest, consolidate
+from stagetrain.grpo.metrics import METRICS, GrpoRecord
+from stagetrain.grpo.run import GrpoSummary
+from stagetrain.settings import ConsolidateSettings
 from stagetrain.training.checkpoints import KILL_DURING_SAVE
 from stagetrain.training.lock import LOCK_NAME
 
@@ -81,6 +84,8 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
     assert moved > 1e-5  # the policy really changed
     assert {f: s["level"] for f, s in summary["curriculum"].items()} == dict.fromkeys(FAMILIES, 1)
     assert summary["levels"] == {str(s): dict.fromkeys(FAMILIES, 1) for s in (1, 2, 3)}
+    assert not mismatches(summary, GrpoSummary)
+    assert not [m for r in records for m in mismatches(r, GrpoRecord, f"step {r['step']}")]
 
 
 def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) -> None:
@@ -115,8 +120,10 @@ def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) 
     out = tmp_path / "model"
     manifest = consolidate(stage="grpo", summary_path=str(tmp_path / "summary.json"), tokenizer_dir=data["tokenizer"],
                            model_config_path=data["model_config"], meta_path=data["meta"], out=str(out),
-                           cfg={"dtype": "bf16", "max_shard_size": "2GB"})  # fmt: skip
+                           cfg=ConsolidateSettings(dtype="bf16", max_shard_size="2GB", verify="loss"))  # fmt: skip
     assert manifest["stage"] == "grpo" and manifest["step"] == 2
+    assert not mismatches(summary, GrpoSummary)  # tree rollouts and a gain report
+    assert not mismatches(json.loads((out / "MANIFEST.json").read_text()), Manifest)
 
 
 DRILL_LAYOUT = {"dp": 2, "tp": 1, "zero_stage": 1}

@@ -27,8 +27,10 @@ from harness.training import grpo_config as harness_grpo_config
 from harness.training import launch_grpo, run_grpo
 from transformers import AutoTokenizer
 
+from stagetrain import config as stconfig
 from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig
 from stagetrain.grpo.steps import step_prompts
+from stagetrain.settings import TasksSettings
 from stagetrain.tasks import heldout
 from stagetrain.tasks.families import load_tasks
 from stagetrain.tasks.judge import Judge
@@ -77,6 +79,11 @@ def start(
     return {**data, "tokenizer": str(root / "chat-tokenizer")}, scoring_start
 
 
+def local_tasks(root: Path) -> TasksSettings:
+    """`tasks_section` with the remote family's file local, validated, as its settings."""
+    return TasksSettings.from_config(stconfig.validate_section("tasks", tasks_section(root, None)))
+
+
 def tasks_section(root: Path, hub_repo: str | None) -> dict[str, Any]:
     """Two families with weighted rewards: parity from a local parquet file, remote from a jsonl.gz
     file of the loopback hub (`hub_repo`; None: a local copy of the same file, for this process,
@@ -120,9 +127,11 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def config(tasks: dict[str, Any], **grpo: Any) -> dict[str, Any]:
+    """The GRPO config of these tests with `tasks` as its section, validated (defaults filled),
+    as the stage gets it."""
     cfg = harness_grpo_config(**{"curriculum": {"families": ["parity", "remote"]}, "steps": 2, "eval_every": 2,
                                  "checkpoint_every": 1, "max_prompt_len": 48, **grpo})  # fmt: skip
-    return {**cfg, "tasks": tasks}
+    return {**cfg, "tasks": stconfig.validate_section("tasks", tasks)}
 
 
 def test_grpo_trains_on_own_families_with_their_rewards_and_template(
@@ -135,7 +144,7 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(
     summary = run_grpo(
         data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
     )
-    loaded = load_tasks(tasks_section(tmp_path, None))
+    loaded = load_tasks(local_tasks(tmp_path))
     problems = {
         p.key: p
         for f in ("parity", "remote")
@@ -194,7 +203,7 @@ def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(
     data, model = start
     tasks = tasks_section(tmp_path, "org/tasks")
     cfg = config(tasks)
-    load_tasks(tasks_section(tmp_path, None))
+    load_tasks(local_tasks(tmp_path))
     settings = {k: v for k, v in cfg["grpo"]["curriculum"].items() if k != "families"}
     curriculum = CurriculumConfig(**settings)
     state = Curriculum.start(curriculum, ["parity", "remote"])

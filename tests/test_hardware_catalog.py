@@ -31,8 +31,17 @@ from harness.nvml import (
 )
 
 from stagetrain.errors import StageError
-from stagetrain.hardware.catalog import catalog, gpu_spec, match_gpu
+from stagetrain.hardware.catalog import GpuSpec, catalog, gpu_spec, match_gpu
 from stagetrain.hardware.detect import detect, slurm_allocation
+from stagetrain.hardware.report import (
+    CpuFacts,
+    DeviceRecord,
+    GpuSpecRecord,
+    GpuSummary,
+    HardwareReport,
+    SlurmAllocation,
+)
+from stagetrain.hardware.visible import Device
 
 # --------------------------------------------------------------------------------------
 # Catalog
@@ -312,3 +321,18 @@ def test_every_source_has_the_same_keys(tmp_path: Path) -> None:
     """Consumers can read any hardware.json the same way."""
     keys = {name: set(result) for name, result in _scenarios(tmp_path).items()}
     assert len({frozenset(k) for k in keys.values()}) == 1, keys
+
+
+def test_every_source_has_the_keys_its_types_name(tmp_path: Path) -> None:
+    """hardware.json against `hardware.report`'s TypedDicts (`speed`, which the stage adds
+    after `detect`, is its one optional key); the records copied from a dataclass name its fields."""
+    assert GpuSpecRecord.__required_keys__ == set(GpuSpec.__dataclass_fields__)
+    assert DeviceRecord.__required_keys__ == set(Device.__dataclass_fields__)
+    assert HardwareReport.__optional_keys__ == {"speed"}
+    for name, result in _scenarios(tmp_path).items():
+        assert set(result) == HardwareReport.__required_keys__, name
+        assert set(result["cpu"]) == CpuFacts.__required_keys__, name
+        assert result["slurm"] is None or set(result["slurm"]) == SlurmAllocation.__required_keys__
+        assert all(set(d) == DeviceRecord.__required_keys__ for d in result["devices"]), name
+        if result["gpu"] is not None:
+            assert set(result["gpu"]) == GpuSummary.__required_keys__, name

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.configs import model_settings
+from harness.contracts import mismatches
 from harness.workflow import default_config
 from transformers import AutoModelForCausalLM
 
 from stagetrain import evaluate
 from stagetrain.grpo.train import held_out_gain
-from stagetrain.heldout import TARGET_SE, gains, problems_for, standard_error
+from stagetrain.heldout import TARGET_SE, GainReport, gains, problems_for, standard_error
 from stagetrain.model_config import build_config
 from stagetrain.tasks import problems, training_text
 from stagetrain.tokenizer import save, train_bpe
@@ -47,6 +49,7 @@ def test_gains_per_family_and_level_and_their_mean_at_one_level() -> None:
     se_counting = math.sqrt(0.8 * 0.2 / 100 + 0.7 * 0.3 / 100)
     assert mean["se"] == pytest.approx(math.hypot(cmp1["se"], se_counting) / 2)
     assert gains(start, end, level=3)["mean"] is None  # no family measured there
+    assert report["largest_drop"] is not None and mismatches(dict(report), GainReport) == []
 
 
 def test_the_grpo_summary_reads_each_familys_level_and_size_from_the_held_out_set() -> None:
@@ -82,7 +85,9 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "num_layers": 1,
     }
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(build_config(shape, len(tokenizer))).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(
+        build_config(model_settings(shape), len(tokenizer))
+    ).save_pretrained(folder)
     return folder
 
 

@@ -10,19 +10,21 @@ import pytest
 import torch
 from harness.workflow import default_config
 
+from stagetrain import config as stconfig
 from stagetrain.codedeps import code_digest, modules_of
 from stagetrain.consolidate.folder import weights_sha256
 from stagetrain.consolidate.writer import write_shards
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
 from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
+from stagetrain.settings import Settings
 
 
-def _config(**sections: dict) -> dict:
+def _config(**sections: dict) -> Settings:
     config = copy.deepcopy(default_config())
     for section, changes in sections.items():
         config[section].update(changes)
-    return config
+    return Settings.from_config(stconfig.validate(config))
 
 
 def test_every_local_file_is_listed_sorted_and_hub_ids_are_not(tmp_path: Path) -> None:

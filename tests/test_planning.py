@@ -11,6 +11,7 @@ import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+from harness.configs import model_settings
 from harness.planning import cpu_hardware, plan_for, preset_config
 from harness.workflow import default_config
 from transformers import AutoModelForCausalLM
@@ -20,8 +21,24 @@ from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.hardware.detect import describe
 from stagetrain.model_config import build_config, padded_vocab
 from stagetrain.planning import memory as mem
-from stagetrain.planning.plan import Layout
-from stagetrain.planning.shape import model_shape
+from stagetrain.planning.derived import ESTIMATES, SHARED_KEYS, stage_plan
+from stagetrain.planning.memory import Memory
+from stagetrain.planning.plan import (
+    Layout,
+    LayoutRecord,
+    MemoryRecord,
+    ModelRecord,
+    PlanPart,
+    PlanRecord,
+    RunWide,
+    StageEstimates,
+    StagePart,
+    StagePlanRecord,
+    ThroughputRecord,
+)
+from stagetrain.planning.resolve import PlannerSettings
+from stagetrain.planning.shape import ModelShape, model_shape
+from stagetrain.planning.throughput import Throughput
 
 GIB = 2**30
 MOE = {
@@ -55,7 +72,9 @@ def _layout(**changes: Any) -> Layout:
 @pytest.mark.parametrize("tied", [True, False])
 def test_parameter_count_is_exact(architecture: str, tied: bool) -> None:
     """The 1-and-2-layer extrapolation equals counting the whole model built on the meta device."""
-    config = build_config(_model(architecture, num_layers=5, tie_word_embeddings=tied), 576)
+    config = build_config(
+        model_settings(_model(architecture, num_layers=5, tie_word_embeddings=tied)), 576
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     shape = model_shape(config)
@@ -66,7 +85,7 @@ def test_parameter_count_is_exact(architecture: str, tied: bool) -> None:
 
 
 def test_moe_active_parameters_count_only_routed_experts() -> None:
-    config = build_config(_model("mixtral", num_layers=3), 512)
+    config = build_config(model_settings(_model("mixtral", num_layers=3)), 512)
     shape = model_shape(config)
     experts = 3 * 4 * 3 * 128 * 512  # layers * experts * (gate, up, down) * hidden * intermediate
     assert shape.params - shape.active_params == experts // 2  # 2 of 4 experts unused per token
@@ -83,7 +102,7 @@ def test_vocab_is_padded_to_multiple_times_tp() -> None:
 
 @pytest.mark.parametrize("gpus", [1, 8, 64])
 def test_zero2_model_states_match_deepspeed(gpus: int) -> None:
-    shape = model_shape(build_config(_model(), 512))
+    shape = model_shape(build_config(model_settings(_model()), 512))
     layout = _layout(
         world=gpus, gpus_per_node=min(gpus, 8), dp=gpus, global_batch=gpus * 8, zero_stage=2
     )
@@ -97,7 +116,7 @@ def test_zero2_model_states_match_deepspeed(gpus: int) -> None:
 @pytest.mark.parametrize("gpus", [1, 8, 64])
 @pytest.mark.parametrize("offload", ["none", "optimizer", "optimizer_and_params"])
 def test_zero3_model_states_match_deepspeed(gpus: int, offload: str) -> None:
-    shape = model_shape(build_config(_model(), 512))
+    shape = model_shape(build_config(model_settings(_model()), 512))
     layout = _layout(
         world=gpus,
         gpus_per_node=min(gpus, 8),
@@ -118,7 +137,7 @@ def test_zero3_model_states_match_deepspeed(gpus: int, offload: str) -> None:
 
 
 def test_zero2_offload_matches_deepspeed() -> None:
-    shape = model_shape(build_config(_model(), 512))
+    shape = model_shape(build_config(model_settings(_model()), 512))
     layout = _layout(zero_stage=2, offload="optimizer")
     params, grads, optimizer, host = mem.model_states(shape, layout)
     cpu, gpu = estimate_zero2_model_states_mem_needs(shape.params, 8, 1, cpu_offload=True)
@@ -126,7 +145,7 @@ def test_zero2_offload_matches_deepspeed() -> None:
 
 
 def test_more_sharding_never_needs_more_model_state_memory() -> None:
-    shape = model_shape(build_config(_model(), 512))
+    shape = model_shape(build_config(model_settings(_model()), 512))
     totals = [sum(mem.model_states(shape, _layout(zero_stage=z))[:3]) for z in range(4)]
     assert totals == sorted(totals, reverse=True)
     assert totals[0] == 16 * shape.params
@@ -134,7 +153,9 @@ def test_more_sharding_never_needs_more_model_state_memory() -> None:
 
 def test_activation_formula_by_hand() -> None:
     """s b [4h + (10h + 6 h_kv + 8f)/tp] bytes per layer (16-bit), Korthikanti et al. rederived for Llama."""
-    shape = model_shape(build_config(_model(), 512))  # h=128, 4 heads, 2 kv heads (h_kv=64), f=512
+    shape = model_shape(
+        build_config(model_settings(_model()), 512)
+    )  # h=128, 4 heads, 2 kv heads (h_kv=64), f=512
     layout = _layout(
         seq_len=100, micro_batch_size=3, tp=2, dp=4, global_batch=48, num_heads=4, num_kv_heads=2
     )
@@ -190,7 +211,10 @@ def test_cpu_plan_uses_cpu_ranks_with_tp_1() -> None:
         assert layout["micro_batch_size"] * layout["grad_accum"] * 2 == layout["global_batch"]
     assert plan["stages"]["pretrain"]["layout"]["global_batch"] == 32
     assert plan["stages"]["grpo"]["layout"]["global_batch"] == 128  # 16 prompts x 8 completions
-    assert plan["model"]["params"] == model_shape(build_config(cfg["model"], 512)).params
+    assert (
+        plan["model"]["params"]
+        == model_shape(build_config(model_settings(cfg["model"]), 512)).params
+    )
 
 
 @pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100"])
@@ -346,7 +370,7 @@ def test_bad_plans_are_one_line_errors(sections: dict[str, dict[str, Any]], mess
 
 
 def test_unknown_detected_gpu_is_an_error_naming_the_catalog() -> None:
-    hardware = describe({**preset_config("mistral-7b-8xh100")["hardware"]})
+    hardware = describe(PlannerSettings.from_config(preset_config("mistral-7b-8xh100")).hardware)
     hardware["gpu"] = {**hardware["gpu"], "key": None, "name": "NVIDIA Z9000"}
     with pytest.raises(StageError, match="GPU 'NVIDIA Z9000' is not in the catalog"):
         plan_for(preset_config("mistral-7b-8xh100"), hardware)
@@ -384,3 +408,31 @@ def test_gpu_check_preset_fits_one_h200_and_its_pretraining_fits_the_check_time(
         assert stage["memory"]["fits"] and stage["layout"]["precision"] == "bf16"
     pretrain = plan["stages"]["pretrain"]
     assert pretrain["throughput"]["step_s"] * cfg["pretrain"]["steps"] < 60
+
+
+# --- plan.json's types ---------------------------------------------------------------
+
+
+def test_the_records_that_copy_a_dataclass_name_its_fields() -> None:
+    """LayoutRecord, MemoryRecord, ThroughputRecord and ModelRecord are cast from `asdict`:
+    they must name exactly the dataclass's fields (and the keys added to them)."""
+    names = {cls: {f for f in cls.__dataclass_fields__} for cls in (Layout, Memory, Throughput, ModelShape)}  # fmt: skip
+    assert LayoutRecord.__required_keys__ == names[Layout] - {"num_heads", "num_kv_heads"}
+    assert MemoryRecord.__required_keys__ == names[Memory] | {"total", "usable", "device", "fits"}
+    assert ThroughputRecord.__required_keys__ == names[Throughput] | {"step_s"}
+    assert ModelRecord.__required_keys__ == names[ModelShape] | {"vocab_multiple"}
+
+
+def test_a_plan_has_the_keys_its_types_name() -> None:
+    """plan.json and plan/<stage>.json, as the planner builds them, against their TypedDicts."""
+    plan = plan_for(default_config(), cpu_hardware())
+    assert set(SHARED_KEYS) == RunWide.__required_keys__
+    assert set(ESTIMATES) == StageEstimates.__required_keys__
+    assert set(plan) == PlanRecord.__required_keys__  # inputs_sha256 is added when written
+    for name, stage in plan["stages"].items():
+        optional = {"generation"} if name == "grpo" else set()
+        assert set(stage) == StagePlanRecord.__required_keys__ | optional
+        assert set(stage["layout"]) == LayoutRecord.__required_keys__
+        part = stage_plan(plan, name)
+        assert set(part) == PlanPart.__required_keys__
+        assert set(part["stages"][name]) == StagePart.__required_keys__ | optional

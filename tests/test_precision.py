@@ -19,6 +19,7 @@ from harness.workflow import default_config
 
 from stagetrain.hardware import speed
 from stagetrain.hardware.catalog import gpu_spec
+from stagetrain.hardware.report import SpeedReport
 from stagetrain.planning import attention
 from stagetrain.planning.precision import choose
 
@@ -166,6 +167,10 @@ def test_measure_gives_every_precision_at_a_ranks_thread_count() -> None:
     }
     assert all(ms > 0 for v in result["attention_ms"].values() for ms in v.values())
     assert result["capability"] == torch.backends.cpu.get_cpu_capability()
+    # hardware.json's `speed` as `SpeedReport` names it: a CPU measurement has all but `reason`
+    assert set(result) == (SpeedReport.__required_keys__ | SpeedReport.__optional_keys__) - {
+        "reason"
+    }
 
 
 def test_cpu_flags_reads_cpuinfo(tmp_path: Path) -> None:

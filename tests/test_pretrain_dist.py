@@ -19,7 +19,9 @@ import pytest
 import torch
 from harness.checkpoints import truncate
 from harness.compare import losses, same_losses, same_params
+from harness.contracts import mismatches
 from harness.training import (
+    SharedRun,
     SharedRuns,
     dp2,
     final_params,
@@ -44,6 +46,7 @@ def test_data_parallel_ranks_hold_identical_parameters(baseline: dict[str, Any])
     first, second = baseline["param_checksum_per_rank"]
     assert first == second
     assert losses(baseline)[-1] < losses(baseline)[0]  # it learns
+    assert not mismatches(baseline, SharedRun)  # summary.json holds what PretrainSummary says
 
 
 def test_two_ranks_match_one_rank_with_the_same_global_batch(
@@ -89,6 +92,7 @@ def test_tensor_parallel_matches_one_rank(
 
 def test_moe_trains_under_zero3(shared_runs: SharedRuns) -> None:
     summary = shared_runs["moe"]
+    assert summary["experts"] and not mismatches(summary, SharedRun)
     got = losses(summary)
     assert all(torch.isfinite(torch.tensor(got))) and got[-1] < got[0]
     assert all(

@@ -127,6 +127,20 @@ def test_metrics_log_keeps_only_registered_keys_and_truncates_on_resume(tmp_path
     assert all("/" in key or key == "step" for key in METRICS)
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "grpo"])
+def test_the_record_type_names_every_registered_metric(stage: str) -> None:
+    """A stage's record TypedDict and its registry of metric names hold the same keys."""
+    from stagetrain.grpo.metrics import METRICS as GRPO_METRICS
+    from stagetrain.grpo.metrics import GrpoRecord
+    from stagetrain.pretrain.metrics import PretrainRecord
+
+    record, registry = (
+        (PretrainRecord, METRICS) if stage == "pretrain" else (GrpoRecord, GRPO_METRICS)
+    )
+    assert set(record.__annotations__) == set(registry)
+    assert "step" in record.__required_keys__
+
+
 def test_a_torn_last_metrics_line_is_dropped_on_resume(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

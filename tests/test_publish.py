@@ -69,18 +69,21 @@ folder.mkdir()
 plan = {"device": "H100", "world": 8}
 summary = {"layout": {"dp": 8, "tp": 1, "micro_batch_size": 4}}
 receipt = push(repo="me/tables", revision="main", private=False, models={"grpo": folder},
-               card="---\\nlibrary_name: transformers\\n---\\n", layouts=measured_layouts(plan, summary))
+               card="---\\nlibrary_name: transformers\\n---\\n", layouts=measured_layouts(plan, summary["layout"]))
 print(json.dumps(receipt))
 """
 PLAN = """
 import json
+from stagetrain import config as stconfig
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning.resolve import table_values
 from stagetrain.planning.search import Devices
+from stagetrain.settings import ParallelismSettings
 devices = Devices(gpu=gpu_spec("H100"), nodes=1, per_node=8, device_bytes=80 * 2**30,
                   host_bytes_per_node=None, inter_node_gbps=50)
-parallelism = {"table_path": None, "table_repo": "me/tables", "table_revision": "main", "on_table_miss": "planner"}
-print(json.dumps(list(table_values(parallelism, {"init_from": None}, devices))))
+section = {"table_path": None, "table_repo": "me/tables", "table_revision": "main", "on_table_miss": "planner"}
+parallelism = ParallelismSettings.from_config(stconfig.validate_section("parallelism", section))
+print(json.dumps(list(table_values(parallelism, None, devices))))
 """
 
 

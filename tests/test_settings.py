@@ -58,7 +58,25 @@ def _mismatches(cls: type, node: dict[str, Any], where: str) -> list[str]:
             found.append(
                 f"{where}.{name}: a section in the schema, a plain value in {cls.__name__}"
             )
+        else:
+            found += _choice_mismatch(hints[name], subschema, f"{where}.{name}")
     return found
+
+
+def _literals(hint: Any) -> set[Any]:
+    """The values a `Literal` allows, inside an optional or a tuple too; empty for other types."""
+    if typing.get_origin(hint) is typing.Literal:
+        return set(typing.get_args(hint))
+    return set().union(*map(_literals, typing.get_args(hint)))
+
+
+def _choice_mismatch(hint: Any, node: dict[str, Any], where: str) -> list[str]:
+    """A schema enum and the field's Literal name the same values (None aside: the optional)."""
+    node = _resolve(node)
+    if node.get("type") == "array":
+        node = _resolve(node["items"])
+    enum, literal = set(node.get("enum", ())) - {None}, _literals(hint)
+    return [] if enum == literal else [f"{where}: the schema allows {enum}, the type {literal}"]
 
 
 def test_every_dataclass_has_exactly_the_schemas_keys() -> None:
@@ -79,6 +97,16 @@ def test_a_key_added_to_the_schema_alone_is_found(monkeypatch: pytest.MonkeyPatc
     found = _mismatches(Settings, schema, "config")
     assert "config.pretrain.optimizer.nesterov: in the schema, not in OptimizerSettings" in found
     assert "config.grpo.optimizer.nesterov: in the schema, not in OptimizerSettings" in found
+
+
+def test_a_value_added_to_a_schema_enum_alone_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each enum is a Literal with the same values: a loss type added to the schema only is found."""
+    schema = stconfig.schema()
+    grpo = schema["properties"]["grpo"]
+    loss = {**grpo["properties"]["loss_type"], "enum": ["grpo", "dapo", "dr_grpo", "gspo"]}
+    monkeypatch.setitem(grpo, "properties", {**grpo["properties"], "loss_type": loss})
+    found = _mismatches(Settings, schema, "config")
+    assert [f for f in found if f.startswith("config.grpo.loss_type: ")] == found != []
 
 
 def test_the_default_config_builds_with_lists_as_tuples() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stagetrain.errors import StageError
+from stagetrain.settings import ConsolidateSettings
 from stagetrain.slurm import (
     TRAINING_RESOURCES,
     Allocation,
@@ -39,9 +40,19 @@ def test_consolidation_memory_is_the_verified_model_not_the_checkpoint() -> None
             "stages": {"pretrain": {"layout": {"micro_batch_size": 2, "seq_len": 4096}},
                        "grpo": {"layout": {"micro_batch_size": 1, "seq_len": 1024}}}}  # fmt: skip
     logits = 2 * 4096 * 128 * 1024 * 10
-    assert consolidate_mem_mb(plan, {"dtype": "bf16", "verify": "loss"}) == -(-(140 * 10**9 + logits) // 2**20) + 4096  # fmt: skip
-    assert consolidate_mem_mb(plan, {"dtype": "fp32", "verify": "loss"}) > 280 * 10**9 // 2**20
-    assert consolidate_mem_mb(plan, {"dtype": "bf16", "verify": "finite"}) == 4096
+    assert consolidate_mem_mb(plan, ConsolidateSettings(dtype="bf16", max_shard_size="2GB", verify="loss")) == -(-(140 * 10**9 + logits) // 2**20) + 4096  # fmt: skip
+    assert (
+        consolidate_mem_mb(
+            plan, ConsolidateSettings(dtype="fp32", max_shard_size="2GB", verify="loss")
+        )
+        > 280 * 10**9 // 2**20
+    )
+    assert (
+        consolidate_mem_mb(
+            plan, ConsolidateSettings(dtype="bf16", max_shard_size="2GB", verify="finite")
+        )
+        == 4096
+    )
 
 
 def test_a_cpu_plan_counts_the_model_state_in_host_memory() -> None:

@@ -25,11 +25,13 @@ from harness.hub import (
     serve_hub,
 )
 
+from stagetrain import config as stconfig
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning import table as tables
 from stagetrain.planning.resolve import table_values
 from stagetrain.planning.search import Devices
+from stagetrain.settings import ParallelismSettings
 
 TABLE = {
     "H100": {
@@ -426,17 +428,16 @@ def _devices(gpu: str | None = "H100", per_node: int = 8) -> Devices:
     )
 
 
-def _parallelism(**changes: Any) -> dict[str, Any]:
-    base = {
-        "table_path": None,
-        "table_repo": None,
-        "table_revision": "main",
-        "on_table_miss": "planner",
-    }
-    return {**base, **changes}
+def _section(**changes: Any) -> dict[str, Any]:
+    """The validated parallelism section with `changes` (JSON: the hub cases pass it to a process)."""
+    return stconfig.validate_section("parallelism", changes)
 
 
-NO_INIT = {"init_from": None}
+def _parallelism(**changes: Any) -> ParallelismSettings:
+    return ParallelismSettings.from_config(_section(**changes), "parallelism")
+
+
+NO_INIT = None  # model.init_from unset
 
 
 def test_table_values_uses_a_local_entry(tmp_path: Path) -> None:
@@ -451,7 +452,7 @@ def test_table_values_miss_falls_back_to_the_planner_with_the_reason(tmp_path: P
     path = tmp_path / "parallelism_data.json"
     path.write_text(json.dumps(TABLE))
     entry, record = table_values(_parallelism(table_path=str(path)), NO_INIT, _devices(per_node=4))
-    assert entry == {}
+    assert entry is None
     assert record == {
         "status": "miss",
         "reason": f"file:{path}: no entry for H100 x 4 (the table has H100: 8, 16; A100-80GB: 8); "
@@ -470,7 +471,7 @@ def test_table_values_skips_tables_on_cpu(tmp_path: Path) -> None:
     # The path does not exist: skipping must not even read it, whatever on_table_miss says.
     parallelism = _parallelism(table_path=str(tmp_path / "missing.json"), on_table_miss="error")
     assert table_values(parallelism, NO_INIT, _devices(gpu=None)) == (
-        {},
+        None,
         {"status": "skipped", "reason": "tables describe GPUs; planning for CPU ranks"},
     )
 
@@ -478,9 +479,9 @@ def test_table_values_skips_tables_on_cpu(tmp_path: Path) -> None:
 def test_table_values_without_a_table(tmp_path: Path) -> None:
     local_model = tmp_path / "model"
     local_model.mkdir()  # an existing local init_from is not a hub repo
-    for model in (NO_INIT, {"init_from": str(local_model)}):
-        assert table_values(_parallelism(), model, _devices()) == (
-            {},
+    for init_from in (NO_INIT, str(local_model)):
+        assert table_values(_parallelism(), init_from, _devices()) == (
+            None,
             {"status": "none", "reason": "no table_path or table_repo configured"},
         )
 
@@ -491,13 +492,15 @@ from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning.resolve import table_values
 from stagetrain.planning.search import Devices
+from stagetrain.settings import ParallelismSettings
 
 devices = Devices(gpu=gpu_spec("H100"), nodes=1, per_node=8, device_bytes=80 * 2**30,
                   host_bytes_per_node=None, inter_node_gbps=50)
 out = []
-for parallelism, model in json.loads(sys.argv[1]):
+for section, init_from in json.loads(sys.argv[1]):
+    parallelism = ParallelismSettings.from_config(section, "parallelism")
     try:
-        out.append(list(table_values(parallelism, model, devices)))
+        out.append(list(table_values(parallelism, init_from, devices)))
     except StageError as err:
         out.append({"StageError": str(err)})
 print(json.dumps(out))
@@ -506,11 +509,11 @@ print(json.dumps(out))
 
 def test_table_values_from_the_hub(tmp_path: Path) -> None:
     cases = [
-        (_parallelism(table_repo="org/tables"), NO_INIT),
-        (_parallelism(table_repo="org/tables", table_revision="v1"), NO_INIT),
-        (_parallelism(), {"init_from": "org/tables"}),  # the model's repo, by default
-        (_parallelism(table_repo="org/no-table"), {"init_from": "org/tables"}),
-        (_parallelism(table_repo="org/gated", on_table_miss="error"), NO_INIT),
+        (_section(table_repo="org/tables"), NO_INIT),
+        (_section(table_repo="org/tables", table_revision="v1"), NO_INIT),
+        (_section(), "org/tables"),  # the model's repo, by default
+        (_section(table_repo="org/no-table"), "org/tables"),
+        (_section(table_repo="org/gated", on_table_miss="error"), NO_INIT),
     ]
     with _serve() as hub:
         results = hub_call(tmp_path, hub.endpoint, [json.dumps(cases)], code=TABLE_VALUES)
@@ -527,7 +530,7 @@ def test_table_values_from_the_hub(tmp_path: Path) -> None:
         ],
         [{"dp": 8, "tp": 1, "micro_batch_size": 4}, {**used_main, "entry": TABLE["H100"]["8"]}],
         [
-            {},
+            None,
             {
                 "status": "miss",
                 "reason": "hub repo 'org/no-table'@main: has no parallelism_data.json; "

@@ -20,6 +20,7 @@ from harness.workflow import default_config
 from stagetrain import config as stconfig
 from stagetrain.errors import StageError
 from stagetrain.inputs import local_inputs
+from stagetrain.settings import Settings, TasksSettings
 from stagetrain.tasks import get_family, heldout, sample, split_of
 from stagetrain.tasks.families import CONTROL_TOKENS, load_tasks
 from stagetrain.tasks.judge import Judge
@@ -45,11 +46,11 @@ def family(files: list[Any], **changes: Any) -> dict[str, Any]:
     }
 
 
-def tasks(*families: dict[str, Any], **changes: Any) -> dict[str, Any]:
-    """A validated tasks section."""
+def tasks(*families: dict[str, Any], **changes: Any) -> TasksSettings:
+    """A validated tasks section, as its settings."""
     config = default_config()
     config["tasks"] = {"families": list(families), **changes}
-    return stconfig.validate(config)["tasks"]
+    return TasksSettings.from_config(stconfig.validate(config)["tasks"], "tasks")
 
 
 @pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst", "t.parquet"])
@@ -275,7 +276,7 @@ def test_local_task_and_reward_files_are_declared_inputs(tmp_path: Path) -> None
     config = default_config()
     config["tasks"] = {"families": [family([str(tmp_path / "*.jsonl"), {"repo": "org/data", "file": "t.jsonl"}],
                                            rewards=[{"function": f"{reward}:score"}, {"verifier": "format"}])]}  # fmt: skip
-    found = local_inputs(stconfig.validate(config))
+    found = local_inputs(Settings.from_config(stconfig.validate(config)))
     assert found["task_files"] == [str(tmp_path / "a.jsonl")] and found["reward_files"] == [
         str(reward)
     ]
@@ -485,7 +486,7 @@ def test_a_generated_familys_prompts_longer_than_max_prompt_len_stop_grpo_before
     from stagetrain.grpo.train import check_families
 
     judge = Judge(
-        load_tasks({}), tokenizer, max_prompt_len=30
+        load_tasks(), tokenizer, max_prompt_len=30
     )  # this tokenizer: levels 1-2 at most 27, level 3 37
     check_families(judge, {"comparison": 2})
     with pytest.raises(StageError) as err:

@@ -10,21 +10,23 @@ from harness.workflow import default_config
 
 from stagetrain.errors import StageError
 from stagetrain.grpo.metrics import METRICS
-from stagetrain.training.launch import job_spec, trackers
+from stagetrain.settings import TrackingSettings
+from stagetrain.training.launch import grpo_part, job_spec, trackers
 from stagetrain.training.metrics import MetricsLog
 
 
 def test_tensorboard_is_on_and_wandb_off_by_default(tmp_path: Path) -> None:
-    tracking = default_config()["tracking"]
-    assert tracking["report_to"] == ["tensorboard"]
+    config = default_config()
+    tracking = TrackingSettings.from_config(config["tracking"], "tracking")
+    assert tracking.report_to == ("tensorboard",)
     found = trackers(tracking, tmp_path / "results/tiny", "pretrain")
     assert found == {"tensorboard": tmp_path / "results/tiny/tensorboard/pretrain", "wandb": None}
-    spec = job_spec(inputs={}, outputs={}, checkpoints=tmp_path, extra={}, **found)
+    spec = job_spec(inputs={}, outputs={}, checkpoints=tmp_path, part=grpo_part(config), **found)
     assert "wandb" not in spec and spec["tensorboard"].endswith("tensorboard/pretrain")
 
 
 def test_an_empty_report_to_writes_no_events(tmp_path: Path) -> None:
-    found = trackers({"report_to": [], "wandb_project": "p"}, tmp_path, "grpo")
+    found = trackers(TrackingSettings(report_to=(), wandb_project="p"), tmp_path, "grpo")
     assert found == {"tensorboard": None, "wandb": None}
 
 
@@ -32,7 +34,7 @@ def test_wandb_without_the_package_is_one_line_naming_the_key_and_the_pip_comman
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import raises
-    tracking = {"report_to": ["tensorboard", "wandb"], "wandb_project": "p"}
+    tracking = TrackingSettings(report_to=("tensorboard", "wandb"), wandb_project="p")
     pattern = (
         r"^tracking\.report_to: 'wandb' needs the wandb package.*pip install 'stagetrain\[wandb\]'"
     )
@@ -50,7 +52,9 @@ def test_wandb_offline_gets_every_record(tmp_path: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    found = trackers({"report_to": ["wandb"], "wandb_project": "p"}, tmp_path / "tiny", "grpo")
+    found = trackers(
+        TrackingSettings(report_to=("wandb",), wandb_project="p"), tmp_path / "tiny", "grpo"
+    )
     metrics = MetricsLog(tmp_path / "ck/grpo/fp/metrics.jsonl", 0, METRICS, wandb=found["wandb"])
     for step in (1, 2):
         metrics.write({"step": step, "train/loss": 0.5 / step, "reward/mean": 0.1 * step})

@@ -37,9 +37,7 @@ import yaml
 from jsonschema import Draft202012Validator, validators
 
 from stagetrain.errors import StageError
-from stagetrain.settings import training_settings
-from stagetrain.tasks.registry import FAMILIES
-from stagetrain.tasks.rewards import parse_function
+from stagetrain.settings import Settings
 
 # One schema file: workflow/schemas/config.schema.yaml, which Snakemake validates against;
 # the package's schemas/config.schema.yaml is a symbolic link to it, which a wheel stores
@@ -202,58 +200,11 @@ def validate(
     best = jsonschema.exceptions.best_match(validator.iter_errors(filled))
     if best is not None:
         raise StageError(f"{source}: {_describe(best)}")
-    _check_tasks(filled, source)
-    if families:
-        _check_family_names(filled, source)
-    _check_grpo_settings(filled, source)
-    _check_warmups(filled, source)
-    _check_positions(filled, source)
-    return filled
-
-
-def _check_warmups(config: Mapping[str, Any], source: str) -> None:
-    """Each stage's warmup within its optimizer steps: DeepSpeed's schedule only logs a warning
-    and the learning rate never reaches the configured one."""
-    for stage in ("pretrain", "grpo"):
-        steps = training_settings(stage, config[stage]).optimizer_steps
-        warmup = config[stage]["optimizer"]["warmup_steps"]
-        if warmup > steps:
-            counted = f"{stage}.steps" if stage == "pretrain" else "grpo.steps x grpo.passes"
-            raise StageError(
-                f"{source}: {stage}.optimizer.warmup_steps: expected at most the stage's {steps} "
-                f"optimizer steps ({counted}), got {warmup}"
-            )
-
-
-def _check_positions(config: Mapping[str, Any], source: str) -> None:
-    """Sequences no longer than the model's positions (from scratch; an init_from model's are
-    known only once its config is read): transformers accepted longer ones silently."""
-    limit = config["model"].get("max_position_embeddings")
-    if config["model"]["init_from"] or limit is None:
-        return
-    grpo = config["grpo"]
-    for key, length in (("pretrain.seq_len", config["pretrain"]["seq_len"]),
-                        ("grpo.max_prompt_len + grpo.max_new_tokens", grpo["max_prompt_len"] + grpo["max_new_tokens"])):  # fmt: skip
-        if length > limit:
-            raise StageError(
-                f"{source}: {key}: {length} tokens, more than model.max_position_embeddings ({limit})"
-            )
-
-
-def _check_grpo_settings(config: Mapping[str, Any], source: str) -> None:
-    """The GRPO settings that keys decide together, checked by the classes the stage builds
-    (so at DAG time, not 140 s into the GRPO ranks after pretraining has run)."""
-    from stagetrain.grpo.curriculum import CurriculumConfig
-    from stagetrain.grpo.tree import TreeConfig
-
-    grpo = config["grpo"]
     try:
-        CurriculumConfig(**{k: v for k, v in grpo["curriculum"].items() if k != "families"})
-        if grpo["rollout"] == "tree":
-            TreeConfig(**grpo["tree"], max_leaves=grpo["group_size"], max_tokens=grpo["group_size"] * grpo["max_new_tokens"],
-                       max_new_tokens=grpo["max_new_tokens"], eos_id=0)  # fmt: skip
+        Settings.from_config(filled).check(families=families)
     except StageError as err:
         raise StageError(f"{source}: {err}") from None
+    return filled
 
 
 def _refuse_replaced_keys(config: Mapping[str, Any], source: str) -> None:
@@ -268,67 +219,6 @@ def _refuse_replaced_keys(config: Mapping[str, Any], source: str) -> None:
             f"{source}: data.generated.task_files: replaced by tasks.families (one entry per family: "
             "{name, files: [...]}), which GRPO reads too; list the family in data.generated.families for the corpus"
         )
-
-
-def _check_tasks(config: Mapping[str, Any], source: str) -> None:
-    """Each tasks.families entry is one kind (a generator, or files), its name its own, and
-    each reward one verifier or one function."""
-    seen: set[str] = set()
-    for i, family in enumerate(config["tasks"]["families"]):
-        key, name = f"{source}: tasks.families.{i}", family["name"]
-        if name in seen:
-            raise StageError(f"{key}.name: {name!r} is listed twice")
-        seen.add(name)
-        generator = family.get("generator")
-        if generator is not None:
-            if name != generator:
-                raise StageError(
-                    f"{key}.name: a generator family is named after its generator ({generator!r}), not {name!r}"
-                )
-            extra = [k for k in ("files", "level_edges") if family.get(k)]
-            if extra:
-                raise StageError(
-                    f"{key}.{extra[0]}: a generator family ({generator}) reads no files"
-                )
-        elif "files" not in family:
-            raise StageError(
-                f"{key}: expected files (your problems) or generator (a built-in family)"
-            )
-        elif name in FAMILIES:
-            raise StageError(
-                f"{key}.name: {name!r} is a built-in family's name; name your family otherwise"
-            )
-        for j, reward in enumerate(family["rewards"] or ()):
-            kinds = [k for k in ("verifier", "function") if k in reward]
-            if len(kinds) != 1:
-                raise StageError(f"{key}.rewards.{j}: expected exactly one of verifier or function")
-            if "function" in reward:
-                parse_function(reward["function"], f"{key}.rewards.{j}.function")
-
-
-def family_names(config: Mapping[str, Any]) -> list[str]:
-    """Every family the config can name: the built-in generators and the tasks section's."""
-    return list(dict.fromkeys([*FAMILIES, *(f["name"] for f in config["tasks"]["families"])]))
-
-
-def _check_family_names(config: Mapping[str, Any], source: str) -> None:
-    """The families the corpus, the curriculum and replay name exist, once each; replay names
-    none of the curriculum's."""
-    known = family_names(config)
-    curriculum = config["grpo"]["curriculum"]["families"]
-    for key, names in (("data.generated.families", config["data"]["generated"]["families"]),
-                       ("grpo.curriculum.families", curriculum),
-                       ("grpo.replay.families", config["grpo"]["replay"]["families"] or ())):  # fmt: skip
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise StageError(f"{source}: {key}: {name!r} is listed twice")
-            if name not in known:
-                raise StageError(f"{source}: {key}: unknown family {name!r} (known: {', '.join(known)}; "
-                                 "your own go in tasks.families)")  # fmt: skip
-            if key == "grpo.replay.families" and name in curriculum:
-                raise StageError(
-                    f"{source}: {key}: {name!r} is in grpo.curriculum.families; replay is for the others"
-                )
 
 
 def validate_section(name: str, section: Any) -> dict[str, Any]:

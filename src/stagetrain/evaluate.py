@@ -18,27 +18,38 @@ family and level, and with `--baseline` the `gain` report of stagetrain.heldout)
 The default number of problems keeps one standard error <= 0.03 at any accuracy.
 """
 
-from __future__ import annotations
-
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain import config as stconfig
 from stagetrain.errors import StageError
-from stagetrain.heldout import accuracy_entry, gains, problems_for
+from stagetrain.heldout import AccuracyEntry, GainReport, accuracy_entry, gains, problems_for
 from stagetrain.io import atomic_write_json
+from stagetrain.settings import Settings
 from stagetrain.tasks import FAMILIES, get_family, heldout, known
-from stagetrain.tasks.families import TaskSet, held_out_families, load_tasks
+from stagetrain.tasks.families import NO_TASKS, TaskSet, held_out_families, load_tasks
 from stagetrain.tasks.judge import Judge
 from stagetrain.training.evaluation import greedy_scores
 
 Scores = dict[tuple[str, int], tuple[float, int, int]]
 """(family, level) -> (accuracy, problems scored, distinct problems among them)."""
+Accuracy = dict[str, dict[str, AccuracyEntry]]
+"""{family: {level (text, as JSON keys are): entry}}, as GRPO's summary has it."""
+
+
+class Report(TypedDict):
+    """The --json document (with the model, baseline and seed beside it): the accuracy, and
+    with a baseline its accuracy and the gain report."""
+
+    problems: int
+    accuracy: Accuracy
+    baseline_accuracy: NotRequired[Accuracy]
+    gain: NotRequired[GainReport]
 
 
 def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: int, *,
@@ -48,7 +59,7 @@ def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: 
     built-in ones), `lengths` the prompt and completion token limits."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    judge = Judge(tasks or load_tasks({}), tokenizer, max_prompt_len=lengths[0])
+    judge = Judge(tasks or load_tasks(), tokenizer, max_prompt_len=lengths[0])
     out = {}
     with torch.no_grad():
         for family in families:
@@ -66,12 +77,12 @@ def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: 
 
 
 def report(results: Scores, baseline: Scores | None, n: int, level: int,
-           curriculum: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+           curriculum: list[str] | None = None) -> Report:  # fmt: skip
     """The --json document: accuracy (and the baseline's) by family and level, and the gain
     (its mean over `curriculum`, default every family, as GRPO's summary has it)."""
 
-    def nested(values: Scores) -> dict[str, dict[str, dict[str, Any]]]:
-        out: dict[str, dict[str, dict[str, Any]]] = {}
+    def nested(values: Scores) -> Accuracy:
+        out: Accuracy = {}
         for (family, lv), value in values.items():
             out.setdefault(family, {})[str(lv)] = accuracy_entry(*value)
         return out
@@ -82,14 +93,14 @@ def report(results: Scores, baseline: Scores | None, n: int, level: int,
             out.setdefault(family, {})[lv] = value
         return out
 
-    doc: dict[str, Any] = {"problems": n, "accuracy": nested(results)}
+    doc = Report(problems=n, accuracy=nested(results))
     if baseline is not None:
         doc["baseline_accuracy"] = nested(baseline)
         doc["gain"] = gains(measured(baseline), measured(results), level=level, families=curriculum)
     return doc
 
 
-def _table(doc: dict[str, Any]) -> list[str]:
+def _table(doc: Report) -> list[str]:
     """The printed lines; without a baseline the accuracy is the last column."""
     if "gain" not in doc:
         lines = [f"{'family':<12} {'level':>5} {'problems':>8} {'se':>6} {'accuracy':>9}"]
@@ -117,7 +128,8 @@ def _table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line this module's docstring describes."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -139,18 +151,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="held-out problems per family and level (default: one se <= 0.03)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     # Without a config: the built-in families at the default run's lengths, the mean over all.
-    named, lengths, curriculum, tasks_section = list(FAMILIES), (64, 32), None, {}
+    named, lengths, curriculum, tasks_section = list(FAMILIES), (64, 32), None, NO_TASKS
     try:
         if args.config:
-            config = stconfig.load(args.config)
-            named, curriculum, tasks_section = (
-                held_out_families(config),
-                config["grpo"]["curriculum"]["families"],
-                config["tasks"],
-            )
-            lengths = (config["grpo"]["max_prompt_len"], config["grpo"]["max_new_tokens"])
+            config = Settings.from_config(stconfig.load(args.config))
+            named = held_out_families(config.grpo, config.data, config.tasks)
+            curriculum, tasks_section = list(config.grpo.curriculum.families), config.tasks
+            lengths = (config.grpo.max_prompt_len, config.grpo.max_new_tokens)
         tasks = load_tasks(tasks_section)
     except StageError as err:
         sys.exit(f"error: {err}")

@@ -24,13 +24,59 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TypedDict
 
 TARGET_SE = 0.03
 """The standard error an accuracy of one family and level should not exceed."""
 
 Measured = Mapping[str, Mapping[int, tuple[float, int, int]]]
 """{family: {level: (accuracy, problems scored, distinct problems among them)}}."""
+
+
+class AccuracyEntry(TypedDict):
+    """One family and level: the accuracy, its standard error, the problems scored and the
+    distinct problems among them."""
+
+    accuracy: float
+    se: float
+    problems: int
+    distinct: int
+
+
+class GainEntry(TypedDict):
+    """One family and level measured twice: both accuracies, the gain and its standard error."""
+
+    start: float
+    end: float
+    gain: float
+    se: float
+    problems: int
+    distinct: int
+
+
+class MeanGain(TypedDict):
+    """The mean gain over the chosen families measured at one level, with its standard error."""
+
+    level: int
+    families: list[str]
+    gain: float
+    se: float
+
+
+class Drop(GainEntry):
+    """A gain entry that fell, with its family and level and how many standard errors."""
+
+    family: str
+    level: int
+    sigmas: float
+
+
+class GainReport(TypedDict):
+    """The gain report: {family: {level (text): entry}}, the mean, the largest drop."""
+
+    by_family: dict[str, dict[str, GainEntry]]
+    mean: MeanGain | None
+    largest_drop: Drop | None
 
 
 def standard_error(accuracy: float, problems: int) -> float:
@@ -48,23 +94,23 @@ def problems_for(se: float = TARGET_SE) -> int:
     return math.ceil(0.25 / se**2)
 
 
-def accuracy_entry(accuracy: float, problems: int, distinct: int) -> dict[str, Any]:
+def accuracy_entry(accuracy: float, problems: int, distinct: int) -> AccuracyEntry:
     """{accuracy, se, problems, distinct} of one family and level."""
     se = standard_error(accuracy, problems)
-    return {"accuracy": accuracy, "se": se, "problems": problems, "distinct": distinct}
+    return AccuracyEntry(accuracy=accuracy, se=se, problems=problems, distinct=distinct)
 
 
-def gain_entry(start: tuple[float, int, int], end: tuple[float, int, int]) -> dict[str, Any]:
+def gain_entry(start: tuple[float, int, int], end: tuple[float, int, int]) -> GainEntry:
     """{start, end, gain, se, problems, distinct} of one family and level, from two
     (accuracy, problems, distinct)."""
     se = math.hypot(standard_error(*start[:2]), standard_error(*end[:2]))
-    return {"start": start[0], "end": end[0], "gain": end[0] - start[0], "se": se,
-            "problems": min(start[1], end[1]), "distinct": min(start[2], end[2])}  # fmt: skip
+    return GainEntry(start=start[0], end=end[0], gain=end[0] - start[0], se=se,
+                     problems=min(start[1], end[1]), distinct=min(start[2], end[2]))  # fmt: skip
 
 
 def gains(
     start: Measured, end: Measured, level: int = 1, families: Sequence[str] | None = None
-) -> dict[str, Any]:
+) -> GainReport:
     """The gain report: `by_family` ({family: {level: gain_entry}} for every family and level
     both measured), `mean` (the mean gain over `families`, default all, measured at `level`,
     with its standard error; null when none was) and `largest_drop` (the entry that fell by
@@ -83,15 +129,15 @@ def gains(
     at_level = [levels[str(level)] for levels in chosen.values() if str(level) in levels]
     mean = None
     if at_level:
-        mean = {
-            "level": level,
-            "families": [f for f, levels in chosen.items() if str(level) in levels],
-            "gain": sum(e["gain"] for e in at_level) / len(at_level),
-            "se": math.sqrt(sum(e["se"] ** 2 for e in at_level)) / len(at_level),
-        }
+        mean = MeanGain(
+            level=level,
+            families=[f for f, levels in chosen.items() if str(level) in levels],
+            gain=sum(e["gain"] for e in at_level) / len(at_level),
+            se=math.sqrt(sum(e["se"] ** 2 for e in at_level)) / len(at_level),
+        )
     drops = [
-        {"family": f, "level": int(lv), **e, "sigmas": -e["gain"] / e["se"] if e["se"] else math.inf}
+        Drop(**e, family=f, level=int(lv), sigmas=-e["gain"] / e["se"] if e["se"] else math.inf)
         for f, levels in by_family.items() for lv, e in levels.items() if e["gain"] < 0
     ]  # fmt: skip
     largest = max(drops, key=lambda d: d["sigmas"], default=None)
-    return {"by_family": by_family, "mean": mean, "largest_drop": largest}
+    return GainReport(by_family=by_family, mean=mean, largest_drop=largest)

@@ -10,11 +10,10 @@ here, before any job runs, instead of a failure deep inside a stage.
 from __future__ import annotations
 
 import glob
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from stagetrain.errors import StageError
+from stagetrain.settings import Settings
 from stagetrain.tasks.rewards import check_function
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -56,7 +55,7 @@ def _folder_files(key: str, value: str) -> list[str]:
     return files
 
 
-def local_inputs(config: Mapping[str, Any]) -> dict[str, list[str]]:
+def local_inputs(config: Settings) -> dict[str, list[str]]:
     """The local files each part of `config` names, by kind, each list sorted.
 
     Kinds: `table` (parallelism.table_path), `data_files` (data.files globs),
@@ -67,38 +66,38 @@ def local_inputs(config: Mapping[str, Any]) -> dict[str, list[str]]:
     """
     found: dict[str, list[str]] = {kind: [] for kind in
                                    ("table", "data_files", "task_files", "reward_files", "tokenizer", "init_from", "init_from_config")}  # fmt: skip
-    table = config["parallelism"]["table_path"]
+    table = config.parallelism.table_path
     if table:
         if not Path(table).is_file():
             raise StageError(f"config: parallelism.table_path: no such file {table!r}")
         found["table"] = [table]
     files: set[str] = set()
-    for index, entry in enumerate(config["data"]["files"]):
-        matches = [p for p in glob.glob(entry["path"], recursive=True) if Path(p).is_file()]
+    for index, entry in enumerate(config.data.files):
+        matches = [p for p in glob.glob(entry.path, recursive=True) if Path(p).is_file()]
         if not matches:
-            raise StageError(f"config: data.files.{index}.path: no file matches {entry['path']!r}")
+            raise StageError(f"config: data.files.{index}.path: no file matches {entry.path!r}")
         files.update(matches)
     found["data_files"] = sorted(files)
     tasks, rewards = set(), set()
-    for index, family in enumerate(config["tasks"]["families"]):
+    for index, family in enumerate(config.tasks.families):
         key = f"tasks.families.{index}"
-        for i, entry in enumerate(family.get("files", ())):
+        for i, entry in enumerate(family.files):
             if not isinstance(entry, str):
                 continue  # a hub file
             matches = [p for p in glob.glob(entry, recursive=True) if Path(p).is_file()]
             if not matches:
                 raise StageError(f"config: {key}.files.{i}: no file matches {entry!r}")
             tasks.update(matches)
-        for i, reward in enumerate(family["rewards"] or ()):
+        for i, reward in enumerate(family.rewards or ()):
             if "function" in reward:
                 rewards.add(check_function(reward["function"], f"{key}.rewards.{i}.function"))
     found["task_files"], found["reward_files"] = sorted(tasks), sorted(rewards)
-    tokenizer = config["tokenizer"]["path"]
-    if config["tokenizer"]["source"] == "pretrained" and tokenizer:
+    tokenizer = config.tokenizer.path
+    if config.tokenizer.source == "pretrained" and tokenizer:
         refuse_misspelt_folder("tokenizer.path", tokenizer)
         if looks_local(tokenizer):
             found["tokenizer"] = _folder_files("tokenizer.path", tokenizer)
-    init_from = config["model"]["init_from"]
+    init_from = config.model.init_from
     if init_from:
         refuse_misspelt_folder("model.init_from", init_from)
     if init_from and looks_local(init_from):

@@ -25,16 +25,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import yaml
 
 from stagetrain.errors import StageError
-from stagetrain.heldout import accuracy_entry
+from stagetrain.heldout import AccuracyEntry, accuracy_entry
 from stagetrain.io import atomic_write_json, atomic_write_text
+from stagetrain.settings import TasksSettings
 from stagetrain.tasks import heldout
-from stagetrain.tasks.families import load_tasks
-from stagetrain.tasks.problem import PROBLEM_TOKEN
+from stagetrain.tasks.families import TaskSet, load_tasks
+from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem
 from stagetrain.tasks.prompts import Prompter
 from stagetrain.tasks.rewards import Completion, weighted
 
@@ -45,6 +46,37 @@ MISSING = (
 )
 
 
+class TaskDoc(TypedDict):
+    """One line of a written task's JSON lines file: lm-eval hands it back to `Scorer`."""
+
+    family: str
+    level: int
+    index: int
+    """The problem's place in `Run.problems_of(family, level)`."""
+    text: str
+    """The prompt as the stages render it."""
+    answer: str
+
+
+class LmEvalResult(TypedDict):
+    """What one lm-eval run measured: {family: {level (text): entry}} of the held-out tasks,
+    the user's tasks with lm-eval's own metrics ({task: {'acc,none': value, ...}}, its keys
+    and values as the harness gives them), and the harness's version."""
+
+    accuracy: dict[str, dict[str, AccuracyEntry]]
+    tasks: dict[str, dict[str, Any]]
+    lm_eval: str
+
+
+class StageEvaluation(LmEvalResult):
+    """evaluate/<stage>.json (scripts/evaluate.py): the result, with what it was measured on."""
+
+    stage: str
+    model: str
+    problems: int
+    seed: int
+
+
 @dataclass(frozen=True)
 class Run:
     """What the held-out tasks of one model are made of (run.json beside them)."""
@@ -52,7 +84,8 @@ class Run:
     model: str
     """The model folder: its tokenizer renders the prompts."""
     tasks: Mapping[str, Any]
-    """The config's validated tasks section (file families, rewards, chat template)."""
+    """The config's validated tasks section (file families, rewards, chat template) as the
+    config gives it: run.json holds it for the scoring module, which builds its settings."""
     families: Sequence[str]
     levels: Sequence[int]
     problems: int
@@ -67,8 +100,9 @@ class Run:
         return cls(**json.loads(Path(path).read_text()))
 
     @cached_property
-    def task_set(self) -> Any:
-        return load_tasks(self.tasks, pins=self.pins)
+    def task_set(self) -> TaskSet:
+        """The run's task families, file families read and registered."""
+        return load_tasks(TasksSettings.from_config(self.tasks, "tasks"), pins=self.pins)
 
     @cached_property
     def tokenizer(self) -> Any:
@@ -86,7 +120,7 @@ class Run:
             (f, lv) for f in self.families for lv in self.levels if lv <= known[f].family.max_level
         ]
 
-    def problems_of(self, family: str, level: int) -> list[Any]:
+    def problems_of(self, family: str, level: int) -> list[Problem]:
         """The held-out problems of one task, as `stagetrain.evaluate` draws them."""
         if family not in self.task_set.families:  # loading them registers the file families
             raise StageError(f"evaluate: no task family {family!r} in the run's tasks section")
@@ -102,9 +136,9 @@ class Scorer:
 
     def __init__(self, run_json: Path) -> None:
         self.run = Run.read(run_json)
-        self._problems: dict[tuple[str, int], list[Any]] = {}
+        self._problems: dict[tuple[str, int], list[Problem]] = {}
 
-    def __call__(self, doc: Mapping[str, Any], text: str) -> float:
+    def __call__(self, doc: TaskDoc, text: str) -> float:
         cell = (doc["family"], doc["level"])
         if cell not in self._problems:
             self._problems[cell] = self.run.problems_of(*cell)
@@ -156,13 +190,7 @@ def write_tasks(folder: Path, run: Run) -> dict[str, tuple[str, int, int]]:
             if tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
                 raise StageError(f"evaluate: the prompt of {family} problem {problem.key!r} does not encode "
                                  "back to its token ids, so lm-eval would ask another question")  # fmt: skip
-            row = {
-                "family": family,
-                "level": level,
-                "index": index,
-                "text": text,
-                "answer": problem.answer,
-            }
+            row = TaskDoc(family=family, level=level, index=index, text=text, answer=problem.answer)
             lines.append(json.dumps(row))
         name = task_name(family, level)
         data = folder / f"{name}.jsonl"
@@ -192,7 +220,7 @@ def _task_yaml(name: str, data: Path, run: Run, tokenizer: Any, stops: list[int]
     ])  # fmt: skip
 
 
-def evaluate(run: Run, folder: Path, extra: Sequence[str], batch_size: int) -> dict[str, Any]:
+def evaluate(run: Run, folder: Path, extra: Sequence[str], batch_size: int) -> LmEvalResult:
     """Run lm-eval once on the model of `run`: the held-out tasks written to `folder`, and the
     user's `extra` tasks (names lm-eval knows, or task YAML files). Returns {accuracy: {family: {level: entry}}, tasks: {name:
     {metric: value}}, lm_eval: version}.
@@ -237,7 +265,7 @@ def evaluate(run: Run, folder: Path, extra: Sequence[str], batch_size: int) -> d
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StageError(f"evaluate.tasks: lm-eval could not run them: {first}") from err
     results = out["results"]
-    accuracy: dict[str, dict[str, Any]] = {}
+    accuracy: dict[str, dict[str, AccuracyEntry]] = {}
     for name, (family, level, distinct) in ours.items():
         n = out["n-samples"][name]["effective"]
         accuracy.setdefault(family, {})[str(level)] = accuracy_entry(
@@ -245,7 +273,7 @@ def evaluate(run: Run, folder: Path, extra: Sequence[str], batch_size: int) -> d
         )
     tasks = {name: {k: v for k, v in metrics.items() if k != "alias"}
              for name, metrics in results.items() if name not in ours}  # fmt: skip
-    return {"accuracy": accuracy, "tasks": tasks, "lm_eval": lm_eval.__version__}
+    return LmEvalResult(accuracy=accuracy, tasks=tasks, lm_eval=lm_eval.__version__)
 
 
 class _AnyTag(yaml.SafeLoader):
@@ -268,7 +296,7 @@ def _task_file_name(path: Path) -> str:
     return name
 
 
-def table(doc: Mapping[str, Any]) -> str:
+def table(doc: LmEvalResult) -> str:
     """The report's table (tab-separated): one row per held-out cell and per user metric."""
     rows = ["task\tlevel\tproblems\tmetric\tvalue\tse"]
     for family, levels in doc["accuracy"].items():

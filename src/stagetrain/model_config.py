@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from transformers import AutoConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from stagetrain.errors import StageError
+from stagetrain.settings import ModelSettings
 
 SHAPE_KEYS = (
     "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -38,43 +38,43 @@ def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-def _check_shape(model: Mapping[str, Any]) -> str:
+def _check_shape(model: ModelSettings) -> str:
     """The architecture of a from-scratch `model`, after checking its shape keys.
 
     Raises:
         StageError: a shape key that is missing, not allowed, or inconsistent.
     """
-    arch = model["architecture"]
+    arch = model.architecture
     if arch is None:
         raise StageError(
             "model.architecture: required for a from-scratch model (llama, mixtral, qwen2_moe)"
         )
     needed = SHAPE_KEYS + MOE_KEYS[arch]
-    missing = [k for k in needed if model.get(k) is None]
+    missing = [k for k in needed if getattr(model, k) is None]
     if missing:
         raise StageError(
             f"model.{missing[0]}: required for a from-scratch {arch} model "
             f"(expected all of: {', '.join(needed)})"
         )
-    stray = [k for k in ALL_MOE_KEYS if k in model and k not in MOE_KEYS[arch]]
-    if arch == "llama" and model.get("router_aux_loss_coef") is not None:
+    stray = [k for k in ALL_MOE_KEYS if getattr(model, k) is not None and k not in MOE_KEYS[arch]]
+    if arch == "llama" and model.router_aux_loss_coef is not None:
         stray.append("router_aux_loss_coef")
     if stray:
         raise StageError(f"model.{stray[0]}: not used by architecture {arch!r}; remove it")
-    heads, kv_heads, hidden = model["num_heads"], model["num_kv_heads"], model["hidden_size"]
+    heads, kv_heads, hidden = model.num_heads, model.num_kv_heads, model.hidden_size
     if hidden % heads:
         raise StageError(f"model.num_heads: {heads} must divide model.hidden_size {hidden}")
     if heads % kv_heads:
         raise StageError(f"model.num_kv_heads: {kv_heads} must divide model.num_heads {heads}")
-    if "experts_per_token" in model and model["experts_per_token"] > model["num_experts"]:
+    if model.experts_per_token is not None and model.experts_per_token > (model.num_experts or 0):
         raise StageError(
-            f"model.experts_per_token: {model['experts_per_token']} exceeds "
-            f"model.num_experts {model['num_experts']}"
+            f"model.experts_per_token: {model.experts_per_token} exceeds "
+            f"model.num_experts {model.num_experts}"
         )
     return arch
 
 
-def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
+def build_config(model: ModelSettings, vocab_size: int) -> PretrainedConfig:
     """The transformers config for `model` (a validated config section).
 
     Args:
@@ -85,77 +85,77 @@ def build_config(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
     Raises:
         StageError: a shape key that is missing, not allowed, or inconsistent.
     """
-    if model["init_from"]:
+    if model.init_from:
         return _load_pretrained(model, vocab_size)
     arch = _check_shape(model)
-    heads, kv_heads, hidden = model["num_heads"], model["num_kv_heads"], model["hidden_size"]
+    heads, kv_heads, hidden = model.num_heads, model.num_kv_heads, model.hidden_size
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=model["intermediate_size"],
-        num_hidden_layers=model["num_layers"],
+        intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=model["max_position_embeddings"],
-        rope_parameters={"rope_type": "default", "rope_theta": float(model["rope_theta"])},
-        tie_word_embeddings=model["tie_word_embeddings"],
+        max_position_embeddings=model.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(model.rope_theta)},
+        tie_word_embeddings=model.tie_word_embeddings,
     )
     if arch == "llama":
         return LlamaConfig(**common)
     coef = (
         {}
-        if model.get("router_aux_loss_coef") is None
-        else {"router_aux_loss_coef": model["router_aux_loss_coef"]}
+        if model.router_aux_loss_coef is None
+        else {"router_aux_loss_coef": model.router_aux_loss_coef}
     )
     if arch == "mixtral":
         return MixtralConfig(
             **common,
             **coef,
-            num_local_experts=model["num_experts"],
-            num_experts_per_tok=model["experts_per_token"],
+            num_local_experts=model.num_experts,
+            num_experts_per_tok=model.experts_per_token,
         )
     return Qwen2MoeConfig(
         **common,
         **coef,
-        num_experts=model["num_experts"],
-        num_experts_per_tok=model["experts_per_token"],
-        moe_intermediate_size=model["moe_intermediate_size"],
-        shared_expert_intermediate_size=model["intermediate_size"],
+        num_experts=model.num_experts,
+        num_experts_per_tok=model.experts_per_token,
+        moe_intermediate_size=model.moe_intermediate_size,
+        shared_expert_intermediate_size=model.intermediate_size,
     )
 
 
-def _load_pretrained(model: Mapping[str, Any], vocab_size: int) -> PretrainedConfig:
-    given = [k for k in SHAPE_KEYS + ALL_MOE_KEYS if model.get(k) is not None]
+def _load_pretrained(model: ModelSettings, vocab_size: int) -> PretrainedConfig:
+    given = [k for k in SHAPE_KEYS + ALL_MOE_KEYS if getattr(model, k) is not None]
     if given:
         raise StageError(
             f"model.{given[0]}: not allowed with model.init_from "
             "(the shape comes from that model's config.json)"
         )
     try:
-        config = AutoConfig.from_pretrained(model["init_from"], trust_remote_code=False)
+        config = AutoConfig.from_pretrained(model.init_from, trust_remote_code=False)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0]
         raise StageError(
-            f"model.init_from: cannot load config of {model['init_from']!r}: {first}"
+            f"model.init_from: cannot load config of {model.init_from!r}: {first}"
         ) from None
-    folder = Path(model["init_from"])
+    folder = Path(model.init_from)
     if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise StageError(
             f"model.init_from: {folder} has a config.json but no weight files (*.safetensors or *.bin)"
         )
-    _check_decoder(config, model["init_from"])
-    if model["architecture"] and config.model_type != model["architecture"]:
+    _check_decoder(config, model.init_from)
+    if model.architecture and config.model_type != model.architecture:
         raise StageError(
-            f"model.architecture: {model['architecture']!r} but {model['init_from']!r} is a "
+            f"model.architecture: {model.architecture!r} but {model.init_from!r} is a "
             f"{config.model_type!r} model"
         )
-    if model.get("router_aux_loss_coef") is not None:
+    if model.router_aux_loss_coef is not None:
         if not hasattr(config, "router_aux_loss_coef"):
             raise StageError(
-                f"model.router_aux_loss_coef: {model['init_from']!r} is a {config.model_type!r} model "
+                f"model.router_aux_loss_coef: {model.init_from!r} is a {config.model_type!r} model "
                 "without a router (the coefficient is for mixture-of-experts models); remove it"
             )
-        config.router_aux_loss_coef = model["router_aux_loss_coef"]
+        config.router_aux_loss_coef = model.router_aux_loss_coef
     config.vocab_size = max(config.vocab_size, vocab_size)
     return config
 
@@ -179,7 +179,7 @@ def _check_decoder(config: PretrainedConfig, source: str) -> None:
 
 
 def training_config(
-    model: Mapping[str, Any],
+    model: ModelSettings,
     *,
     tokenizer_size: int,
     special_ids: Mapping[str, int | None],
@@ -194,17 +194,17 @@ def training_config(
     Raises:
         StageError: the tokenizer does not fit and resizing is not allowed.
     """
-    multiple = model["vocab_multiple"]
-    if not model["init_from"]:
+    multiple = model.vocab_multiple
+    if not model.init_from:
         config = build_config(model, padded_vocab(tokenizer_size, multiple, tp))
     else:
         config = build_config(model, 0)  # the continued model's own vocabulary
         original = config.vocab_size
-        if not model["resize_embeddings"]:
+        if not model.resize_embeddings:
             if tokenizer_size > original:
                 raise StageError(
                     f"model.resize_embeddings: false, but the tokenizer has {tokenizer_size} tokens "
-                    f"and {model['init_from']!r} only {original} embedding rows"
+                    f"and {model.init_from!r} only {original} embedding rows"
                 )
         else:
             config.vocab_size = padded_vocab(max(original, tokenizer_size), multiple, tp)

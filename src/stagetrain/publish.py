@@ -20,10 +20,18 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
+from stagetrain.corpus.meta import SourceShare, TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.inputs import looks_local
+from stagetrain.planning.plan import LayoutRecord, PlanRecord, TableEntry
+from stagetrain.planning.table import Table
+from stagetrain.settings import ModelSettings
+
+if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
+    from stagetrain.grpo.run import GrpoSummary
+    from stagetrain.pretrain.summary import PretrainSummary
 
 log = logging.getLogger("stagetrain")
 
@@ -31,32 +39,47 @@ TABLE = "parallelism_data.json"
 CPU = "cpu"
 
 
-def measured_layouts(plan: Mapping[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:
+class PublishReceipt(TypedDict):
+    """publish.json: where the one commit went, the files in it, and the table pushed (None
+    when the run measured no GPU layout)."""
+
+    repo: str
+    revision: str
+    commit: str
+    url: str
+    files: list[str]
+    table: Table | None
+
+
+def measured_layouts(plan: PlanRecord, layout: LayoutRecord) -> Table:
     """This run's entry of Psyche's table, from the plan's devices and the layout a finished
-    training stage ran: {gpu key: {gpu count: {dp, tp, micro_batch_size}}}; {} on CPU ranks."""
+    training stage ran (its summary's): {gpu key: {gpu count: {dp, tp, micro_batch_size}}};
+    {} on CPU ranks."""
     if plan["device"] == CPU:
         return {}
-    layout = summary["layout"]
-    entry = {key: layout[key] for key in ("dp", "tp", "micro_batch_size")}
+    entry = TableEntry(
+        dp=layout["dp"], tp=layout["tp"], micro_batch_size=layout["micro_batch_size"]
+    )
     return {plan["device"]: {str(plan["world"]): entry}}
 
 
-def merged(existing: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
-    """`ours` over `existing`, entry by entry (another GPU or count of the repo's is kept)."""
+def merged(existing: Mapping[str, Any], ours: Table) -> Table:
+    """`ours` over `existing`, entry by entry (another GPU or count of the repo's is kept).
+    `existing` is the repo's file as JSON gives it, kept as found where it is not ours."""
     out = {gpu: dict(counts) for gpu, counts in existing.items() if isinstance(counts, Mapping)}
     for gpu, counts in ours.items():
         out.setdefault(gpu, {}).update(counts)
     return out
 
 
-def card_text(*, run: str, model: Mapping[str, Any], plan: Mapping[str, Any], meta: Mapping[str, Any],
-              summaries: Mapping[str, Mapping[str, Any]], repo: str) -> str:  # fmt: skip
+def card_text(*, run: str, model: ModelSettings, plan: PlanRecord, meta: TokenizerMeta,
+              pretrain: PretrainSummary, grpo: GrpoSummary, repo: str) -> str:  # fmt: skip
     """The model card (README.md): metadata for the hub, then how the models were made."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    start = model.get("init_from")
+    start = model.init_from
     datasets = sorted(
-        {s["record"]["repo"] for s in meta["sources"] if s["record"].get("kind") == "hub"}
+        {s["record"]["repo"] for s in meta["sources"] if s["record"]["kind"] == "hub"}
     )
     data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=["stagetrain", "grpo"],
                          base_model=start if start and not looks_local(start) else None, datasets=datasets or None)  # fmt: skip
@@ -69,7 +92,7 @@ def card_text(*, run: str, model: Mapping[str, Any], plan: Mapping[str, Any], me
         "",
         "## Model",
         "",
-        f"- Start: {f'`{start}`' if start else 'from scratch'}; {model['architecture']}, "
+        f"- Start: {f'`{start}`' if start else 'from scratch'}; {model.architecture}, "
         f"{shape['params'] / 1e6:.2f}M parameters ({shape['active_params'] / 1e6:.2f}M active), "
         f"{shape['num_layers']} layers, hidden {shape['hidden_size']}.",
         "",
@@ -81,7 +104,11 @@ def card_text(*, run: str, model: Mapping[str, Any], plan: Mapping[str, Any], me
         "",
         f"- Hardware: {plan['world']} x {plan['device']} on {plan['nodes']} node(s), {plan['precision']}.",
     ]
-    for stage, summary in summaries.items():
+    summaries: tuple[tuple[str, PretrainSummary | GrpoSummary], ...] = (
+        ("pretrain", pretrain),
+        ("grpo", grpo),
+    )
+    for stage, summary in summaries:
         lay = summary["layout"]
         tokens = (
             summary["final_step"] * lay["global_batch"] * lay["seq_len"]
@@ -93,7 +120,7 @@ def card_text(*, run: str, model: Mapping[str, Any], plan: Mapping[str, Any], me
             f"micro batch {lay['micro_batch_size']} x {lay['grad_accum']} accumulation"
             + (f", {tokens:,} tokens" if tokens else "")
         )
-    accuracy = summaries.get("grpo", {}).get("accuracy")
+    accuracy = grpo.get("accuracy")
     if accuracy:
         lines += ["", "## Held-out accuracy", "",
                   "Greedy, on problems no stage trained on, before and after GRPO:", "",
@@ -107,18 +134,22 @@ def card_text(*, run: str, model: Mapping[str, Any], plan: Mapping[str, Any], me
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 
-def _source(source: Mapping[str, Any]) -> str:
+def _source(source: SourceShare) -> str:
     """One corpus source of data/meta.json as the card lists it, with its hub commit."""
     record = source["record"]
-    what = {"generated": lambda r: f"generated task problems ({', '.join(r['families'])})",
-            "files": lambda r: f"{len(r.get('files', []))} local file(s)",
-            "hub": lambda r: f"`{r['repo']}` at commit `{r.get('commit')}`"}  # fmt: skip
-    describe = what.get(record.get("kind"), lambda r: source["name"])
-    return f"{describe(record)}: {source['train_tokens']:,} training tokens"
+    if record["kind"] == "generated":
+        what = f"generated task problems ({', '.join(record['families'])})"
+    elif record["kind"] == "files":
+        what = f"{len(record['files'])} local file(s)"
+    elif record["kind"] == "hub":
+        what = f"`{record['repo']}` at commit `{record['commit']}`"
+    else:  # a kind this version does not write
+        what = source["name"]
+    return f"{what}: {source['train_tokens']:,} training tokens"
 
 
 def push(*, repo: str, revision: str, private: bool, models: Mapping[str, Path], card: str,
-         layouts: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
+         layouts: Table) -> PublishReceipt:  # fmt: skip
     """One commit to `repo`: the models (`grpo` at the root, the others under their stage's
     folder), README.md and, when this run measured a GPU layout, the merged table.
 
@@ -153,5 +184,5 @@ def push(*, repo: str, revision: str, private: bool, models: Mapping[str, Path],
         raise StageError(
             f"publish: pushing to {repo}@{revision} failed, the repo is as it was: {first}"
         ) from err
-    return {"repo": repo, "revision": revision, "commit": info.oid, "url": info.commit_url,
-            "files": sorted(op.path_in_repo for op in operations), "table": table}  # fmt: skip
+    return PublishReceipt(repo=repo, revision=revision, commit=info.oid, url=info.commit_url,
+                          files=sorted(op.path_in_repo for op in operations), table=table)  # fmt: skip

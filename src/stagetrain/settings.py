@@ -13,15 +13,13 @@ Lists become tuples, so a section cannot be changed once built. The raw dicts
 stay where their exact JSON matters (checkpoint fingerprints, job specs).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Self
+from typing import Any, Literal, NotRequired, Self, TypedDict
 
 from stagetrain.errors import StageError
 
@@ -97,7 +95,7 @@ class ModelSettings(_Section):
     """The model: a shape from scratch, or `init_from` (then the shape keys are absent: None)."""
 
     init_from: str | None
-    architecture: str | None
+    architecture: Literal["llama", "mixtral", "qwen2_moe"] | None
     resize_embeddings: bool
     vocab_multiple: int
     hidden_size: int | None = None
@@ -116,7 +114,7 @@ class ModelSettings(_Section):
 
 @dataclass(frozen=True)
 class TokenizerSettings(_Section):
-    source: str
+    source: Literal["train", "pretrained"]
     path: str | None
     vocab_size: int
     training_sample_mb: float
@@ -158,6 +156,23 @@ class DataSettings(_Section):
     hub: tuple[HubData, ...]
 
 
+class RewardSpec(TypedDict):
+    """One tasks.families.N.rewards entry: a built-in verifier or a function of the user's
+    ('path/file.py:name'), exactly one of them (`TaskFamilySettings.check_rewards`), weighted."""
+
+    verifier: NotRequired[Literal["exact", "numeric", "format", "math"]]
+    function: NotRequired[str]
+    weight: float
+
+
+class HubTaskFile(TypedDict):
+    """One hub dataset file of a task family (a local one is a path or glob string)."""
+
+    repo: str
+    file: str
+    revision: NotRequired[str]
+
+
 @dataclass(frozen=True)
 class TaskColumns(_Section):
     prompt: str
@@ -169,15 +184,26 @@ class TaskColumns(_Section):
 @dataclass(frozen=True)
 class TaskFamilySettings(_Section):
     """One tasks.families entry: a generator, or files (local paths or globs as strings, hub
-    files as {repo, file, revision} mappings); rewards stay mappings, one verifier or function each."""
+    files as `HubTaskFile` mappings); rewards stay mappings (`RewardSpec`), one verifier or function each."""
 
     name: str
     columns: TaskColumns
     level_edges: tuple[float, ...] | None
-    rewards: tuple[Mapping[str, Any], ...] | None
+    rewards: tuple[RewardSpec, ...] | None
     success_at: float | None
-    generator: str | None = None
-    files: tuple[str | Mapping[str, Any], ...] = ()
+    generator: Literal["arithmetic", "counting", "comparison"] | None = None
+    files: tuple[str | HubTaskFile, ...] = ()
+
+    def check_rewards(self, key: str) -> None:
+        """Each reward is one verifier or one function, and a function's `module:name` parses."""
+        from stagetrain.tasks.rewards import parse_function
+
+        for j, reward in enumerate(self.rewards or ()):
+            kinds = [k for k in ("verifier", "function") if k in reward]
+            if len(kinds) != 1:
+                raise StageError(f"{key}.rewards.{j}: expected exactly one of verifier or function")
+            if "function" in reward:
+                parse_function(reward["function"], f"{key}.rewards.{j}.function")
 
 
 @dataclass(frozen=True)
@@ -186,10 +212,41 @@ class TasksSettings(_Section):
     chat_template: bool
     success_at: float
 
+    def check(self) -> None:
+        """Each family is one kind (a generator, or files), its name its own, and each reward
+        one verifier or one function."""
+        from stagetrain.tasks.registry import FAMILIES
+
+        seen: set[str] = set()
+        for i, family in enumerate(self.families):
+            key, name = f"tasks.families.{i}", family.name
+            if name in seen:
+                raise StageError(f"{key}.name: {name!r} is listed twice")
+            seen.add(name)
+            if family.generator is not None:
+                if name != family.generator:
+                    raise StageError(
+                        f"{key}.name: a generator family is named after its generator ({family.generator!r}), not {name!r}"
+                    )
+                extra = [k for k in ("files", "level_edges") if getattr(family, k)]
+                if extra:
+                    raise StageError(
+                        f"{key}.{extra[0]}: a generator family ({family.generator}) reads no files"
+                    )
+            elif not family.files:
+                raise StageError(
+                    f"{key}: expected files (your problems) or generator (a built-in family)"
+                )
+            elif name in FAMILIES:
+                raise StageError(
+                    f"{key}.name: {name!r} is a built-in family's name; name your family otherwise"
+                )
+            family.check_rewards(key)
+
 
 @dataclass(frozen=True)
 class HardwareSettings(_Section):
-    source: str
+    source: Literal["detect", "describe"]
     gpu: str | None
     gpus_per_node: int | None
     host_memory_gib: float | None
@@ -207,11 +264,11 @@ class ParallelismSettings(_Section):
     micro_batch_size: int | None
     zero_stage: int | None
     activation_checkpointing: bool | None
-    offload: str | None
+    offload: Literal["none", "optimizer", "optimizer_and_params"] | None
     table_path: str | None
     table_repo: str | None
     table_revision: str
-    on_table_miss: str
+    on_table_miss: Literal["planner", "error"]
     max_micro_batch_size: int
     assumed_mfu: float
     cpu_efficiency: float
@@ -221,8 +278,8 @@ class ParallelismSettings(_Section):
 
 @dataclass(frozen=True)
 class DeepSpeedSettings(_Section):
-    precision: str
-    attention: str
+    precision: Literal["auto", "bf16", "fp16", "fp32"]
+    attention: Literal["auto", "sdpa", "eager"]
     overlap_comm: bool
     bucket_size: int
     stage3_max_live_parameters: int
@@ -235,7 +292,7 @@ class OptimizerSettings(_Section):
     betas: tuple[float, float]
     eps: float
     weight_decay: float
-    schedule: str
+    schedule: Literal["cosine", "linear", "constant"]
     warmup_steps: int
     min_lr_ratio: float
     grad_clip: float
@@ -245,7 +302,7 @@ class OptimizerSettings(_Section):
 class PretrainSettings(_Section):
     seq_len: int
     global_batch_size: int
-    global_batch_unit: str
+    global_batch_unit: Literal["sequences", "tokens"]
     steps: int
     optimizer: OptimizerSettings
     log_every: int
@@ -302,12 +359,12 @@ class GrpoSettings(_Section):
     kl_coef: float
     steps: int
     optimizer: OptimizerSettings
-    rollout: str
+    rollout: Literal["flat", "tree"]
     temperature: float
     top_p: float
     sampler_correction: SamplerCorrectionSettings | None
     tree: TreeSettings
-    loss_type: str
+    loss_type: Literal["grpo", "dapo", "dr_grpo"]
     clip_eps_low: float
     clip_eps_high: float
     passes: int
@@ -325,18 +382,32 @@ class GrpoSettings(_Section):
         """`passes` optimizer steps on each step's rollouts: what DeepSpeed's scheduler and Slurm count."""
         return self.steps * self.passes
 
+    def check(self) -> None:
+        """The GRPO keys that decide together, checked by the classes the stage builds (so at
+        DAG time, not 140 s into the GRPO ranks after pretraining has run)."""
+        from stagetrain.grpo.curriculum import CurriculumConfig
+        from stagetrain.grpo.tree import TreeConfig
+
+        CurriculumConfig(
+            **{k: v for k, v in dataclasses.asdict(self.curriculum).items() if k != "families"}
+        )
+        if self.rollout == "tree":
+            TreeConfig(**dataclasses.asdict(self.tree), max_leaves=self.group_size,
+                       max_tokens=self.group_size * self.max_new_tokens,
+                       max_new_tokens=self.max_new_tokens, eos_id=0)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class TrackingSettings(_Section):
-    report_to: tuple[str, ...]
+    report_to: tuple[Literal["tensorboard", "wandb"], ...]
     wandb_project: str
 
 
 @dataclass(frozen=True)
 class ConsolidateSettings(_Section):
-    dtype: str
+    dtype: Literal["bf16", "fp32"]
     max_shard_size: str
-    verify: str
+    verify: Literal["loss", "finite"]
 
 
 @dataclass(frozen=True)
@@ -386,3 +457,67 @@ class Settings(_Section):
     consolidate: ConsolidateSettings
     evaluate: EvaluateSettings
     publish: PublishSettings
+
+    def check(self, *, families: bool = True) -> None:
+        """The checks no schema can make: keys that must agree with each other. Run by
+        `config.validate`, so a bad combination fails `snakemake -n` with one line instead of
+        inside a stage. `families`: also check the family names other sections give against
+        the tasks section (a section validated alone has no tasks section of its own).
+
+        Raises:
+            StageError: one line naming the key.
+        """
+        self.tasks.check()
+        if families:
+            self._check_family_names()
+        self.grpo.check()
+        for name, stage in (("pretrain", self.pretrain), ("grpo", self.grpo)):
+            _check_warmup(name, stage)
+        self._check_positions()
+
+    def _check_family_names(self) -> None:
+        """The families the corpus, the curriculum and replay name exist (built-in, or of the
+        tasks section), once each; replay names none of the curriculum's."""
+        from stagetrain.tasks.registry import FAMILIES
+
+        known = list(dict.fromkeys([*FAMILIES, *(f.name for f in self.tasks.families)]))
+        curriculum = self.grpo.curriculum.families
+        for key, names in (("data.generated.families", self.data.generated.families),
+                           ("grpo.curriculum.families", curriculum),
+                           ("grpo.replay.families", self.grpo.replay.families or ())):  # fmt: skip
+            for i, name in enumerate(names):
+                if name in names[:i]:
+                    raise StageError(f"{key}: {name!r} is listed twice")
+                if name not in known:
+                    raise StageError(f"{key}: unknown family {name!r} (known: {', '.join(known)}; "
+                                     "your own go in tasks.families)")  # fmt: skip
+                if key == "grpo.replay.families" and name in curriculum:
+                    raise StageError(
+                        f"{key}: {name!r} is in grpo.curriculum.families; replay is for the others"
+                    )
+
+    def _check_positions(self) -> None:
+        """Sequences no longer than the model's positions (from scratch; an init_from model's
+        are known only once its config is read): transformers accepted longer ones silently."""
+        limit = self.model.max_position_embeddings
+        if self.model.init_from or limit is None:
+            return
+        grpo = self.grpo
+        for key, length in (("pretrain.seq_len", self.pretrain.seq_len),
+                            ("grpo.max_prompt_len + grpo.max_new_tokens", grpo.max_prompt_len + grpo.max_new_tokens)):  # fmt: skip
+            if length > limit:
+                raise StageError(
+                    f"{key}: {length} tokens, more than model.max_position_embeddings ({limit})"
+                )
+
+
+def _check_warmup(name: str, stage: TrainingSettings) -> None:
+    """A stage's warmup within its optimizer steps: DeepSpeed's schedule only logs a warning
+    and the learning rate never reaches the configured one."""
+    steps, warmup = stage.optimizer_steps, stage.optimizer.warmup_steps
+    if warmup > steps:
+        counted = f"{name}.steps" if name == "pretrain" else "grpo.steps x grpo.passes"
+        raise StageError(
+            f"{name}.optimizer.warmup_steps: expected at most the stage's {steps} "
+            f"optimizer steps ({counted}), got {warmup}"
+        )

@@ -19,9 +19,11 @@ import re
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from stagetrain.errors import StageError
+from stagetrain.planning.plan import PlanRecord
+from stagetrain.settings import ConsolidateSettings
 
 RANK_HOST_MB = 4096
 """Host memory of one rank beyond its model state. In the default run each CPU rank
@@ -47,9 +49,21 @@ TRAINING_RESOURCES = (
 )
 
 
-def job_resources(
-    plan: Mapping[str, Any], stage: str, node_cores: int | None, steps: int
-) -> dict[str, Any]:
+class Resources(TypedDict):
+    """A training job's Slurm resources, one key per `TRAINING_RESOURCES` (None: not asked)."""
+
+    nodes: int
+    tasks: int | None
+    tasks_per_node: int | None
+    cpus_per_task: int
+    mem_mb: int
+    gres: str | None
+    tasks_per_gpu: int | None
+    mpi: str | None
+    runtime: int | None
+
+
+def job_resources(plan: PlanRecord, stage: str, node_cores: int | None, steps: int) -> Resources:
     """The Slurm resources of a training stage's job, from plan.json.
 
     Args:
@@ -84,7 +98,7 @@ def job_resources(
     }
 
 
-def runtime_minutes(plan: Mapping[str, Any], stage: str, steps: int) -> int | None:
+def runtime_minutes(plan: PlanRecord, stage: str, steps: int) -> int | None:
     """Minutes to ask for: twice the plan's predicted training time, plus 30 for start-up,
     evaluations and checkpoints. None where the plan predicts no step time (CPU ranks;
     GRPO, whose rollouts it does not model): the profile's runtime then applies."""
@@ -109,7 +123,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def consolidate_mem_mb(plan: Mapping[str, Any], consolidate: Mapping[str, Any]) -> int:
+def consolidate_mem_mb(plan: PlanRecord, consolidate: ConsolidateSettings) -> int:
     """Host memory of a consolidation job (`consolidate`: the config's section).
 
     Reading the checkpoint and writing the shards stream a few MiB at a time, so
@@ -117,9 +131,9 @@ def consolidate_mem_mb(plan: Mapping[str, Any], consolidate: Mapping[str, Any]) 
     micro batch of logits (in the output dtype, an fp32 copy and the
     cross-entropy's log-probabilities). 4 GiB covers the libraries and the rest.
     """
-    if consolidate["verify"] != "loss":
+    if consolidate.verify != "loss":
         return RANK_HOST_MB
-    per_param = VERIFY_BYTES_PER_PARAM[consolidate["dtype"]]
+    per_param = VERIFY_BYTES_PER_PARAM[consolidate.dtype]
     tokens = max(
         s["layout"]["micro_batch_size"] * s["layout"]["seq_len"] for s in plan["stages"].values()
     )

@@ -11,15 +11,15 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from stagetrain.errors import StageError
 from stagetrain.io import public_dir
+from stagetrain.settings import TokenizerSettings
 from stagetrain.tasks import TASK_TOKENS
 
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
@@ -50,37 +50,35 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def load_pretrained(cfg: Mapping[str, Any]) -> PreTrainedTokenizerFast:
+def load_pretrained(cfg: TokenizerSettings) -> PreTrainedTokenizerFast:
     """Load `tokenizer.path` and add (or check) the special tokens the pipeline needs."""
-    if not cfg["path"]:
+    if not cfg.path:
         raise StageError("tokenizer.path: required when tokenizer.source is 'pretrained'")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            cfg["path"], trust_remote_code=cfg["trust_remote_code"]
-        )
+        tokenizer = AutoTokenizer.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise StageError(f"tokenizer.path: cannot load {cfg['path']!r}: {first}") from None
+        raise StageError(f"tokenizer.path: cannot load {cfg.path!r}: {first}") from None
     if not tokenizer.is_fast:
         raise StageError(
-            f"tokenizer.path: {cfg['path']!r} has no fast (Rust) tokenizer; one is needed"
+            f"tokenizer.path: {cfg.path!r} has no fast (Rust) tokenizer; one is needed"
         )
-    if cfg["pad_token"] is not None:
-        if tokenizer.convert_tokens_to_ids(cfg["pad_token"]) in (None, tokenizer.unk_token_id):
+    if cfg.pad_token is not None:
+        if tokenizer.convert_tokens_to_ids(cfg.pad_token) in (None, tokenizer.unk_token_id):
             raise StageError(
-                f"tokenizer.pad_token: {cfg['pad_token']!r} is not a token of {cfg['path']!r}"
+                f"tokenizer.pad_token: {cfg.pad_token!r} is not a token of {cfg.path!r}"
             )
-        tokenizer.pad_token = cfg["pad_token"]
+        tokenizer.pad_token = cfg.pad_token
     missing = {
         k: v
         for k, v in SPECIAL_TOKENS.items()
         if k != "bos_token" and getattr(tokenizer, k) is None
     }
     markers = [t for t in TASK_TOKENS if t not in tokenizer.get_vocab()]
-    if (missing or markers) and not cfg["add_special_tokens"]:
+    if (missing or markers) and not cfg.add_special_tokens:
         what = ", ".join([*(k.removesuffix("_token") for k in missing), *markers])
         raise StageError(
-            f"tokenizer.add_special_tokens: false, but {cfg['path']!r} lacks {what} "
+            f"tokenizer.add_special_tokens: false, but {cfg.path!r} lacks {what} "
             "(allow adding them, or set tokenizer.pad_token to an existing token)"
         )
     tokenizer.add_special_tokens(

@@ -53,7 +53,7 @@ def build(tied: bool) -> PreTrainedModel:
         "tie_word_embeddings": tied,
     }
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(build_config(section, OLD_ROWS))
+    return AutoModelForCausalLM.from_config(build_config(model_settings(section), OLD_ROWS))
 
 
 def gathered(param: torch.nn.Parameter) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from stagetrain.training.checkpoints import Checkpoints, tag_of
 from stagetrain.training.integrity import expected_files
+from stagetrain.training.loop import StageSummary
 
 ZERO2 = {"dp": 2, "tp": 1, "zero_stage": 2}
 
@@ -76,7 +77,7 @@ def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def killed_after_step_2(summary: dict[str, Any], out: Path) -> Path:
+def killed_after_step_2(summary: StageSummary, out: Path) -> Path:
     """A copy of the run's checkpoint root as a SIGKILL after step 2's checkpoint leaves it: the
     pointer at step 2, the later tags never written; the logs beyond step 2 as they were."""
     source = Path(summary["checkpoint"]["folder"])

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from stagetrain import config as stconfig
+from stagetrain.settings import ModelSettings
 
 from .workflow import default_config
 
@@ -79,3 +80,12 @@ def small_run(workdir: Path, steps: int = 12, *, file: str = "config/config.yaml
 def small_grpo(workdir: Path, *, file: str = "config/config.yaml") -> None:
     """Shrink the GRPO stage of a config file of the workdir to tiny-grpo.yaml."""
     apply_config(workdir / file, "tiny-grpo")
+
+
+def model_settings(section: Mapping[str, Any]) -> ModelSettings:
+    """A `model` section as the stages get it: keys set to None left out (as a file leaves
+    them), validated with its defaults filled, typed."""
+    given = {
+        k: v for k, v in section.items() if v is not None or k in ("init_from", "architecture")
+    }
+    return ModelSettings.from_config(stconfig.validate_section("model", given), "model")

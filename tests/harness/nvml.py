@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from stagetrain.hardware.detect import detect
+from stagetrain.hardware.report import HardwareReport
+from stagetrain.settings import HardwareSettings
 
 # --------------------------------------------------------------------------------------
 # Fake NVML
@@ -196,8 +198,8 @@ def mig_gpu(*profiles: tuple[str, int], uuid: str = UUIDS[0]) -> FakeGpu:
     return FakeGpu(name=H100, uuid=uuid, memory_bytes=H100_MEMORY, mig_mode=True, migs=migs)
 
 
-def hardware_section(**overrides: Any) -> dict[str, Any]:
-    """The validated `hardware` config section, with the schema defaults."""
+def hardware_section(**overrides: Any) -> HardwareSettings:
+    """The validated `hardware` config section, with the schema defaults, typed as `detect` takes it."""
     section: dict[str, Any] = {
         "source": "detect",
         "gpu": None,
@@ -208,7 +210,7 @@ def hardware_section(**overrides: Any) -> dict[str, Any]:
         "inter_node_gbps": 50,
     }
     section.update(overrides)
-    return section
+    return HardwareSettings.from_config(section, "hardware")
 
 
 # --------------------------------------------------------------------------------------
@@ -284,7 +286,7 @@ def run_detect(
     tmp_path: Path,
     env: Mapping[str, str] | None = None,
     **section: Any,
-) -> dict[str, Any]:
+) -> HardwareReport:
     """detect() with an explicit (default empty) environment and a fake /proc."""
     proc = tmp_path / "proc"
     if not proc.exists():

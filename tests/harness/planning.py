@@ -8,20 +8,19 @@ from typing import Any
 
 from stagetrain import config as stconfig
 from stagetrain.hardware.detect import describe
-from stagetrain.planning.resolve import resolve
+from stagetrain.planning.plan import PlanRecord
+from stagetrain.planning.resolve import PlannerSettings, resolve
 
 from .workflow import REPO
 
 GIB = 2**30
 
 
-def plan_for(cfg: Mapping[str, Any], hardware: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """plan.json for `cfg` on `hardware` (default: the machine `cfg`'s hardware section describes)."""
-    hardware = hardware or describe(cfg["hardware"])
-    return resolve(
-        hardware=hardware, hw_config=cfg["hardware"], model=cfg["model"], tokenizer=cfg["tokenizer"],
-        parallelism=cfg["parallelism"], deepspeed=cfg["deepspeed"], pretrain=cfg["pretrain"], grpo=cfg["grpo"],
-    )  # fmt: skip
+def plan_for(cfg: Mapping[str, Any], hardware: Mapping[str, Any] | None = None) -> PlanRecord:
+    """plan.json for `cfg`, a validated config, on `hardware` (default: the machine `cfg`'s
+    hardware section describes; a test's may hold only the keys the planner reads)."""
+    settings = PlannerSettings.from_config(cfg)
+    return resolve(hardware or describe(settings.hardware), settings)
 
 
 def cpu_hardware(ranks: int = 2, memory_gib: float = 24, nodes: int = 1) -> dict[str, Any]:

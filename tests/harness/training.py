@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,13 +27,18 @@ from stagetrain.io import atomic_write_json
 from stagetrain.model_config import training_config
 from stagetrain.planning.derived import vocab_padding
 from stagetrain.prepare_tokenizer import prepare
-from stagetrain.settings import training_settings
+from stagetrain.pretrain.summary import PretrainSummary
+from stagetrain.settings import ConsolidateSettings, DeepSpeedSettings, training_settings
 from stagetrain.training.integrity import load_file, weights_only_loads
-from stagetrain.training.launch import job_spec, torchrun_command
+from stagetrain.training.launch import grpo_part, job_spec, pretrain_part, torchrun_command
+from stagetrain.training.loop import StageSummary
 
-from .configs import merge, named_config
+from .configs import merge, model_settings, named_config
 from .planning import cpu_hardware, plan_for
 from .sessions import made_once
+
+if TYPE_CHECKING:
+    from stagetrain.grpo.run import GrpoSummary
 
 FIXED = {"activation_checkpointing": False, "offload": "none"}
 """What every harness run fixes beside the layout a test asks for."""
@@ -52,8 +57,7 @@ def prepare_data(out: Path) -> dict[str, str]:
         "tokenizer": out / "tokenizer", "train": out / "data/train.bin", "val": out / "data/val.bin",
         "meta": out / "data/meta.json", "model_config": out / "model_config.json",
     }  # fmt: skip
-    prepare(run=cfg["run"], model=cfg["model"], tokenizer_cfg=cfg["tokenizer"], data=cfg["data"], tasks=cfg["tasks"],
-            tp=vocab_padding(plan_for(cfg, cpu_hardware()))["tp"],
+    prepare(cfg, tp=vocab_padding(plan_for(cfg, cpu_hardware()))["tp"],
             outputs={k: str(v) for k, v in paths.items()})  # fmt: skip
     return {k: str(v) for k, v in paths.items()}
 
@@ -98,15 +102,19 @@ def write_job(
     atomic_write_json(out / "plan.json", plan)
     atomic_write_json(
         out / "ds.json",
-        render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
+        render(
+            stage="pretrain",
+            plan=plan,
+            deepspeed=DeepSpeedSettings.from_config(cfg["deepspeed"]),
+            training=training_settings("pretrain", cfg["pretrain"]),
+        ),
     )
     spec = job_spec(
         inputs={**data, "plan": out / "plan.json", "deepspeed_config": out / "ds.json",
                 "model_config": model_config or data["model_config"]},
         outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "loss_plot": out / "loss.png"},
         checkpoints=checkpoints or out / "checkpoints",
-        extra={"pretrain": cfg["pretrain"], "model": cfg["model"], "seed": cfg["run"]["seed"],
-               "throughput": plan["stages"]["pretrain"]["throughput"]},
+        part=pretrain_part(cfg, plan["stages"]["pretrain"]["throughput"]),
     )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return out / "job.json"
@@ -119,7 +127,7 @@ def launch(
     return torchrun("stagetrain.pretrain.train", write_job(data, out, world=world, **kwargs), world)
 
 
-def run(data: dict[str, str], out: Path, **kwargs: Any) -> dict[str, Any]:
+def run(data: dict[str, str], out: Path, **kwargs: Any) -> PretrainSummary:
     """`launch`, requiring success; the run's summary.json."""
     proc = launch(data, out, **kwargs)
     assert proc.returncode == 0, (
@@ -128,7 +136,7 @@ def run(data: dict[str, str], out: Path, **kwargs: Any) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
 
 
-def final_params(summary: dict[str, Any]) -> dict[str, torch.Tensor]:
+def final_params(summary: StageSummary) -> dict[str, torch.Tensor]:
     """The fp32 weights of the run's final checkpoint, by parameter name."""
     folder, tag = summary["checkpoint"]["folder"], summary["checkpoint"]["tag"]
     if summary["layout"]["zero_stage"] == 0:
@@ -145,7 +153,7 @@ def model_config(out: Path, **changes: Any) -> str:
     """A model_config.json with the shared tokenizer's vocabulary and `changes` to the model section."""
     model = {**copy.deepcopy(small_config()["model"]), **changes}
     ids = {"eos_token_id": 1, "pad_token_id": 2}
-    config = training_config(model, tokenizer_size=512, special_ids=ids, tp=1)
+    config = training_config(model_settings(model), tokenizer_size=512, special_ids=ids, tp=1)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model_config.json"
     path.write_text(config.to_json_string(use_diff=False))
@@ -173,25 +181,27 @@ def launch_grpo(
         plan["stages"]["grpo"]["generation"]["batch"] = generation_batch
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
-    training = {
-        "steps": training_settings("grpo", cfg["grpo"]).optimizer_steps,
-        "optimizer": cfg["grpo"]["optimizer"],
-    }
+    training = training_settings("grpo", cfg["grpo"])
     atomic_write_json(
         out / "ds.json",
-        render(stage="grpo", plan=plan, deepspeed=cfg["deepspeed"], training=training),
+        render(
+            stage="grpo",
+            plan=plan,
+            deepspeed=DeepSpeedSettings.from_config(cfg["deepspeed"]),
+            training=training,
+        ),
     )
     spec = job_spec(
         inputs={**data, "model": model_dir, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"},
         outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "reward_plot": out / "reward.png"},
         checkpoints=checkpoints or out / "checkpoints",
-        extra={"grpo": cfg["grpo"], "tasks": cfg["tasks"], "seed": cfg["run"]["seed"]},
+        part=grpo_part(cfg),
     )  # fmt: skip
     atomic_write_json(out / "job.json", spec)
     return torchrun("stagetrain.grpo.train", out / "job.json", world, popen=popen)
 
 
-def run_grpo(data: dict[str, str], model_dir: str, out: Path, **kwargs: Any) -> dict[str, Any]:
+def run_grpo(data: dict[str, str], model_dir: str, out: Path, **kwargs: Any) -> GrpoSummary:
     """`launch_grpo`, requiring success; the run's summary.json."""
     proc = launch_grpo(data, model_dir, out, **kwargs)
     assert proc.returncode == 0, (
@@ -221,20 +231,26 @@ SHARED = {
 model's changes (None: the shared data's model config)."""
 
 
+class SharedRun(PretrainSummary):
+    """A shared run's summary.json, with `model_config`: the file it trained."""
+
+    model_config: str
+
+
 class SharedRuns:
     """The runs of SHARED, each made on first use and kept: tests read them and copy before they
     damage anything. A run's summary gains `model_config`, the file it trained."""
 
     def __init__(self, data: dict[str, str], root: Path) -> None:
         self.data, self.root = data, root
-        self._made: dict[str, dict[str, Any]] = {}
+        self._made: dict[str, SharedRun] = {}
 
-    def __getitem__(self, name: str) -> dict[str, Any]:
+    def __getitem__(self, name: str) -> SharedRun:
         if name not in self._made:
             self._made[name] = made_once(self.root / name, functools.partial(self._make, name))
         return self._made[name]
 
-    def _make(self, name: str, out: Path) -> dict[str, Any]:
+    def _make(self, name: str, out: Path) -> SharedRun:
         layout, model = SHARED[name]
         config = model_config(out / "model", **model) if model else self.data["model_config"]
         summary = run(self.data, out, world=2, layout=layout, model_config=config)
@@ -259,7 +275,7 @@ def scoring_model(data: dict[str, str], root: Path) -> str:
     run(data, root / "pretrain", world=1, layout=layout, config_changes=changes)
     consolidate(stage="pretrain", summary_path=str(root / "pretrain/summary.json"), tokenizer_dir=data["tokenizer"],
                 model_config_path=data["model_config"], meta_path=data["meta"], out=str(root / "model"),
-                cfg={"dtype": "fp32", "max_shard_size": "2GB"})  # fmt: skip
+                cfg=ConsolidateSettings(dtype="fp32", max_shard_size="2GB", verify="loss"))  # fmt: skip
     return str(root / "model")
 
 

@@ -18,22 +18,23 @@ from stagetrain.training.lock import refuse_while_running
 from stagetrain.inputs import local_inputs
 from stagetrain.planning.ahead import inputs_key, plan_ahead, planner_sections
 from stagetrain.planning.derived import digest, part_of
-from stagetrain.settings import training_settings
+from stagetrain.settings import Settings
 from stagetrain.tasks.families import data_part, held_out_families
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
 # its validator crashes on a section of the wrong type: check every config file
 # strictly first, so each mistake is one line naming the key.
 configfiles.check(workflow.configfiles)
+# The typed settings, built once, the checks no schema can make run as they are built.
 try:
-    stconfig.validate(config)
+    SETTINGS = Settings.from_config(stconfig.validate(config))
 except StageError as _err:
     sys.exit(f"error: {_err}")
 validate(config, "../schemas/config.schema.yaml")
 # Every local file a stage reads is a declared input (resolved here, once): an
 # edited file reruns the stage, a missing one is one line naming its key.
 try:
-    LOCAL_INPUTS = local_inputs(config)
+    LOCAL_INPUTS = local_inputs(SETTINGS)
 except StageError as _err:
     sys.exit(f"error: {_err}")
 
@@ -210,7 +211,7 @@ def get_init_model(wildcards):
 def get_training(wildcards):
     """The optimizer and optimizer-step count of one training stage, for its DeepSpeed config."""
     stage = wildcards.stage
-    steps = training_settings(stage, config[stage]).optimizer_steps
+    steps = getattr(SETTINGS, stage).optimizer_steps
     return {"steps": steps, "optimizer": config[stage]["optimizer"]}
 
 
@@ -245,6 +246,6 @@ def _stage_resources(stage, plan_key):
     if isinstance(plan, str):
         return collections.defaultdict(TBDString)  # the planner's job fails with the reason
     if stage == "consolidate":
-        return {"mem_mb": slurm.consolidate_mem_mb(plan, config["consolidate"])}
+        return {"mem_mb": slurm.consolidate_mem_mb(plan, SETTINGS.consolidate)}
     cores = json.loads(Path(HARDWARE).read_text())["cpu"]["cores"]
-    return slurm.job_resources(plan, stage, cores, training_settings(stage, config[stage]).optimizer_steps)
+    return slurm.job_resources(plan, stage, cores, getattr(SETTINGS, stage).optimizer_steps)

@@ -35,14 +35,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import deepspeed
 import numpy as np
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from stagetrain.consolidate.stored import Reader, Region, Stored
 from stagetrain.consolidate.weights import read_weights
@@ -50,12 +50,64 @@ from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size,
 from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
+from stagetrain.planning.plan import LayoutRecord
+from stagetrain.settings import ConsolidateSettings
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.evaluation import validation_loss
+from stagetrain.training.loop import EvalBatch, StageSummary
+
+if TYPE_CHECKING:
+    from stagetrain.prepare_tokenizer import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MANIFEST = "MANIFEST.json"
+
+
+class LossCheck(TypedDict):
+    """`consolidate.verify: loss`: the reloaded folder's validation loss, the training's, and
+    the relative tolerance between them."""
+
+    method: Literal["loss"]
+    eval_loss: float
+    training_eval_loss: float
+    relative_tolerance: float
+
+
+class FiniteCheck(TypedDict):
+    """`consolidate.verify: finite`: the tensors read back, every value finite; the training's
+    validation loss for the record."""
+
+    method: Literal["finite"]
+    tensors: int
+    training_eval_loss: float
+
+
+class FileRecord(TypedDict):
+    """One file of the folder in the manifest."""
+
+    sha256: str
+    bytes: int
+
+
+class Manifest(TypedDict):
+    """MANIFEST.json (`consolidate`; docs/architecture.md, "Contracts between stages"): what was
+    consolidated (the stage's summary: step, tag, fingerprint, layout), as what dtype and
+    vocabulary, how it was verified, the library versions, every file's sha256 and size, and
+    `weights_sha256` (`weights_sha256`), which GRPO's checkpoint fingerprint takes."""
+
+    stage: str
+    step: int
+    tag: str
+    fingerprint: str
+    layout: LayoutRecord
+    dtype: str
+    tokenizer_size: int
+    vocab_size: int
+    verification: LossCheck | FiniteCheck
+    versions: dict[str, str]
+    files: dict[str, FileRecord]
+    weights_sha256: str
 
 
 def tolerance(output: str, trained: str) -> float:
@@ -73,7 +125,7 @@ def _tied_names(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-def eval_loss(model: torch.nn.Module, batch: Mapping[str, Any], dtype: str) -> float:
+def eval_loss(model: torch.nn.Module, batch: EvalBatch, dtype: str) -> float:
     """The training stage's validation loss on its recorded windows, recomputed with `model`."""
     shard = np.memmap(batch["shard"], dtype=dtype, mode="r")
     return validation_loss(model, shard, np.asarray(batch["windows"]), seq_len=batch["seq_len"],
@@ -88,17 +140,18 @@ def consolidate(
     model_config_path: str,
     meta_path: str,
     out: str,
-    cfg: Mapping[str, Any],
+    cfg: ConsolidateSettings,
     on_phase: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> Manifest:
     """Write the Hugging Face folder `out` for the stage's final checkpoint; return its manifest.
 
-    `cfg` is the config's consolidate section (`verify` defaults to "loss", as in
-    the schema). `on_phase`, if given, is called with "convert", "verify" and
-    "describe" as each phase ends: benchmarks/consolidate_speed.py measures each
-    phase's time, memory and reads through it.
+    `cfg` is the config's consolidate section. `on_phase`, if given, is called with
+    "convert", "verify" and "describe" as each phase ends:
+    benchmarks/consolidate_speed.py measures each phase's time, memory and reads
+    through it.
     """
-    summary, meta = read_json(summary_path), read_json(meta_path)
+    summary: StageSummary = read_json(summary_path)
+    meta: TokenizerMeta = read_json(meta_path)
     checkpoint = summary["checkpoint"]
     source = f"{checkpoint['folder']}/{checkpoint['tag']}"
     _check_reference(stage, summary)
@@ -109,7 +162,7 @@ def consolidate(
     weights = read_weights(Path(checkpoint["folder"]), checkpoint["tag"], summary["layout"], shapes)
     names = sorted(set(shapes) - _tied_names(skeleton))
     _check_weights(names, shapes, weights, source)
-    dtype = DTYPES[cfg["dtype"]]
+    dtype = DTYPES[cfg.dtype]
     phase = on_phase or (lambda name: None)
     target = Path(out)
     tmp = target.with_name(f".{target.name}.tmp")
@@ -122,10 +175,12 @@ def consolidate(
             "wrote %d tensors from %s in %.1f s", len(names), source, time.perf_counter() - start
         )
         phase("convert")
-        if cfg.get("verify", "loss") == "loss":
-            verification = _verify_loss(tmp, stage, summary, meta, cfg, dtype)
+        if cfg.verify == "loss":
+            verification: LossCheck | FiniteCheck = _verify_loss(
+                tmp, stage, summary, meta, cfg, dtype
+            )
         else:
-            verification = _verify_finite(tmp, stage, names, shapes, dtype)
+            verification = _verify_finite(tmp, stage, summary, names, shapes, dtype)
         phase("verify")
         manifest = _describe(tmp, stage, summary, meta, cfg, verification)
         phase("describe")
@@ -137,7 +192,7 @@ def consolidate(
     return manifest
 
 
-def _check_reference(stage: str, summary: Mapping[str, Any]) -> None:
+def _check_reference(stage: str, summary: StageSummary) -> None:
     """A run whose logged validation loss is not finite diverged: nothing to verify against."""
     reference = summary["final_eval_loss"]
     if not math.isfinite(reference):
@@ -161,8 +216,8 @@ def _check_weights(names: list[str], shapes: Mapping[str, tuple[int, ...]],
             )
 
 
-def _write(tmp: Path, config: Any, dtype: torch.dtype, tokenizer_dir: str, names: list[str],
-           shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, Stored], cfg: Mapping[str, Any],
+def _write(tmp: Path, config: PretrainedConfig, dtype: torch.dtype, tokenizer_dir: str, names: list[str],
+           shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, Stored], cfg: ConsolidateSettings,
            source: str) -> None:  # fmt: skip
     config.dtype = dtype
     config.save_pretrained(tmp)
@@ -181,12 +236,12 @@ def _write(tmp: Path, config: Any, dtype: torch.dtype, tokenizer_dir: str, names
                 # shards are written in name order: the first non-finite tensor is the one named
                 if not finite_as(chunk, dtype):
                     raise StageError(
-                        f"{source}: {name} holds non-finite values (NaN or inf) as {cfg['dtype']}; "
+                        f"{source}: {name} holds non-finite values (NaN or inf) as {cfg.dtype}; "
                         "the checkpoint is damaged or training diverged; nothing was written"
                     )
                 yield chunk.to(dtype)
 
-        write_shards(names, shapes, dtype, converted, tmp, parse_size(cfg["max_shard_size"]))
+        write_shards(names, shapes, dtype, converted, tmp, parse_size(cfg.max_shard_size))
 
 
 def finite_as(chunk: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -239,8 +294,8 @@ def weights_sha256(shards: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _verify_loss(tmp: Path, stage: str, summary: Mapping[str, Any], meta: Mapping[str, Any],
-                 cfg: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:  # fmt: skip
+def _verify_loss(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
+                 cfg: ConsolidateSettings, dtype: torch.dtype) -> LossCheck:  # fmt: skip
     """Reload the folder and reproduce the training's logged validation loss (module docstring),
     with the attention kernel the training ran: in bf16 the kernels round apart by more than
     the tolerance (sdpa against eager: 2.7e-4 relative on the default run)."""
@@ -251,7 +306,7 @@ def _verify_loss(tmp: Path, stage: str, summary: Mapping[str, Any], meta: Mappin
     loss = eval_loss(model, summary["eval_batch"], meta["dtype"])
     del model
     reference = summary["final_eval_loss"]
-    tol = tolerance(cfg["dtype"], summary["layout"]["precision"])
+    tol = tolerance(cfg.dtype, summary["layout"]["precision"])
     if not math.isfinite(
         loss
     ):  # NaN compares false with everything: the tolerance test alone passes it
@@ -274,8 +329,8 @@ def _verify_loss(tmp: Path, stage: str, summary: Mapping[str, Any], meta: Mappin
             "relative_tolerance": tol}  # fmt: skip
 
 
-def _verify_finite(tmp: Path, stage: str, names: list[str], shapes: Mapping[str, tuple[int, ...]],
-                   dtype: torch.dtype) -> dict[str, Any]:  # fmt: skip
+def _verify_finite(tmp: Path, stage: str, summary: StageSummary, names: list[str],
+                   shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> FiniteCheck:  # fmt: skip
     """Read the shards back from disk, a chunk at a time: the model's weights, each finite."""
     files = sorted(set(read_json(tmp / INDEX)["weight_map"].values()))
     seen: dict[str, tuple[int, ...]] = {}
@@ -291,7 +346,11 @@ def _verify_finite(tmp: Path, stage: str, names: list[str], shapes: Mapping[str,
         raise StageError(f"{stage}: the shards do not hold {wrong} as the model config shapes it; "
                          "nothing was written")  # fmt: skip
     log.info("verified: %d tensors read back from %d shards, all finite", len(seen), len(files))
-    return {"method": "finite", "tensors": len(seen)}
+    return {
+        "method": "finite",
+        "tensors": len(seen),
+        "training_eval_loss": summary["final_eval_loss"],
+    }
 
 
 def _shard_tensors(path: Path, stage: str, dtype: torch.dtype) -> dict[str, Stored]:
@@ -317,20 +376,20 @@ def _shard_tensors(path: Path, stage: str, dtype: torch.dtype) -> dict[str, Stor
     }  # fmt: skip
 
 
-def _describe(tmp: Path, stage: str, summary: Mapping[str, Any], meta: Mapping[str, Any],
-              cfg: Mapping[str, Any], verification: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _describe(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
+              cfg: ConsolidateSettings, verification: LossCheck | FiniteCheck) -> Manifest:  # fmt: skip
     """MANIFEST.json: what was consolidated, how it was verified, and every file's sha256."""
     files = sorted(p for p in tmp.iterdir() if p.is_file())
-    manifest = {
+    manifest: Manifest = {
         "stage": stage,
         "step": summary["final_step"],
         "tag": summary["checkpoint"]["tag"],
         "fingerprint": summary["fingerprint"],
         "layout": summary["layout"],
-        "dtype": cfg["dtype"],
+        "dtype": cfg.dtype,
         "tokenizer_size": meta["tokenizer_size"],
         "vocab_size": meta["model_vocab_size"],
-        "verification": {**verification, "training_eval_loss": summary["final_eval_loss"]},
+        "verification": verification,
         "versions": {
             "torch": torch.__version__,
             "deepspeed": deepspeed.__version__,

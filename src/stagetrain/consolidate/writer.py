@@ -18,7 +18,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -26,6 +26,25 @@ UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
 INDEX = "model.safetensors.index.json"
 METADATA = {"format": "pt"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class TensorEntry(TypedDict):
+    """One tensor in a safetensors header: its dtype, shape and byte range in the data."""
+
+    dtype: str
+    shape: list[int]
+    data_offsets: list[int]
+
+
+class IndexMetadata(TypedDict):
+    total_size: int
+
+
+class ShardIndex(TypedDict):
+    """model.safetensors.index.json: the bytes of all tensors, and each tensor's shard."""
+
+    metadata: IndexMetadata
+    weight_map: dict[str, str]
 
 
 def parse_size(text: str) -> int:
@@ -49,7 +68,7 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
 
 def header(names: list[str], shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> bytes:
     """The safetensors header of a shard of `names` (one dtype, so data order is name order)."""
-    entries: dict[str, Any] = {"__metadata__": METADATA}
+    entries: dict[str, TensorEntry | dict[str, str]] = {"__metadata__": METADATA}
     start = 0
     for name in sorted(names):
         end = start + math.prod(shapes[name]) * dtype.itemsize
@@ -71,7 +90,7 @@ def write_shards(
     chunks: Callable[[str], Iterator[torch.Tensor]],
     folder: Path,
     max_bytes: int,
-) -> dict[str, Any]:
+) -> ShardIndex:
     """Write the tensors, each from `chunks(name)` (its values in row-major order, in `dtype`,
     any number of pieces); return the index (also written to `folder`)."""
     sizes = {n: math.prod(shapes[n]) * dtype.itemsize for n in names}
@@ -90,6 +109,6 @@ def write_shards(
                 if written != sizes[name]:
                     raise RuntimeError(f"{name}: {written} bytes written, {sizes[name]} expected")
         weight_map.update(dict.fromkeys(group, filename))
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    index: ShardIndex = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return index

@@ -1,2 +1,3 @@
 """The training corpus: documents from each source (`sources`), templated prose (`prose`),
-and their streaming tokenisation into memory-mapped shards (`shards`)."""
+their streaming tokenisation into memory-mapped shards (`shards`), and data/meta.json's types
+(`meta`)."""

@@ -12,15 +12,17 @@ import glob
 import hashlib
 import logging
 import random
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
+from stagetrain.corpus.meta import FilesRecord, GeneratedRecord, HubRecord, SourceRecord
 from stagetrain.corpus.prose import paragraph
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
 from stagetrain.io import not_utf8
+from stagetrain.settings import DataSettings, FileData, GeneratedData, HubData
 from stagetrain.tasks import sample, training_text
 from stagetrain.tasks.families import TaskSet, load_tasks
 from stagetrain.tasks.files import SUFFIXES, read_texts, suffix_of
@@ -36,7 +38,7 @@ class Source:
     name: str
     weight: float
     documents: Callable[[Split], Iterator[str]]
-    record: dict[str, Any] = field(default_factory=dict)
+    record: SourceRecord
     """Provenance for data/meta.json (kind, path or repo@commit, settings)."""
     controls: bool = False
     """Whether the documents hold the pipeline's control tokens (<|problem|>, <|answer|>) as
@@ -49,30 +51,32 @@ def text_split(text: str, val_share: float) -> Split:
     return "val" if digest % 1_000_000 < val_share * 1_000_000 else "train"
 
 
-def generated(cfg: Mapping[str, Any], seed: int, tasks: TaskSet) -> Source:
+def generated(cfg: GeneratedData, seed: int, tasks: TaskSet) -> Source:
     """Task problems with worked answers, mixed with templated prose: each document a family
-    of `cfg["families"]` (built-in, or of the tasks section) drawn uniformly, then a level up
+    of `cfg.families` (built-in, or of the tasks section) drawn uniformly, then a level up
     to max_level, then a problem of the split."""
-    unknown = [f for f in cfg["families"] if f not in tasks.families]
+    unknown = [f for f in cfg.families if f not in tasks.families]
     if unknown:  # the config check names them first; a stage run on a section alone lands here
         raise StageError(
             f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(tasks.families)})"
         )
-    families = {name: tasks.families[name].family for name in cfg["families"]}
-    record = {"kind": "generated", **cfg, "tasks": tasks.record()}
+    families = {name: tasks.families[name].family for name in cfg.families}
+    record = GeneratedRecord(kind="generated", weight=cfg.weight, families=list(cfg.families),
+                             max_level=cfg.max_level, prose_share=cfg.prose_share,
+                             tasks=tasks.record())  # fmt: skip
 
     def documents(split: Split) -> Iterator[str]:
         rng = random.Random(f"{seed}:generated:{split}")
         names = list(families)
         while True:
-            if rng.random() < cfg["prose_share"]:
+            if rng.random() < cfg.prose_share:
                 yield paragraph(rng)
                 continue
             family = families[rng.choice(names)]
-            level = rng.randint(1, min(cfg["max_level"], family.max_level))
+            level = rng.randint(1, min(cfg.max_level, family.max_level))
             yield training_text(sample(family.name, level, split, rng))
 
-    return Source(name="generated", weight=cfg["weight"], documents=documents, record=record,
+    return Source(name="generated", weight=cfg.weight, documents=documents, record=record,
                   controls=True)  # fmt: skip
 
 
@@ -94,55 +98,55 @@ def _read_documents(path: Path, text_field: str, shown: str) -> Iterator[str]:
 
 
 def _file_source(
-    name: str, paths: list[tuple[Path, str]], cfg: Mapping[str, Any], val_share: float,
-    record: dict,
+    name: str, paths: list[tuple[Path, str]], cfg: FileData | HubData, val_share: float,
+    record: FilesRecord | HubRecord,
 ) -> Source:  # fmt: skip
     """`paths`: each file with the name its errors give."""
 
     def documents(split: Split) -> Iterator[str]:
         for path, shown in paths:
-            for text in _read_documents(path, cfg["text_field"], shown):
+            for text in _read_documents(path, cfg.text_field, shown):
                 if text and text_split(text, val_share) == split:
                     yield text
 
-    return Source(name=name, weight=cfg["weight"], documents=documents, record=record)
+    return Source(name=name, weight=cfg.weight, documents=documents, record=record)
 
 
-def files(cfg: Mapping[str, Any], index: int, val_share: float) -> Source:
+def files(cfg: FileData, index: int, val_share: float) -> Source:
     """Local files matching a glob, in sorted order: .txt, JSON lines or parquet."""
-    paths = sorted(Path(p) for p in glob.glob(cfg["path"], recursive=True))
+    paths = sorted(Path(p) for p in glob.glob(cfg.path, recursive=True))
     if not paths:
-        raise StageError(f"data.files.{index}.path: {cfg['path']!r} matches no file")
-    record = {"kind": "files", **cfg, "files": [str(p) for p in paths]}
-    return _file_source(
-        f"files:{cfg['path']}", [(p, str(p)) for p in paths], cfg, val_share, record
-    )
+        raise StageError(f"data.files.{index}.path: {cfg.path!r} matches no file")
+    record = FilesRecord(kind="files", path=cfg.path, weight=cfg.weight,
+                         text_field=cfg.text_field, files=[str(p) for p in paths])  # fmt: skip
+    return _file_source(f"files:{cfg.path}", [(p, str(p)) for p in paths], cfg, val_share, record)
 
 
-def hub(cfg: Mapping[str, Any], index: int, val_share: float) -> Source:
+def hub(cfg: HubData, index: int, val_share: float) -> Source:
     """Files of a hub dataset repo, downloaded (or taken from the cache) now."""
     paths, commits = [], set()
-    for name in cfg["files"]:
+    for name in cfg.files:
         try:
-            path, commit = fetch(cfg["repo"], name, revision=cfg["revision"], repo_type="dataset")
+            path, commit = fetch(cfg.repo, name, revision=cfg.revision, repo_type="dataset")
         except HubError as err:
             raise StageError(f"data.hub.{index}: {err}") from None
-        paths.append((path, f"{cfg['repo']}/{name}"))
+        paths.append((path, f"{cfg.repo}/{name}"))
         commits.add(commit)
-    record = {"kind": "hub", **cfg, "commit": sorted(commits)[0]}
-    return _file_source(f"hub:{cfg['repo']}", paths, cfg, val_share, record)
+    record = HubRecord(kind="hub", repo=cfg.repo, files=list(cfg.files), revision=cfg.revision,
+                       weight=cfg.weight, text_field=cfg.text_field, commit=sorted(commits)[0])  # fmt: skip
+    return _file_source(f"hub:{cfg.repo}", paths, cfg, val_share, record)
 
 
-def build(data: Mapping[str, Any], seed: int, tasks: TaskSet | None = None) -> list[Source]:
+def build(data: DataSettings, seed: int, tasks: TaskSet | None = None) -> list[Source]:
     """Every source the `data` section names, with a positive weight; `tasks` holds the
     families the generated source may name (default: the built-in ones)."""
-    tasks = tasks or load_tasks({})
-    val_share = data["val_tokens"] / (data["train_tokens"] + data["val_tokens"])
+    tasks = tasks or load_tasks()
+    val_share = data.val_tokens / (data.train_tokens + data.val_tokens)
     sources = []
-    if data["generated"]["weight"] > 0:
-        sources.append(generated(data["generated"], seed, tasks))
-    sources.extend(files(cfg, i, val_share) for i, cfg in enumerate(data["files"]))
-    sources.extend(hub(cfg, i, val_share) for i, cfg in enumerate(data["hub"]))
+    if data.generated.weight > 0:
+        sources.append(generated(data.generated, seed, tasks))
+    sources.extend(files(cfg, i, val_share) for i, cfg in enumerate(data.files))
+    sources.extend(hub(cfg, i, val_share) for i, cfg in enumerate(data.hub))
     if not sources:
         raise StageError("data: no source (data.generated.weight is 0 and no files or hub entries)")
     return sources

@@ -35,12 +35,36 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Literal, TypedDict
 
 from stagetrain.errors import StageError
 from stagetrain.tasks.registry import get_family
 
 KEY = "grpo.curriculum"
+
+CurriculumEvent = TypedDict(
+    "CurriculumEvent",
+    {
+        "step": int,
+        "family": str,
+        "kind": Literal["promote", "demote"],
+        "from": int,
+        "to": int,
+        "success_rate": float,
+        "window": int,
+    },
+)
+"""One promotion or demotion (`update`): in the state's `events`, the metrics' `curriculum/events`."""
+
+
+class CurriculumStateRecord(TypedDict):
+    """`CurriculumState` as a checkpoint and summary.json store it (`to_json`)."""
+
+    family: str
+    level: int
+    steps_at_level: int
+    recent: list[int]
+    events: list[CurriculumEvent]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,7 +117,7 @@ class CurriculumState:
     steps_at_level: int = 0
     recent: list[int] = field(default_factory=list)
     """0/1 outcomes of the family's latest current-level prompts, oldest first, at most `window`."""
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[CurriculumEvent] = field(default_factory=list)
     """Every promotion and demotion of this family so far, as `update` returned them."""
 
     @classmethod
@@ -101,25 +125,25 @@ class CurriculumState:
         """The family's state before the first step (start_level, or its top level if lower)."""
         return cls(family=family, level=min(cfg.start_level, top_level(cfg, family)))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> CurriculumStateRecord:
         """The state as a checkpoint stores it."""
-        return asdict(self)
+        return CurriculumStateRecord(**asdict(self))
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> CurriculumState:
+    def from_json(cls, data: CurriculumStateRecord) -> CurriculumState:
         """The state `to_json` wrote."""
         return cls(
             family=str(data["family"]),
             level=int(data["level"]),
             steps_at_level=int(data["steps_at_level"]),
             recent=[int(x) for x in data["recent"]],
-            events=[dict(e) for e in data["events"]],
+            events=[CurriculumEvent(**e) for e in data["events"]],
         )
 
 
 def update(
     state: CurriculumState, cfg: CurriculumConfig, step: int, outcomes: Sequence[float]
-) -> dict[str, Any] | None:
+) -> CurriculumEvent | None:
     """Record one optimizer step's current-level rewards of the family; promote or demote if due.
 
     Returns the event {"step", "family", "kind": "promote" | "demote", "from", "to",
@@ -137,7 +161,7 @@ def update(
         kind, to = "demote", state.level - 1
     else:
         return None
-    event = {
+    event: CurriculumEvent = {
         "step": step,
         "family": state.family,
         "kind": kind,
@@ -186,12 +210,12 @@ class Curriculum:
             raise StageError(f"{KEY}.families: a family is listed twice ({list(families)})")
         return cls(states={f: CurriculumState.start(cfg, f) for f in sorted(families)})
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, CurriculumStateRecord]:
         """{family: state} as a checkpoint and summary.json store it."""
         return {f: s.to_json() for f, s in self.states.items()}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Curriculum:
+    def from_json(cls, data: Mapping[str, CurriculumStateRecord]) -> Curriculum:
         """The curriculum `to_json` wrote."""
         return cls(states={f: CurriculumState.from_json(data[f]) for f in sorted(data)})
 
@@ -220,7 +244,7 @@ def update_all(
     cfg: CurriculumConfig,
     step: int,
     outcomes: Iterable[tuple[str, int, float]],
-) -> list[dict[str, Any]]:
+) -> list[CurriculumEvent]:
     """Record one optimizer step for every family; the events it caused, in family order.
 
     `outcomes` holds (family, level, outcome) of each prompt of the step, the outcome

@@ -1,4 +1,11 @@
-"""The GRPO stage's metrics: every key of its metrics.jsonl, what it means and when it is logged."""
+"""The GRPO stage's metrics: every key of its metrics.jsonl, what it means and when it is logged.
+
+`GrpoRecord` types a record with the same keys (tests/test_pretrain_unit.py holds the two equal).
+"""
+
+from typing import Required, TypedDict
+
+from stagetrain.grpo.curriculum import CurriculumEvent
 
 METRICS: dict[str, str] = {
     "step": "rollout batches completed; every record",
@@ -29,3 +36,40 @@ METRICS: dict[str, str] = {
     "throughput/tokens_per_s": "generated plus trained tokens per second over all ranks; every record",
     "time/elapsed_s": "seconds since this process started training; every record",
 }
+
+GrpoRecord = TypedDict(
+    "GrpoRecord",
+    {
+        "step": Required[int],
+        "train/loss": float,
+        "train/lr": float,
+        "reward/mean": float,
+        "reward/std": float,
+        "frac_reward_zero_std": float,
+        "clip_ratio/low_mean": float,
+        "clip_ratio/high_mean": float,
+        "train/sampler_logprob_gap_mean": float,
+        "train/sampler_logprob_gap_max": float,
+        "train/sampler_kl": float,
+        "kl": float,
+        "completions/mean_length": float,
+        "rollout/generated_tokens": int,
+        "rollout/largest_generate_call": int,
+        "rollout/flat_equivalent_tokens": int,
+        "reward/by_level": dict[str, float],
+        "tree/leaves": int,
+        "tree/nodes": int,
+        "tree/tokens_per_leaf": float,
+        "curriculum/level": dict[str, int],
+        "curriculum/success_rate": dict[str, float | None],
+        "curriculum/events": list[CurriculumEvent],
+        "eval/accuracy": float,
+        "eval/accuracy_by_family": dict[str, float],
+        "throughput/tokens_per_s": float,
+        "time/elapsed_s": float,
+    },
+    total=False,
+)
+"""One record of GRPO's metrics.jsonl: a step's (`grpo.steps.step`, completed by the loop) or
+the step-0 evaluation's, which holds only `step` and the eval keys; METRICS says when each
+other key is there."""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -19,11 +19,15 @@ from stagetrain.grpo.curriculum import (
     window_rate,
 )
 from stagetrain.grpo.loss import grpo_loss
+from stagetrain.grpo.metrics import GrpoRecord
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
 from stagetrain.grpo.run import Replay, Run
 from stagetrain.grpo.sampling import policy_scores
 from stagetrain.tasks import Problem, sample
 from stagetrain.training.engine import gathered
+
+if TYPE_CHECKING:  # reward_plot's annotation
+    from stagetrain.grpo.run import GrpoSummary
 
 
 def step_prompts(
@@ -365,11 +369,22 @@ class Counted:
         return getattr(self.module, name)
 
 
+class Stepped(NamedTuple):
+    """What one step did: its metrics record (the loop adds the timings and, at an evaluation,
+    the accuracy), the tokens it generated and trained on, and for the debug prompt log the
+    problem keys and prompt ids of the step, dp ranks in order."""
+
+    record: GrpoRecord
+    tokens: int
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+
+
 def step(
     run: Run,
     curriculum: Curriculum,
     step_no: int,
-) -> dict[str, Any]:
+) -> Stepped:
     """Rollouts, training and the curriculum update of one step; its metrics record."""
     cfg, judge = run.cfg, run.judge
     batch, first = draw_problems(run, curriculum, step_no)
@@ -395,8 +410,8 @@ def step(
     outcomes = [(row.family, row.level, float(np.mean(row.solved) >= 0.5)) for row in rows]
     events = update_all(curriculum, run.curriculum, step_no, outcomes)
     decided = {e["family"]: e["success_rate"] for e in events}  # the window a change emptied
-    record = {
-        "train/loss": loss, "train/lr": run.engine.get_lr()[0],
+    record: GrpoRecord = {
+        "step": step_no, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
         "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
@@ -422,10 +437,8 @@ def step(
     if events:
         record["curriculum/events"] = events
     trained = sum(row.trained for row in rows) * cfg.passes
-    record["_tokens"] = record["rollout/generated_tokens"] + trained
-    record["_prompts"] = [row.key for row in rows]
-    record["_prompt_ids"] = [row.prompt_ids for row in rows]
-    return record
+    return Stepped(record, record["rollout/generated_tokens"] + trained,
+                   [row.key for row in rows], [row.prompt_ids for row in rows])  # fmt: skip
 
 
 def _dp_sums(run: Run, values: Sequence[float]) -> list[float]:
@@ -443,7 +456,7 @@ def _dp_max(value: float) -> float:
     return tensor.item()
 
 
-def reward_plot(summary: Mapping[str, Any], path: str | Path) -> None:
+def reward_plot(summary: GrpoSummary, path: str | Path) -> None:
     """Mean reward per step, every held-out evaluation of every family (a family GRPO does not
     train shows here what training the others cost it), and each family's curriculum level,
     as a PNG for the report."""

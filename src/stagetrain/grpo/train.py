@@ -19,24 +19,32 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from deepspeed import DeepSpeedEngine
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from stagetrain.consolidate.folder import Manifest
+from stagetrain.deepspeed_config import DeepSpeedJson
 from stagetrain.errors import StageError
 from stagetrain.grpo import steps as grpo_steps
-from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig, top_level
-from stagetrain.grpo.metrics import METRICS
-from stagetrain.grpo.run import Replay, Run
+from stagetrain.grpo.curriculum import (
+    Curriculum,
+    CurriculumConfig,
+    CurriculumStateRecord,
+    top_level,
+)
+from stagetrain.grpo.metrics import METRICS, GrpoRecord
+from stagetrain.grpo.run import GrpoSummary, Replay, Run, SamplerSummary
 from stagetrain.grpo.tree import TreeConfig
-from stagetrain.heldout import gains
+from stagetrain.heldout import GainReport, gains
 from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
-from stagetrain.settings import GrpoSettings
+from stagetrain.settings import GrpoSettings, TasksSettings
 from stagetrain.tasks import Problem, get_family, heldout
 from stagetrain.tasks.families import hub_pins, load_tasks, reward_digests
 from stagetrain.tasks.judge import Judge
@@ -48,6 +56,10 @@ from stagetrain.training.evaluation import greedy_scores, validation_loss
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
 from stagetrain.training.metrics import check_finite
 from stagetrain.training.rank import rank_main
+from stagetrain.training.spec import GrpoJob
+
+if TYPE_CHECKING:
+    from stagetrain.prepare_tokenizer import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 PROMPT_RECORD = {
@@ -68,13 +80,38 @@ NOT_MATHS_TREE = ("prefix_cache",)
 uncached trees give the same tokens): toggling one resumes the checkpoint instead of retraining."""
 
 
+class PromptRecord(TypedDict):
+    """One record of the debug log prompts.jsonl (PROMPT_RECORD says what each key means)."""
+
+    step: int
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+
+
+AccuracyRecord = TypedDict(
+    "AccuracyRecord", {"eval/accuracy": float, "eval/accuracy_by_family": dict[str, float]}
+)
+"""The metrics of one held-out evaluation (`_accuracy_record`), part of a `GrpoRecord`."""
+
+
+class Trained(NamedTuple):
+    """What the loop leaves for the summary."""
+
+    curriculum: dict[str, CurriculumStateRecord]
+    """Every family's curriculum at the end."""
+    optimizer_steps: int
+    """DeepSpeed's count (steps x passes)."""
+    final_accuracy: dict[str, float] | None
+    """The held-out accuracy measured at the last step, by family; None when it trained none."""
+
+
 def _reference(
     model_dir: str,
-    ds_config: dict[str, Any],
+    ds_config: DeepSpeedJson,
     device: torch.device,
     dtype: torch.dtype,
     attention: str,
-) -> Any:
+) -> DeepSpeedEngine | PreTrainedModel:
     """The frozen reference policy: partitioned like the policy under ZeRO-3, a plain copy
     otherwise; with the policy's attention kernel."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention)
@@ -87,26 +124,28 @@ def _reference(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def fingerprinted(grpo: dict[str, Any]) -> dict[str, Any]:
-    """The grpo keys that decide what training computes: the checkpoint fingerprint's part."""
+def fingerprinted(grpo: Mapping[str, Any]) -> dict[str, Any]:
+    """The grpo keys that decide what training computes: the checkpoint fingerprint's part, the
+    section's JSON as the config gives it (what the fingerprint hashes), less NOT_MATHS."""
     out = {k: v for k, v in grpo.items() if k not in NOT_MATHS}
     if isinstance(out.get("tree"), dict):
         out["tree"] = {k: v for k, v in out["tree"].items() if k not in NOT_MATHS_TREE}
     return out
 
 
-def setup(spec: dict[str, Any]) -> Run:
+def setup(spec: GrpoJob) -> Run:
     """Process group, world check, policy engine (from the consolidated pretrain model), reference, data."""
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg = GrpoSettings.from_config(spec["grpo"], "grpo")
     layout = Layout.from_plan(plan, "grpo")
-    tasks = load_tasks(spec["tasks"], pins=hub_pins(meta))
-    manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
+    tasks_settings = TasksSettings.from_config(spec["tasks"], "tasks")
+    tasks = load_tasks(tasks_settings, pins=hub_pins(meta))
+    manifest: Manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
     components = {  # the start model by content: a resharded folder of the same weights resumes
         "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
         "tokenizer": meta["tokenizer_sha256"],
         "training": fingerprinted(spec["grpo"]),
-        "tasks": {"config": spec["tasks"], "data": tasks.record(), "reward_code": reward_digests(spec["tasks"])},
+        "tasks": {"config": spec["tasks"], "data": tasks.record(), "reward_code": reward_digests(tasks_settings)},
         "precision": layout.precision, "seed": spec["seed"],
     }  # fmt: skip
     checkpoints = Checkpoints(Path(spec["checkpoints"]), components,
@@ -176,7 +215,7 @@ def check_families(judge: Judge, top: Mapping[str, int]) -> None:
                                           for _ in range(LENGTH_SAMPLES)])  # fmt: skip
 
 
-def corpus_families(meta: dict[str, Any]) -> dict[str, int]:
+def corpus_families(meta: TokenizerMeta) -> dict[str, int]:
     """{family: the highest level of it the pretraining corpus holds}, from data/meta.json's
     generated source (built-in families and the tasks section's, which are loaded by then)."""
     return {
@@ -186,14 +225,14 @@ def corpus_families(meta: dict[str, Any]) -> dict[str, int]:
     }  # fmt: skip
 
 
-def evaluated_families(curriculum: Sequence[str], meta: dict[str, Any]) -> list[str]:
+def evaluated_families(curriculum: Sequence[str], meta: TokenizerMeta) -> list[str]:
     """The families the held-out evaluation scores: the curriculum's, then every other family
     the pretraining corpus taught, so that what GRPO on some families costs the others is
     measured, not only what it gains."""
     return list(dict.fromkeys([*curriculum, *corpus_families(meta)]))
 
 
-def replay_of(cfg: GrpoSettings, meta: dict[str, Any]) -> Replay | None:
+def replay_of(cfg: GrpoSettings, meta: TokenizerMeta) -> Replay | None:
     """`grpo.replay` resolved: its families (by default the corpus's that the curriculum leaves
     out) with the corpus's levels of each; None when it replays nothing."""
     if not cfg.replay.share:
@@ -247,9 +286,8 @@ def val_loss(run: Run) -> float:
     return loss
 
 
-def loop(run: Run) -> tuple[dict[str, Any], dict[str, float] | None]:
-    """Train from the latest checkpoint (or the pretrained model) to grpo.steps; return the
-    summary's core and the accuracy measured at the last step (None when it trained none)."""
+def loop(run: Run) -> Trained:
+    """Train from the latest checkpoint (or the pretrained model) to grpo.steps."""
     cfg, stage = run.cfg, run.loop
     curriculum = Curriculum.start(run.curriculum, cfg.curriculum.families)
     client = stage.resume(METRICS)
@@ -268,14 +306,16 @@ def loop(run: Run) -> tuple[dict[str, Any], dict[str, float] | None]:
         accuracy(run)
     for step in stage.steps():
         t0 = time.monotonic()
-        record = grpo_steps.step(run, curriculum, step)
+        stepped = grpo_steps.step(run, curriculum, step)
+        record = stepped.record
         check_finite(record["train/loss"], what="training loss", stage="grpo", step=step,
                      precision=run.layout.precision)  # fmt: skip
-        record.update({"step": step, "time/elapsed_s": time.monotonic() - began})
-        record["throughput/tokens_per_s"] = record.pop("_tokens") / (time.monotonic() - t0)
-        prompts, prompt_ids = record.pop("_prompts"), record.pop("_prompt_ids")
+        record["time/elapsed_s"] = time.monotonic() - began
+        record["throughput/tokens_per_s"] = stepped.tokens / (time.monotonic() - t0)
         if prompts_log:
-            prompts_log.write({"step": step, "prompts": prompts, "prompt_ids": prompt_ids})
+            prompts_log.write(
+                {"step": step, "prompts": stepped.prompts, "prompt_ids": stepped.prompt_ids}
+            )
         if stage.evaluates(step):
             final = accuracy(run)
             record.update(_accuracy_record(final))
@@ -287,12 +327,11 @@ def loop(run: Run) -> tuple[dict[str, Any], dict[str, float] | None]:
                      record["reward/mean"], _levels(record["curriculum/level"]), record["train/loss"],
                      record["throughput/tokens_per_s"])  # fmt: skip
         stage.checkpoint(step, {"step": step, "curriculum": curriculum.to_json()})
-    core = {"final_step": cfg.steps, "resumed_from_step": stage.start, "curriculum": curriculum.to_json(),
-            "optimizer_steps": run.engine.global_steps}  # fmt: skip
-    return core, final  # the loop always evaluates its last step
+    # the loop always evaluates its last step
+    return Trained(curriculum.to_json(), run.engine.global_steps, final)
 
 
-def _accuracy_record(by_family: dict[str, float]) -> dict[str, Any]:
+def _accuracy_record(by_family: dict[str, float]) -> AccuracyRecord:
     """The metrics of one held-out evaluation: the mean over families and each family's."""
     return {
         "eval/accuracy": float(np.mean(list(by_family.values()))),
@@ -306,31 +345,33 @@ def _levels(levels: dict[str, int]) -> str:
 
 
 def summarise(
-    run: Run, core: dict[str, Any], final_accuracy: dict[str, float], loss: float
-) -> dict[str, Any]:
+    run: Run, done: Trained, final_accuracy: dict[str, float], loss: float
+) -> GrpoSummary:
     """summary.json of the GRPO stage (the same checkpoint and evaluation keys as pretrain's)."""
     records = run.loop.records()
     trained = [r for r in records if "train/loss" in r]
+    final_step = run.cfg.steps
     return {
-        **run.loop.summary(core, layout=run.layout),
+        **run.loop.summary(final_eval_loss=loss, layout=run.layout),
+        "optimizer_steps": done.optimizer_steps, "curriculum": done.curriculum,
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
         "levels": {r["step"]: r["curriculum/level"] for r in trained},
         "evaluations": {**{r["step"]: r["eval/accuracy_by_family"] for r in records if "eval/accuracy_by_family" in r},
-                        core["final_step"]: final_accuracy},
+                        final_step: final_accuracy},
         "accuracy": {"start": records[0].get("eval/accuracy"), "start_by_family": records[0].get("eval/accuracy_by_family"),
                      "end": float(np.mean(list(final_accuracy.values()))),
                      "end_by_family": final_accuracy,
                      "gain": held_out_gain(run.eval_set, records[0].get("eval/accuracy_by_family"), final_accuracy,
                                            level=run.curriculum.start_level, families=run.cfg.curriculum.families)},
-        "eval_losses": {core["final_step"]: loss}, "final_eval_loss": loss,
+        "eval_losses": {final_step: loss},
         "sampler": sampler_summary(trained, run.cfg),
         "tasks": run.judge.tasks.record(),
         "dtypes": engines.dtypes(run.engine),
     }  # fmt: skip
 
 
-def sampler_summary(records: list[dict[str, Any]], cfg: GrpoSettings) -> dict[str, Any]:
+def sampler_summary(records: list[GrpoRecord], cfg: GrpoSettings) -> SamplerSummary:
     """What the sampler-trainer gap was over the run (the steps logged) and whether the
     truncated importance correction was applied (`grpo.sampler_correction`)."""
     logged = [r for r in records if "train/sampler_logprob_gap_mean" in r]
@@ -350,7 +391,7 @@ def held_out_gain(
     *,
     level: int,
     families: Sequence[str] | None = None,
-) -> dict[str, Any] | None:
+) -> GainReport | None:
     """The summary's gain report (stagetrain.heldout.gains) from per-family accuracies on the
     fixed held-out set, whose problems give each family's level and count, its mean over
     `families` (the curriculum's); None without a start measurement (a metrics file that lost
@@ -370,15 +411,15 @@ def held_out_gain(
     return gains(measured(start), measured(end), level=level, families=families)
 
 
-def rank(spec: dict[str, Any]) -> None:
+def rank(spec: GrpoJob) -> None:
     """One rank of the GRPO stage: train, evaluate, then (rank 0) write the outputs."""
     run = setup(spec)
     quiet_other_ranks()
-    core, final_accuracy = loop(run)
-    final_accuracy, loss = final_accuracy or accuracy(run), val_loss(run)
+    done = loop(run)
+    final_accuracy, loss = done.final_accuracy or accuracy(run), val_loss(run)
     if dist.get_rank() == 0:
         run.loop.write_outputs(
-            summarise(run, core, final_accuracy, loss), grpo_steps.reward_plot, "reward_plot"
+            summarise(run, done, final_accuracy, loss), grpo_steps.reward_plot, spec["reward_plot"]
         )
 
 

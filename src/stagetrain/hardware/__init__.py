@@ -1,1 +1,2 @@
-"""The detect_hardware stage: devices (NVML, /proc, CPU), the GPU catalog, measured precision speed."""
+"""The detect_hardware stage: devices (NVML, /proc, CPU), the GPU catalog, measured precision speed,
+and hardware.json's types (`report`)."""

@@ -11,15 +11,27 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from stagetrain import slurm
 from stagetrain.errors import StageError
-from stagetrain.hardware.catalog import gpu_spec, match_gpu
+from stagetrain.hardware.catalog import GpuSpec, gpu_spec, match_gpu
+from stagetrain.hardware.report import (
+    CpuFacts,
+    DeviceRecord,
+    DriverFacts,
+    GpuSpecRecord,
+    GpuSummary,
+    HardwareReport,
+    NodesSource,
+    SlurmAllocation,
+    Source,
+)
 from stagetrain.hardware.visible import Device, select_visible
+from stagetrain.settings import HardwareSettings
 
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS in nvml.h
 
@@ -35,7 +47,26 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _nvml_devices(nvml: Any) -> tuple[list[Device], list[Device], dict[str, Any]]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NvmlScan:
+    """What one pass over an initialised NVML found."""
+
+    gpus: list[Device]
+    migs: list[Device]
+    """The MIG instances of the GPUs in MIG mode."""
+    driver: DriverFacts
+    nvlink: bool
+    """Whether any GPU has an active NVLink."""
+    mig_enabled: frozenset[str]
+    """UUIDs of the GPUs in MIG mode."""
+
+
+def _record(spec: GpuSpec) -> GpuSpecRecord:
+    """A catalog entry as hardware.json stores it (GpuSpecRecord names the same fields)."""
+    return cast(GpuSpecRecord, asdict(spec))
+
+
+def _nvml_devices(nvml: Any) -> NvmlScan:
     """Whole GPUs, MIG instances, and system facts from an initialised NVML."""
     gpus: list[Device] = []
     migs: list[Device] = []
@@ -61,13 +92,13 @@ def _nvml_devices(nvml: Any) -> tuple[list[Device], list[Device], dict[str, Any]
             mig_enabled.append(gpu.uuid)
             migs.extend(_mig_instances(nvml, handle, gpu))
     cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
-    facts = {
+    driver: DriverFacts = {
         "driver_version": _text(nvml.nvmlSystemGetDriverVersion()),
         "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}",
-        "nvlink": nvlink,
-        "mig_enabled": mig_enabled,
     }
-    return gpus, migs, facts
+    return NvmlScan(
+        gpus=gpus, migs=migs, driver=driver, nvlink=nvlink, mig_enabled=frozenset(mig_enabled)
+    )
 
 
 def _has_nvlink(nvml: Any, handle: Any) -> bool:
@@ -101,7 +132,7 @@ def _mig_instances(nvml: Any, handle: Any, gpu: Device) -> list[Device]:
     return instances
 
 
-def _proc_devices(proc_root: Path) -> tuple[list[Device], dict[str, Any]]:
+def _proc_devices(proc_root: Path) -> tuple[list[Device], DriverFacts]:
     """GPUs from the driver's /proc files: names and UUIDs only, in PCI bus order."""
     gpus = []
     files = sorted((proc_root / "driver/nvidia/gpus").glob("*/information"))
@@ -132,7 +163,7 @@ def _proc_devices(proc_root: Path) -> tuple[list[Device], dict[str, Any]]:
     return gpus, {"driver_version": found.group(1) if found else None, "cuda_driver_version": None}
 
 
-def cpu_facts(proc_root: Path = Path("/proc")) -> dict[str, int]:
+def cpu_facts(proc_root: Path = Path("/proc")) -> CpuFacts:
     """Cores this process may run on and the machine's memory."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     meminfo = proc_root / "meminfo"
@@ -147,7 +178,7 @@ def cpu_facts(proc_root: Path = Path("/proc")) -> dict[str, int]:
 
 def slurm_allocation(
     env: Mapping[str, str], scontrol: Callable[[str], str] | None = None
-) -> dict[str, Any] | None:
+) -> SlurmAllocation | None:
     """The Slurm allocation this process runs in, if any: job, nodes, node list, GPUs on this node.
 
     Inside a job step whose job variables were removed (Snakemake's job step keeps
@@ -172,7 +203,7 @@ def slurm_allocation(
     }
 
 
-def _gpu_summary(devices: list[Device], nvlink: bool | None) -> dict[str, Any]:
+def _gpu_summary(devices: list[Device], nvlink: bool | None) -> GpuSummary:
     """The one GPU model all visible devices share, or a one-line error listing them."""
     names = sorted({d.name for d in devices})
     if len(names) > 1:
@@ -190,32 +221,30 @@ def _gpu_summary(devices: list[Device], nvlink: bool | None) -> dict[str, Any]:
         "compute_capability": first.compute_capability,
         "nvlink": nvlink,
         "mig": first.mig,
-        "spec": asdict(gpu_spec(key)) if key else None,
+        "spec": _record(gpu_spec(key)) if key else None,
     }
 
 
 def _from_nvml(
     nvml: ModuleType | None, visible_env: str | None, warnings: list[str]
-) -> tuple[list[Device], dict[str, Any], bool | None]:
+) -> tuple[list[Device], DriverFacts, bool | None]:
     """The visible devices NVML reports, the driver facts and NVLink; GPUs in MIG mode are
     dropped with a warning (only their MIG instances can run work). NVML errors propagate."""
     nvml = load_nvml() if nvml is None else nvml
     nvml.nvmlInit()
     try:
-        gpus, migs, facts = _nvml_devices(nvml)
+        scan = _nvml_devices(nvml)
     finally:
         nvml.nvmlShutdown()
-    nvlink = facts.pop("nvlink")
-    devices = select_visible(visible_env, gpus, migs)
-    in_mig = set(facts.pop("mig_enabled"))
-    dropped = [d for d in devices if not d.mig and d.uuid in in_mig]
+    devices = select_visible(visible_env, scan.gpus, scan.migs)
+    dropped = [d for d in devices if not d.mig and d.uuid in scan.mig_enabled]
     if dropped:
         warnings.append(
             f"GPUs in MIG mode are usable only through their MIG instances; skipped "
             f"{', '.join(d.uuid for d in dropped)} (name MIG-<uuid> in CUDA_VISIBLE_DEVICES)"
         )
         devices = [d for d in devices if d not in dropped]
-    return devices, facts, nvlink
+    return devices, scan.driver, scan.nvlink
 
 
 def _why_no_gpu(visible_env: str | None) -> str:
@@ -226,29 +255,29 @@ def _why_no_gpu(visible_env: str | None) -> str:
 
 
 def detect(
-    hardware: Mapping[str, Any],
+    hardware: HardwareSettings,
     *,
     nvml: ModuleType | None = None,
     proc_root: Path = Path("/proc"),
     env: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Build hardware.json from the validated `hardware` config section.
+) -> HardwareReport:
+    """Build hardware.json (less `speed`, which the stage measures) from the `hardware` section.
 
     Args:
-        hardware: the config section (source, nodes, ... see the schema).
+        hardware: the config section, typed (source, nodes, ... see the schema).
         nvml: an NVML module; None loads the real one (tests pass a fake).
         proc_root: where /proc is (tests pass a folder of fake driver files).
         env: the environment (CUDA_VISIBLE_DEVICES, SLURM_*); None is os.environ.
     """
     env = os.environ if env is None else env
-    if hardware["source"] == "describe":
+    if hardware.source == "describe":
         return describe(hardware)
     fallbacks: list[str] = []
     warnings: list[str] = []
-    facts: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None}
+    facts: DriverFacts = {"driver_version": None, "cuda_driver_version": None}
     visible_env = env.get("CUDA_VISIBLE_DEVICES")
     devices: list[Device] = []
-    source = "cpu"
+    source: Source = "cpu"
     nvlink: bool | None = None
     try:
         devices, facts, nvlink = _from_nvml(nvml, visible_env, warnings)
@@ -276,17 +305,17 @@ def detect(
         "nodes_source": nodes_source,
         "slurm": slurm,
         "gpus_per_node": len(devices) if source != "cpu" else 0,
-        "cpu_ranks": hardware["cpu_ranks"] if source == "cpu" else None,
+        "cpu_ranks": hardware.cpu_ranks if source == "cpu" else None,
         "gpu": _gpu_summary(devices, nvlink) if source != "cpu" else None,
-        "devices": [asdict(d) for d in devices] if source != "cpu" else [],
+        "devices": [cast(DeviceRecord, asdict(d)) for d in devices] if source != "cpu" else [],
         "cpu": cpu_facts(proc_root),
         **facts,
     }
 
 
 def _nodes(
-    hardware: Mapping[str, Any], env: Mapping[str, str], warnings: list[str]
-) -> tuple[int, str, dict[str, Any] | None]:
+    hardware: HardwareSettings, env: Mapping[str, str], warnings: list[str]
+) -> tuple[int, NodesSource, SlurmAllocation | None]:
     """Nodes to train on (config's, or the allocation's when the whole run is inside one),
     where that number came from, and the allocation.
 
@@ -297,32 +326,32 @@ def _nodes(
     """
     slurm = slurm_allocation(env)
     if slurm is None or slurm["nodes"] == 1:
-        return hardware["nodes"], "config", slurm
-    if hardware["nodes"] not in (1, slurm["nodes"]):
+        return hardware.nodes, "config", slurm
+    if hardware.nodes not in (1, slurm["nodes"]):
         warnings.append(
-            f"hardware.nodes={hardware['nodes']} but the Slurm allocation has "
+            f"hardware.nodes={hardware.nodes} but the Slurm allocation has "
             f"{slurm['nodes']} nodes; using the allocation"
         )
     return slurm["nodes"], "slurm", slurm
 
 
-def describe(hardware: Mapping[str, Any]) -> dict[str, Any]:
+def describe(hardware: HardwareSettings) -> HardwareReport:
     """hardware.json for hardware named in the config rather than detected."""
-    if hardware["gpu"] is None or hardware["gpus_per_node"] is None:
+    if hardware.gpu is None or hardware.gpus_per_node is None:
         raise StageError(
             "hardware: source 'describe' needs hardware.gpu (a catalog key) and hardware.gpus_per_node"
         )
-    spec = gpu_spec(hardware["gpu"])
-    host = hardware["host_memory_gib"]
+    spec = gpu_spec(hardware.gpu)
+    host = hardware.host_memory_gib
     return {
         "source": "config",
         "fallbacks": [],
         "warnings": [],
         "cuda_visible_devices": None,
-        "nodes": hardware["nodes"],
+        "nodes": hardware.nodes,
         "nodes_source": "config",
         "slurm": None,
-        "gpus_per_node": hardware["gpus_per_node"],
+        "gpus_per_node": hardware.gpus_per_node,
         "cpu_ranks": None,
         "gpu": {
             "key": spec.key,
@@ -331,7 +360,7 @@ def describe(hardware: Mapping[str, Any]) -> dict[str, Any]:
             "compute_capability": None,
             "nvlink": spec.nvlink_gbps > 0,
             "mig": False,
-            "spec": asdict(spec),
+            "spec": _record(spec),
         },
         "devices": [],
         "cpu": {"cores": None, "memory_bytes": int(host * 2**30) if host else None},

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from stagetrain.hardware.report import HardwareReport, SpeedReport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_SIZE = 512
@@ -140,7 +141,7 @@ def cpu_flags(proc_root: Path = Path("/proc")) -> list[str]:
     return [flag for flag in CPU_FLAGS if flag in present]
 
 
-def measure(hardware: dict[str, Any]) -> dict[str, Any]:
+def measure(hardware: HardwareReport) -> SpeedReport:
     """The `speed` entry of hardware.json for the devices `hardware` (detect's result) describes.
 
     CPU ranks are measured at their share of the cores, the thread count the
@@ -150,8 +151,8 @@ def measure(hardware: dict[str, Any]) -> dict[str, Any]:
     if hardware["gpu"] is not None:
         if not torch.cuda.is_available():
             return {"device": "cuda", "gflops": None, "reason": "torch sees no CUDA device"}
-        entry = {"device": "cuda", "threads": None, "size": GPU_SIZE,
-                 "gflops": matmul_gflops("cuda", None, size=GPU_SIZE)}  # fmt: skip
+        entry: SpeedReport = {"device": "cuda", "threads": None, "size": GPU_SIZE,
+                              "gflops": matmul_gflops("cuda", None, size=GPU_SIZE)}  # fmt: skip
     else:
         threads = max(1, hardware["cpu"]["cores"] // hardware["cpu_ranks"])
         entry = {

@@ -22,10 +22,11 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json
+from stagetrain.planning.plan import PlanRecord
 
 PLAN_KEYS = {
     "tokenizer": ("vocab_size",),
@@ -54,7 +55,8 @@ def _sha256(data: bytes) -> str:
 
 def planner_sections(config: Mapping[str, Any]) -> dict[str, Any]:
     """What the planner reads of the config, as its rule passes it: whole sections, and only
-    PLAN_KEYS of the others."""
+    PLAN_KEYS of the others. Raw config (Snakemake's, not yet validated): `inputs_key` digests
+    these exact values, and `plan_ahead` validates and types them."""
     return {
         name: {k: config[name][k] for k in PLAN_KEYS[name]} if name in PLAN_KEYS else config[name]
         for name in PLANNED_SECTIONS
@@ -83,7 +85,7 @@ def plan_ahead(
     sections: Mapping[str, Any],
     *,
     cache: Path | None = None,
-) -> dict[str, Any] | str:
+) -> PlanRecord | str:
     """plan.json as the planner's job writes it for these inputs: the recorded one if it was
     planned from them, else the plan an earlier DAG worked out from them (`cache`: the folder of
     such plans, by key, so that a dry run and the run after it plan once), else planned now; or
@@ -95,7 +97,9 @@ def plan_ahead(
         except (OSError, ValueError):
             continue
         if isinstance(recorded, dict) and recorded.get(INPUTS_KEY) == key:
-            return recorded
+            return cast(
+                PlanRecord, recorded
+            )  # written by this planner's code: the key has its digest
     from stagetrain import config as cfg
     from stagetrain.planning.resolve import plan_from
 
@@ -109,7 +113,7 @@ def plan_ahead(
     return plan
 
 
-def _remember(cache: Path, key: str, plan: Mapping[str, Any], keep: int = 8) -> None:
+def _remember(cache: Path, key: str, plan: PlanRecord, keep: int = 8) -> None:
     """Keep `plan` in `cache` under its key, and only the newest `keep` plans there."""
     atomic_write_json(cache / f"{key}.json", {**plan, INPUTS_KEY: key})
     try:  # dry runs side by side prune the same folder

@@ -12,11 +12,11 @@ choice changes the speed, and the rounding in the last bits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
 
-Attention = Literal["sdpa", "eager"]
+from stagetrain.hardware.report import SpeedReport
+from stagetrain.planning.plan import Attention
+
 EAGER_MIN_SPEEDUP = 1.2
 
 
@@ -28,7 +28,7 @@ class Choice:
     reason: str
 
 
-def choose(requested: str, *, gpu: bool, speed: Mapping[str, Any] | None, precision: str) -> Choice:
+def choose(requested: str, *, gpu: bool, speed: SpeedReport | None, precision: str) -> Choice:
     """The attention kernel for a plan in `precision`.
 
     Args:
@@ -41,7 +41,7 @@ def choose(requested: str, *, gpu: bool, speed: Mapping[str, Any] | None, precis
         return Choice(attention=requested, reason="requested")  # type: ignore[arg-type]
     if gpu:
         return Choice(attention="sdpa", reason="auto: GPUs run torch's fused attention kernels")
-    measured = (speed or {}).get("attention_ms", {}).get(precision)
+    measured = speed.get("attention_ms", {}).get(precision) if speed else None
     if not measured:
         return Choice(
             attention="sdpa", reason=f"auto: no {precision} attention timing in hardware.json"

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from stagetrain.io import json_bytes
+from stagetrain.planning.plan import PlanPart, PlanRecord, VocabPart
 
 # The run-wide keys the training stages read (world, backend, device, model shape).
 SHARED_KEYS = (
@@ -36,7 +36,7 @@ SHARED_KEYS = (
 )
 
 
-def vocab_padding(plan: Mapping[str, Any]) -> dict[str, int]:
+def vocab_padding(plan: PlanRecord) -> VocabPart:
     """plan/vocab.json: `tp`, the lcm of the stages' tp, which the padded vocabulary must divide by."""
     return {"tp": math.lcm(*(stage["layout"]["tp"] for stage in plan["stages"].values()))}
 
@@ -45,11 +45,13 @@ ESTIMATES = ("throughput", "runners_up")
 """The keys of a stage's entry that predict rather than decide (module docstring)."""
 
 
-def stage_plan(plan: Mapping[str, Any], stage: str) -> dict[str, Any]:
+def stage_plan(plan: PlanRecord, stage: str) -> PlanPart:
     """plan/<stage>.json: plan.json with only the run-wide keys and `stages.<stage>`, less its
-    ESTIMATES."""
+    ESTIMATES (SHARED_KEYS are `plan.RunWide`'s keys and ESTIMATES `plan.StageEstimates`',
+    which tests/test_planning.py holds equal; the entry keeps any other key as it is)."""
     entry = {k: v for k, v in plan["stages"][stage].items() if k not in ESTIMATES}
-    return {**{key: plan[key] for key in SHARED_KEYS}, "stages": {stage: entry}}
+    shared = {key: plan[key] for key in SHARED_KEYS}  # type: ignore[literal-required]
+    return cast(PlanPart, {**shared, "stages": {stage: entry}})
 
 
 def whole_plan(part: str | Path) -> Path:
@@ -57,14 +59,18 @@ def whole_plan(part: str | Path) -> Path:
     return Path(part).resolve().parent.parent / "plan.json"
 
 
-def part_of(plan: Mapping[str, Any] | str, part: str) -> dict[str, Any] | str:
+PlanFile = VocabPart | PlanPart
+"""A part of the plan that one reader depends on (plan/<part>.json)."""
+
+
+def part_of(plan: PlanRecord | str, part: str) -> PlanFile | str:
     """plan/<part>.json ('vocab' or a stage) of `plan`, or the planner's refusal."""
     if isinstance(plan, str):
         return plan
     return vocab_padding(plan) if part == "vocab" else stage_plan(plan, part)
 
 
-def digest(content: Mapping[str, Any] | str) -> str:
+def digest(content: PlanFile | str) -> str:
     """The sha256 of a plan file's bytes as they are written (or of the refusal)."""
     if isinstance(content, str):
         return "refused: " + hashlib.sha256(content.encode("utf-8")).hexdigest()

@@ -1,25 +1,223 @@
-"""The parallel layout of one training stage, validated on construction.
+"""The parallel layout of one training stage, validated on construction, and plan.json's shape.
 
-plan_parallelism builds it (with the head counts it checks tp against) and
+plan_parallelism builds the layout (with the head counts it checks tp against) and
 writes `stages.<stage>.layout` with `to_json`; the training stages read it back
 with `from_plan`, where a missing or unknown key is one line naming plan.json
 instead of a KeyError deep in a rank, and a typo in a field name is an
-AttributeError at the line that made it. One class, so the field list is
-written once.
+AttributeError at the line that made it.
+
+plan.json and its parts stay plain JSON dicts from the planner to the stages, so their
+bytes are what they were; `PlanRecord`, `PlanPart` and the records they hold are the
+TypedDicts that name their keys (docs/architecture.md, "Contracts between stages").
+Records that copy a dataclass field by field (`LayoutRecord`, `MemoryRecord`,
+`ThroughputRecord`, `ModelRecord`) are held to it by tests/test_planning.py. No
+`from __future__ import annotations` here: Python 3.11 reads `NotRequired` only from evaluated
+annotations (`__required_keys__`, which that test checks).
 """
 
-from __future__ import annotations
-
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Literal, NotRequired, Self, TypedDict, cast, final
 
 from stagetrain.errors import StageError
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Offload = Literal["none", "optimizer", "optimizer_and_params"]
+Attention = Literal["sdpa", "eager"]
 MODEL_FACTS = ("num_heads", "num_kv_heads")
 """Fields the planner checks tp against but plan.json does not store."""
+
+
+class LayoutRecord(TypedDict):
+    """`stages.<stage>.layout`: `Layout` as JSON, less MODEL_FACTS."""
+
+    world: int
+    gpus_per_node: int
+    dp: int
+    tp: int
+    micro_batch_size: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    zero_stage: int
+    activation_checkpointing: bool
+    offload: Offload
+    precision: Precision
+
+
+class MemoryRecord(TypedDict):
+    """`stages.<stage>.memory`: `memory.Memory`'s bytes by part, and the verdict."""
+
+    params: int
+    grads: int
+    optimizer: int
+    zero_buffers: int
+    activations: int
+    logits: int
+    extra: int
+    host_per_node: int
+    total: int
+    usable: int
+    device: int
+    fits: bool
+
+
+@final
+class ThroughputRecord(TypedDict):
+    """`stages.<stage>.throughput` where there is a prediction: `throughput.Throughput`."""
+
+    compute_s: float
+    dp_comm_s: float
+    tp_comm_s: float
+    offload_s: float
+    tokens_per_s: float
+    mfu: float
+    step_s: float
+
+
+@final
+class NoThroughput(TypedDict):
+    """`stages.<stage>.throughput` without a prediction: why there is none."""
+
+    reason: str
+
+
+class CandidateCounts(TypedDict):
+    """`stages.<stage>.candidates`: layouts considered, and how many fit."""
+
+    considered: int
+    fit: int
+
+
+class CandidateRecord(TypedDict):
+    """One of `runners_up` or `rejected`: a layout the planner did not choose, and why."""
+
+    layout: str
+    tokens_per_s: float | None
+    memory_gib: float
+    reason: str
+
+
+class GenerationRecord(TypedDict):
+    """GRPO's `generation`: the most sequences one rank generates in one call."""
+
+    batch: int
+
+
+class StageDecision(TypedDict):
+    """What the search decides for a stage: the keys a stage's part of the plan keeps."""
+
+    layout: LayoutRecord
+    memory: MemoryRecord
+    candidates: CandidateCounts
+    rejected: list[CandidateRecord]
+    warnings: list[str]
+
+
+class StageEstimates(TypedDict):
+    """The keys that predict rather than decide (`derived.ESTIMATES`): plan.json only."""
+
+    throughput: ThroughputRecord | NoThroughput
+    runners_up: list[CandidateRecord]
+
+
+class StageSearch(StageDecision, StageEstimates):
+    """What `search.search` returns for one stage."""
+
+
+class StagePart(StageDecision):
+    """`stages.<stage>` of plan/<stage>.json: the decision and where its values came from."""
+
+    sources: dict[str, str]
+    """Where each searched value came from: config, a table's source, or planner."""
+    generation: NotRequired[GenerationRecord]
+    """GRPO's stage only."""
+
+
+class StagePlanRecord(StagePart, StageEstimates):
+    """`stages.<stage>` of plan.json."""
+
+
+class ModelRecord(TypedDict):
+    """plan.json's `model`: `shape.ModelShape` of the unpadded model, and the vocab multiple."""
+
+    params: int
+    active_params: int
+    layer_params: int
+    embedding_params: int
+    largest_module_params: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    experts_per_token: int
+    vocab_size: int
+    vocab_multiple: int
+
+
+class TableEntry(TypedDict):
+    """One entry of a parallelism table (`table`): the layout values it fixes.
+
+    Defined here, not in `table`, so that the training stages, which read plan.json,
+    do not reach the table reader's code (`codedeps`)."""
+
+    dp: int
+    tp: int
+    micro_batch_size: int
+
+
+class TableRecord(TypedDict):
+    """plan.json's `table`: whether a parallelism table was used, with its source or why not."""
+
+    status: Literal["used", "miss", "none", "skipped", "not needed"]
+    reason: NotRequired[str]
+    """Every status but used."""
+    source: NotRequired[str]
+    """used: file:<path> or hub:<repo>@<commit>."""
+    entry: NotRequired[TableEntry]
+    """used: the entry taken."""
+
+
+class RunWide(TypedDict):
+    """The run-wide keys the training stages read (`derived.SHARED_KEYS`)."""
+
+    attention: Attention
+    backend: Literal["nccl", "gloo"]
+    device: str
+    """The GPUs' catalog key, or cpu."""
+    model: ModelRecord
+    nodes: int
+    precision: Precision
+    ranks_per_node: int
+    world: int
+
+
+class PlanRecord(RunWide):
+    """plan.json."""
+
+    source: str
+    """config, file:<path>, hub:<repo>@<commit> or estimated."""
+    precision_reason: str
+    attention_reason: str
+    table: TableRecord
+    stages: dict[str, StagePlanRecord]
+    warnings: list[str]
+    inputs_sha256: NotRequired[str | None]
+    """The digest of the planner's inputs (`ahead.inputs_key`): in the written file (None when
+    the script planned on its own), not in `resolve.resolve`'s result."""
+
+
+class PlanPart(RunWide):
+    """plan/<stage>.json: the run-wide keys and the one stage, less its estimates."""
+
+    stages: dict[str, StagePart]
+
+
+class VocabPart(TypedDict):
+    """plan/vocab.json: the tp the padded vocabulary must divide by."""
+
+    tp: int
 
 
 def factor_misfit(
@@ -115,15 +313,15 @@ class Layout:
         """Tokens per optimizer step over all ranks."""
         return self.global_batch * self.seq_len
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LayoutRecord:
         """The layout as plan.json stores it, without the model facts it was checked against
         (summary.json and the consolidation's manifest repeat it)."""
         out = asdict(self)
         del out["num_heads"], out["num_kv_heads"]
-        return out
+        return cast(LayoutRecord, out)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], *, where: str = "plan.json") -> Layout:
+    def from_json(cls, data: LayoutRecord, *, where: str = "plan.json") -> Self:
         """The layout `data` describes (as `to_json` wrote it); `where` names it in the one-line error.
 
         Raises:
@@ -138,13 +336,13 @@ class Layout:
                 "(planned by another stagetrain): replan with `snakemake --cores all --forcerun plan_parallelism`"
             )
         try:
-            return cls(**{k: data[k] for k in names})
+            return cls(**data)  # exactly the fields less MODEL_FACTS: checked above
         except StageError as err:
             raise StageError(f"{where}: {err}") from None
 
     @classmethod
-    def from_plan(cls, plan: Mapping[str, Any], stage: str) -> Layout:
-        """`plan["stages"][stage]["layout"]`, typed."""
+    def from_plan(cls, plan: PlanRecord | PlanPart, stage: str) -> Self:
+        """`plan["stages"][stage]["layout"]`, typed: plan.json or plan/<stage>.json as read."""
         return cls.from_json(
             plan["stages"][stage]["layout"], where=f"plan.json stages.{stage}.layout"
         )

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import GpuSpec
+from stagetrain.hardware.report import SpeedReport
 from stagetrain.planning.plan import Precision
 
 BF16_MIN_SPEEDUP = 1.2
@@ -34,18 +34,18 @@ class Choice:
     warnings: tuple[str, ...] = ()
 
 
-def _rates(speed: Mapping[str, Any] | None) -> dict[str, float] | None:
+def _rates(speed: SpeedReport | None) -> dict[str, float] | None:
     return speed.get("gflops") if speed else None
 
 
-def _measured(rates: Mapping[str, float], speed: Mapping[str, Any]) -> str:
+def _measured(rates: Mapping[str, float], speed: SpeedReport) -> str:
     where = f"{speed['threads']} thread(s)" if speed.get("threads") else speed["device"]
     cap = f", {speed['capability']}" if speed.get("capability") else ""
     listing = ", ".join(f"{k} {v:,.1f}" for k, v in rates.items())
     return f"measured GFLOP/s ({where}{cap}): {listing}"
 
 
-def choose(requested: str, gpu: GpuSpec | None, speed: Mapping[str, Any] | None) -> Choice:
+def choose(requested: str, gpu: GpuSpec | None, speed: SpeedReport | None) -> Choice:
     """The precision to train in.
 
     Args:

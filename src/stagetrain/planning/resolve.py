@@ -3,25 +3,77 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import CATALOG_PATH, gpu_spec
+from stagetrain.hardware.report import HardwareReport, SpeedReport
 from stagetrain.model_config import build_config, padded_vocab
 from stagetrain.planning import attention as attentions
 from stagetrain.planning import precision as precisions
 from stagetrain.planning import table as tables
 from stagetrain.planning.memory import params_per_rank
-from stagetrain.planning.plan import Layout, Precision, factor_misfit, parallelism_error
-from stagetrain.planning.search import SEARCHED, Demand, Devices, search
+from stagetrain.planning.plan import (
+    Layout,
+    ModelRecord,
+    PlanRecord,
+    Precision,
+    StagePlanRecord,
+    TableEntry,
+    TableRecord,
+    factor_misfit,
+    parallelism_error,
+)
+from stagetrain.planning.search import SEARCHED, Demand, Devices, Fixed, Knobs, search
 from stagetrain.planning.shape import ModelShape, model_shape
 from stagetrain.planning.throughput import Rates
+from stagetrain.settings import (
+    DeepSpeedSettings,
+    GrpoSettings,
+    HardwareSettings,
+    ModelSettings,
+    ParallelismSettings,
+    PretrainSettings,
+    TokenizerSettings,
+)
 
 
-def devices_from(hardware: Mapping[str, Any], hw_config: Mapping[str, Any]) -> Devices:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerSettings:
+    """The config sections the planner reads, typed (`stagetrain.settings`).
+
+    Built once where the planner is entered (`plan_from`, the DAG's `planning.ahead`, the
+    stage script, the tests' harness); everything below reads attributes. pretrain and grpo
+    may be built from sections that hold only the keys the planner reads
+    (`ahead.PLAN_KEYS`) once validation filled the rest with defaults.
+    """
+
+    hardware: HardwareSettings
+    model: ModelSettings
+    tokenizer: TokenizerSettings
+    parallelism: ParallelismSettings
+    deepspeed: DeepSpeedSettings
+    pretrain: PretrainSettings
+    grpo: GrpoSettings
+
+    @classmethod
+    def from_config(cls, sections: Mapping[str, Mapping[str, Any]]) -> PlannerSettings:
+        """From validated sections by name: the planner rule's params, or a whole config."""
+        return cls(
+            hardware=HardwareSettings.from_config(sections["hardware"], "hardware"),
+            model=ModelSettings.from_config(sections["model"], "model"),
+            tokenizer=TokenizerSettings.from_config(sections["tokenizer"], "tokenizer"),
+            parallelism=ParallelismSettings.from_config(sections["parallelism"], "parallelism"),
+            deepspeed=DeepSpeedSettings.from_config(sections["deepspeed"], "deepspeed"),
+            pretrain=PretrainSettings.from_config(sections["pretrain"], "pretrain"),
+            grpo=GrpoSettings.from_config(sections["grpo"], "grpo"),
+        )
+
+
+def devices_from(hardware: HardwareReport, hw_config: HardwareSettings) -> Devices:
     """The planner's view of hardware.json."""
     gpu = hardware["gpu"]
     if gpu is None:
@@ -32,7 +84,7 @@ def devices_from(hardware: Mapping[str, Any], hw_config: Mapping[str, Any]) -> D
             per_node=ranks,
             device_bytes=hardware["cpu"]["memory_bytes"] // ranks,
             host_bytes_per_node=None,
-            inter_node_gbps=hw_config["inter_node_gbps"],
+            inter_node_gbps=hw_config.inter_node_gbps,
         )
     if gpu["key"] is None:
         raise StageError(
@@ -45,15 +97,15 @@ def devices_from(hardware: Mapping[str, Any], hw_config: Mapping[str, Any]) -> D
         per_node=hardware["gpus_per_node"],
         device_bytes=gpu["memory_bytes"],
         host_bytes_per_node=hardware["cpu"]["memory_bytes"],
-        inter_node_gbps=hw_config["inter_node_gbps"],
+        inter_node_gbps=hw_config.inter_node_gbps,
     )
 
 
 def device_rates(
     devices: Devices,
-    speed: Mapping[str, Any] | None,
+    speed: SpeedReport | None,
     precision: Precision,
-    parallelism: Mapping[str, Any],
+    parallelism: ParallelismSettings,
 ) -> Rates | None:
     """One device's speed in `precision` for the throughput model; None where nothing says it.
 
@@ -61,32 +113,31 @@ def device_rates(
     what a described cluster does); CPU ranks at what detect_hardware measured.
     """
     if devices.gpu is not None:
-        return Rates.of_gpu(devices.gpu, parallelism["assumed_mfu"])
-    gflops = (speed or {}).get("gflops") or {}
+        return Rates.of_gpu(devices.gpu, parallelism.assumed_mfu)
+    gflops = (speed.get("gflops") if speed else None) or {}
     if precision not in gflops:
         return None
-    return Rates.of_cpu_rank(gflops[precision], gflops["fp32"], parallelism["cpu_efficiency"])
+    return Rates.of_cpu_rank(gflops[precision], gflops["fp32"], parallelism.cpu_efficiency)
 
 
-def generation_batch(grpo: Mapping[str, Any], dp: int) -> int:
+def generation_batch(grpo: GrpoSettings, dp: int) -> int:
     """Sequences one rank generates in one `generate` call: its share of the prompts times the group.
 
     Flat rollouts sample every prompt of the rank's share at once; held-out
     evaluation and tree expansions generate in chunks of at most this many
     (grpo.rollouts, grpo.steps), so this is the generation memory to plan for.
     """
-    return max(1, grpo["prompts_per_step"] // dp) * grpo["group_size"]
+    return max(1, grpo.prompts_per_step // dp) * grpo.group_size
 
 
-def _table_repo(parallelism: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
-    if parallelism["table_repo"]:
-        return parallelism["table_repo"]
-    init = model["init_from"]
-    return init if init and not Path(init).exists() else None
+def _table_repo(parallelism: ParallelismSettings, init_from: str | None) -> str | None:
+    if parallelism.table_repo:
+        return parallelism.table_repo
+    return init_from if init_from and not Path(init_from).exists() else None
 
 
 def misfit(
-    fixed: Mapping[str, Any],
+    fixed: Fixed,
     devices: Devices,
     heads: int,
     kv_heads: int,
@@ -98,10 +149,10 @@ def misfit(
     and the micro batch divides that per-rank batch. The reason starts with its subject
     (e.g. 'tp must divide ...') and lists every factor.
     """
-    dp, tp, mbs = fixed.get("dp"), fixed.get("tp"), fixed.get("micro_batch_size")
+    dp, tp, mbs = fixed.dp, fixed.tp, fixed.micro_batch_size
     world = devices.world
     problem = factor_misfit(world=world, per_node=devices.per_node, dp=dp, tp=tp,
-                            zero_stage=fixed.get("zero_stage"), heads=heads, kv_heads=kv_heads)  # fmt: skip
+                            zero_stage=fixed.zero_stage, heads=heads, kv_heads=kv_heads)  # fmt: skip
     if problem:
         key, why = problem
         return key, f"{why} (dp={dp}, tp={tp}, world={world}, heads={heads}, kv_heads={kv_heads})"
@@ -121,7 +172,7 @@ def misfit(
     return None
 
 
-def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads: int) -> None:
+def check_fixed(fixed: Fixed, devices: Devices, heads: int, kv_heads: int) -> None:
     """Fail early, with every factor, on dp and tp values of the config that cannot form a layout."""
     problem = misfit(fixed, devices, heads, kv_heads)
     if problem:
@@ -129,41 +180,41 @@ def check_fixed(fixed: Mapping[str, Any], devices: Devices, heads: int, kv_heads
 
 
 def entry_misfit(
-    entry: Mapping[str, int],
+    entry: TableEntry,
     *,
-    fixed: Mapping[str, Any],
+    fixed: Fixed,
     devices: Devices,
     heads: int,
     kv_heads: int,
     stages: Sequence[Demand],
 ) -> str | None:
     """Why a table entry, under the values the config fixes itself, cannot form this run's layouts."""
-    merged = {**entry, **{k: v for k, v in fixed.items() if v is not None}}
-    problem = misfit(merged, devices, heads, kv_heads, stages)
+    problem = misfit(fixed.under(entry), devices, heads, kv_heads, stages)
     return problem[1] if problem else None
 
 
 def table_values(
-    parallelism: Mapping[str, Any],
-    model: Mapping[str, Any],
+    parallelism: ParallelismSettings,
+    init_from: str | None,
     devices: Devices,
-    fits: Callable[[Mapping[str, int]], str | None] = lambda entry: None,
-) -> tuple[dict[str, int], dict[str, Any]]:
-    """Entries from a parallelism table, and a record of where they came from (or why not).
+    fits: Callable[[TableEntry], str | None] = lambda entry: None,
+) -> tuple[TableEntry | None, TableRecord]:
+    """The entry of a parallelism table (None: no entry used), and a record of where it came
+    from (or why not). `init_from` is model.init_from: a hub repo there is the default table repo.
 
     `fits` says why an entry cannot be used for this run (None if it can); such an
     entry is a miss like any other, naming the table and the entry.
     """
-    repo = _table_repo(parallelism, model)
-    if not parallelism["table_path"] and not repo:
-        return {}, {"status": "none", "reason": "no table_path or table_repo configured"}
+    repo = _table_repo(parallelism, init_from)
+    if not parallelism.table_path and not repo:
+        return None, {"status": "none", "reason": "no table_path or table_repo configured"}
     if devices.gpu is None:
-        return {}, {"status": "skipped", "reason": "tables describe GPUs; planning for CPU ranks"}
+        return None, {"status": "skipped", "reason": "tables describe GPUs; planning for CPU ranks"}
     try:
-        if parallelism["table_path"]:
-            table, source = tables.read_local(parallelism["table_path"])
+        if parallelism.table_path:
+            table, source = tables.read_local(parallelism.table_path)
         else:
-            table, source = tables.download(repo, parallelism["table_revision"])
+            table, source = tables.download(repo, parallelism.table_revision)
         entry = tables.lookup(table, devices.gpu.key, devices.world, source)
         why = fits(entry)
         if why:
@@ -173,17 +224,17 @@ def table_values(
                 f"does not fit this run: {why}"
             )
     except tables.TableMiss as miss:
-        if parallelism["on_table_miss"] == "error":
+        if parallelism.on_table_miss == "error":
             raise StageError(str(miss)) from None
-        return {}, {"status": "miss", "reason": f"{miss}; falling back to the planner"}
+        return None, {"status": "miss", "reason": f"{miss}; falling back to the planner"}
     return entry, {"status": "used", "source": source, "entry": entry}
 
 
-def demands(pretrain: Mapping[str, Any], grpo: Mapping[str, Any], devices: Devices) -> list[Demand]:
+def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) -> list[Demand]:
     """The pretrain and GRPO stages' batch shapes (and GRPO's extra memory)."""
-    seq = pretrain["seq_len"]
-    batch = pretrain["global_batch_size"]
-    if pretrain["global_batch_unit"] == "tokens":
+    seq = pretrain.seq_len
+    batch = pretrain.global_batch_size
+    if pretrain.global_batch_unit == "tokens":
         if batch % seq:
             raise StageError(
                 f"pretrain.global_batch_size: {batch} tokens is not a multiple of pretrain.seq_len {seq}"
@@ -196,7 +247,7 @@ def demands(pretrain: Mapping[str, Any], grpo: Mapping[str, Any], devices: Devic
         w = 2 if layout.precision != "fp32" else 4
         n = params_per_rank(shape, layout.tp)
         shard = n // layout.dp if layout.zero_stage == 3 else n
-        reference = w * shard if grpo["kl_coef"] > 0 else 0
+        reference = w * shard if grpo.kl_coef > 0 else 0
         gathered = w * (n - shard)
         kv_width = shape.num_kv_heads * shape.head_dim // layout.tp
         kv = (
@@ -208,35 +259,33 @@ def demands(pretrain: Mapping[str, Any], grpo: Mapping[str, Any], devices: Devic
         Demand(stage="pretrain", seq_len=seq, global_batch=batch),
         Demand(
             stage="grpo",
-            seq_len=grpo["max_prompt_len"] + grpo["max_new_tokens"],
-            global_batch=grpo["prompts_per_step"] * grpo["group_size"],
-            group=grpo["group_size"],
+            seq_len=grpo.max_prompt_len + grpo.max_new_tokens,
+            global_batch=grpo.prompts_per_step * grpo.group_size,
+            group=grpo.group_size,
             extra_bytes=grpo_extra,
         ),
     ]
 
 
 def _fill_from_table(
-    fixed: dict[str, Any],
-    sources: dict[str, str],
-    parallelism: Mapping[str, Any],
-    model: Mapping[str, Any],
+    fixed: Fixed,
+    parallelism: ParallelismSettings,
+    init_from: str | None,
     devices: Devices,
-    fits: Callable[[Mapping[str, Any]], str | None],
-) -> dict[str, Any]:
-    """Fill the table's values into what the config left open (`fixed` and `sources`, in place);
-    the table's record for plan.json. `fits` names why an entry does not fit, or None."""
-    if all(fixed[k] is not None for k in tables.ENTRY_KEYS):
-        return {"status": "not needed", "reason": "dp, tp and micro_batch_size set in the config"}
-    from_table, record = table_values(parallelism, model, devices, fits)
-    for key, value in from_table.items():
-        if fixed[key] is None:
-            fixed[key] = value
-            sources[key] = record["source"]
-    return record
+    fits: Callable[[TableEntry], str | None],
+) -> tuple[Fixed, TableRecord]:
+    """`fixed` with the table's values where the config left them open, and the table's
+    record for plan.json. `fits` names why an entry does not fit, or None."""
+    if all(getattr(fixed, k) is not None for k in tables.ENTRY_KEYS):
+        return fixed, {
+            "status": "not needed",
+            "reason": "dp, tp and micro_batch_size set in the config",
+        }
+    entry, record = table_values(parallelism, init_from, devices, fits)
+    return (fixed if entry is None else fixed.under(entry)), record
 
 
-def _plan_source(sources: Mapping[str, str], table_record: Mapping[str, Any]) -> str:
+def _plan_source(sources: Mapping[str, str], table_record: TableRecord) -> str:
     """plan.json's `source`: config when the config set every searched value, the table's
     source when it was used, else estimated."""
     labels = set(sources.values())
@@ -247,54 +296,56 @@ def _plan_source(sources: Mapping[str, str], table_record: Mapping[str, Any]) ->
     )  # fmt: skip
 
 
-def resolve(
-    *,
-    hardware: Mapping[str, Any],
-    hw_config: Mapping[str, Any],
-    model: Mapping[str, Any],
-    tokenizer: Mapping[str, Any],
-    parallelism: Mapping[str, Any],
-    deepspeed: Mapping[str, Any],
-    pretrain: Mapping[str, Any],
-    grpo: Mapping[str, Any],
-) -> dict[str, Any]:
-    """Build plan.json from hardware.json and the validated config sections.
-
-    `grpo` needs only the keys that shape its batch (prompts_per_step,
-    group_size, max_prompt_len, max_new_tokens, kl_coef).
-    """
-    devices = devices_from(hardware, hw_config)
-    choice = precisions.choose(deepspeed["precision"], devices.gpu, hardware.get("speed"))
-    precision = choice.precision
-    kernel = attentions.choose(deepspeed["attention"], gpu=devices.gpu is not None,
-                               speed=hardware.get("speed"), precision=precision)  # fmt: skip
-    rates = device_rates(devices, hardware.get("speed"), precision, parallelism)
+def _shapes(model: ModelSettings, vocab_size: int) -> Callable[[int], ModelShape]:
+    """The model's shape for a given tp (the padded vocabulary depends on tp), each built once."""
 
     @cache
     def shape(tp: int) -> ModelShape:
-        vocab = padded_vocab(tokenizer["vocab_size"], model["vocab_multiple"], tp)
+        vocab = padded_vocab(vocab_size, model.vocab_multiple, tp)
         return model_shape(build_config(model, vocab))
 
-    fixed: dict[str, Any] = {k: parallelism[k] for k in SEARCHED}
-    sources = {k: "config" for k, v in fixed.items() if v is not None}
+    return shape
+
+
+def resolve(hardware: HardwareReport, settings: PlannerSettings) -> PlanRecord:
+    """Build plan.json from hardware.json and the planner's config sections.
+
+    Of `settings.grpo` the planner reads only the keys that shape its batch
+    (prompts_per_step, group_size, max_prompt_len, max_new_tokens, kl_coef).
+    """
+    devices = devices_from(hardware, settings.hardware)
+    speed = hardware.get("speed")
+    choice = precisions.choose(settings.deepspeed.precision, devices.gpu, speed)
+    precision = choice.precision
+    kernel = attentions.choose(settings.deepspeed.attention, gpu=devices.gpu is not None,
+                               speed=speed, precision=precision)  # fmt: skip
+    rates = device_rates(devices, speed, precision, settings.parallelism)
+    shape = _shapes(settings.model, settings.tokenizer.vocab_size)
+    configured = Fixed.of(settings.parallelism)
     heads, kv_heads = shape(1).num_heads, shape(1).num_kv_heads
-    check_fixed(fixed, devices, heads, kv_heads)
-    stage_demands = demands(pretrain, grpo, devices)
-    fits = partial(entry_misfit, fixed=dict(fixed), devices=devices, heads=heads,
+    check_fixed(configured, devices, heads, kv_heads)
+    stage_demands = demands(settings.pretrain, settings.grpo, devices)
+    fits = partial(entry_misfit, fixed=configured, devices=devices, heads=heads,
                    kv_heads=kv_heads, stages=stage_demands)  # fmt: skip
-    table_record = _fill_from_table(fixed, sources, parallelism, model, devices, fits)
-    options = {**parallelism, **deepspeed}
-    stages = {}
+    fixed, table_record = _fill_from_table(
+        configured, settings.parallelism, settings.model.init_from, devices, fits
+    )
+    sources = {k: "config" for k in configured.given()}
+    sources |= {k: table_record["source"] for k in fixed.given() if k not in sources}
+    knobs = Knobs(parallelism=settings.parallelism, deepspeed=settings.deepspeed)
+    stages: dict[str, StagePlanRecord] = {}
     for demand in stage_demands:
-        entry = search(demand, devices, fixed, shape, precision, options, rates)
-        entry["sources"] = {k: sources.get(k, "planner") for k in SEARCHED}
+        found = search(demand, devices, fixed, shape, precision, knobs, rates)
+        entry: StagePlanRecord = {
+            **found,
+            "sources": {k: sources.get(k, "planner") for k in SEARCHED},
+        }
         if demand.stage == "grpo":
-            entry["generation"] = {"batch": generation_batch(grpo, entry["layout"]["dp"])}
+            entry["generation"] = {"batch": generation_batch(settings.grpo, entry["layout"]["dp"])}
         stages[demand.stage] = entry
-    overall = _plan_source(sources, table_record)
-    base = shape(1)
+    model = {**asdict(shape(1)), "vocab_multiple": settings.model.vocab_multiple}
     return {
-        "source": overall,
+        "source": _plan_source(sources, table_record),
         "device": devices.gpu.key if devices.gpu else "cpu",
         "backend": "nccl" if devices.gpu else "gloo",
         "nodes": devices.nodes,
@@ -304,25 +355,15 @@ def resolve(
         "precision_reason": choice.reason,
         "attention": kernel.attention,
         "attention_reason": kernel.reason,
-        "model": {**asdict(base), "vocab_multiple": model["vocab_multiple"]},
+        "model": cast(ModelRecord, model),  # ModelRecord names ModelShape's fields
         "table": table_record,
         "stages": stages,
         "warnings": [*choice.warnings, *(w for s in stages.values() for w in s["warnings"])],
     }
 
 
-def plan_from(
-    hardware: Mapping[str, Any], sections: Mapping[str, Mapping[str, Any]]
-) -> dict[str, Any]:
+def plan_from(hardware: HardwareReport, sections: Mapping[str, Mapping[str, Any]]) -> PlanRecord:
     """`resolve` with the validated config sections by name, as the planner's rule passes them
-    (the planner's job and the plan worked out at DAG time, `planning.ahead`, both call this)."""
-    return resolve(
-        hardware=hardware,
-        hw_config=sections["hardware"],
-        model=sections["model"],
-        tokenizer=sections["tokenizer"],
-        parallelism=sections["parallelism"],
-        deepspeed=sections["deepspeed"],
-        pretrain=sections["pretrain"],
-        grpo=sections["grpo"],
-    )
+    (the planner's job and the plan worked out at DAG time, `planning.ahead`, both call this),
+    or a whole validated config: the typed sections are built here, once."""
+    return resolve(hardware, PlannerSettings.from_config(sections))

@@ -13,20 +13,77 @@ DeepSpeed's AutoTP training supports ZeRO stages 0-2 only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
 from itertools import product
-from typing import Any
+from typing import cast
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import GpuSpec
 from stagetrain.planning import memory as mem
-from stagetrain.planning.plan import Layout, Offload, Precision
+from stagetrain.planning.plan import (
+    CandidateRecord,
+    Layout,
+    MemoryRecord,
+    NoThroughput,
+    Offload,
+    Precision,
+    StageSearch,
+    TableEntry,
+    ThroughputRecord,
+)
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import Rates, Throughput, predict
+from stagetrain.settings import DeepSpeedSettings, ParallelismSettings
 
-SEARCHED = ("dp", "tp", "micro_batch_size", "zero_stage", "activation_checkpointing", "offload")
 RUNNERS_UP = 5
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fixed:
+    """The searched values already decided, by the config or a parallelism table; None: searched."""
+
+    dp: int | None = None
+    tp: int | None = None
+    micro_batch_size: int | None = None
+    zero_stage: int | None = None
+    activation_checkpointing: bool | None = None
+    offload: Offload | None = None
+
+    @classmethod
+    def of(cls, parallelism: ParallelismSettings) -> Fixed:
+        """The values the `parallelism` section sets."""
+        return cls(**{name: getattr(parallelism, name) for name in SEARCHED})
+
+    def given(self) -> dict[str, int | bool | str]:
+        """The decided values by name, in SEARCHED order."""
+        values = ((name, getattr(self, name)) for name in SEARCHED)
+        return {name: value for name, value in values if value is not None}
+
+    def under(self, entry: TableEntry) -> Fixed:
+        """These values, with a table `entry`'s where these leave one open."""
+        return replace(
+            self,
+            dp=entry["dp"] if self.dp is None else self.dp,
+            tp=entry["tp"] if self.tp is None else self.tp,
+            micro_batch_size=(
+                entry["micro_batch_size"]
+                if self.micro_batch_size is None
+                else self.micro_batch_size
+            ),
+        )
+
+
+SEARCHED = tuple(f.name for f in fields(Fixed))
+"""The values the planner searches (plan.json's `sources` has one per name)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Knobs:
+    """The config sections whose values the memory and speed models use."""
+
+    parallelism: ParallelismSettings
+    deepspeed: DeepSpeedSettings
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,17 +146,17 @@ def _divisors(n: int) -> list[int]:
 def _candidates(
     demand: Demand,
     devices: Devices,
-    fixed: Mapping[str, Any],
+    fixed: Fixed,
     shape: Callable[[int], ModelShape],
     precision: Precision,
     offloads: tuple[Offload, ...],
     max_mbs: int,
 ) -> Iterator[Layout]:
     heads = shape(1)
-    if fixed.get("tp"):
-        tps = [fixed["tp"]]
-    elif fixed.get("dp"):
-        tps = [devices.world // fixed["dp"]]
+    if fixed.tp:
+        tps = [fixed.tp]
+    elif fixed.dp:
+        tps = [devices.world // fixed.dp]
     elif devices.gpu is None:
         tps = [1]
     else:
@@ -108,19 +165,19 @@ def _candidates(
             if heads.num_heads % t == 0 and heads.num_kv_heads % t == 0
         ]  # fmt: skip
     for tp in tps:
-        dp = fixed.get("dp") or devices.world // tp
+        dp = fixed.dp or devices.world // tp
         per_rank, rest = divmod(demand.global_batch, dp)
         if rest or per_rank % demand.group:
             continue
         mbs_options = (
-            [fixed["micro_batch_size"]]
-            if fixed.get("micro_batch_size")
+            [fixed.micro_batch_size]
+            if fixed.micro_batch_size
             else [d for d in _divisors(per_rank) if d <= max_mbs]
         )
-        zeros = [fixed["zero_stage"]] if fixed.get("zero_stage") is not None else [0, 1, 2, 3]
+        zeros = [fixed.zero_stage] if fixed.zero_stage is not None else [0, 1, 2, 3]
         acs = (
-            [fixed["activation_checkpointing"]]
-            if fixed.get("activation_checkpointing") is not None
+            [fixed.activation_checkpointing]
+            if fixed.activation_checkpointing is not None
             else [False, True]
         )
         for mbs, zero, ac, offload in product(mbs_options, zeros, acs, offloads):
@@ -151,19 +208,20 @@ def _evaluate(
     shape: ModelShape,
     devices: Devices,
     demand: Demand,
-    options: Mapping[str, Any],
+    knobs: Knobs,
     rates: Rates | None,
 ) -> Evaluated:
+    parallelism, deepspeed = knobs.parallelism, knobs.deepspeed
     memory = mem.estimate(
         shape,
         layout,
-        bucket_size=options["bucket_size"],
-        max_live=options["stage3_max_live_parameters"],
-        overlap_comm=options["overlap_comm"],
+        bucket_size=deepspeed.bucket_size,
+        max_live=deepspeed.stage3_max_live_parameters,
+        overlap_comm=deepspeed.overlap_comm,
         extra=demand.extra_bytes(shape, layout),
     )
-    reserved = options["reserved_gib"] if devices.gpu else 0.0
-    usable = mem.usable_bytes(devices.device_bytes, reserved, options["fragmentation"])
+    reserved = parallelism.reserved_gib if devices.gpu else 0.0
+    usable = mem.usable_bytes(devices.device_bytes, reserved, parallelism.fragmentation)
     host_ok = layout.offload == "none" or (
         devices.host_bytes_per_node is not None
         and memory.host_per_node <= devices.host_bytes_per_node
@@ -176,7 +234,7 @@ def _evaluate(
             rates,
             nodes=devices.nodes,
             inter_node_gbps=devices.inter_node_gbps,
-            overlap_comm=options["overlap_comm"],
+            overlap_comm=deepspeed.overlap_comm,
         )
     return Evaluated(
         layout=layout, memory=memory, fits=memory.total <= usable and host_ok,
@@ -219,21 +277,23 @@ def _why_lost(loser: Evaluated, winner: Evaluated) -> str:
     return f"no faster, and needs more memory ({loser.memory.total / mem.GIB:.2f} GiB)"
 
 
-def _report(ev: Evaluated) -> dict[str, Any]:
+def _report(ev: Evaluated, best: Evaluated) -> CandidateRecord:
+    """A layout the planner did not choose, and why `best` won over it."""
     return {
         "layout": ev.summary(),
         "tokens_per_s": round(ev.throughput.tokens_per_s, 1) if ev.throughput else None,
         "memory_gib": round(ev.memory.total / mem.GIB, 3),
+        "reason": _why_lost(ev, best),
     }
 
 
 def _evaluate_all(
     demand: Demand,
     devices: Devices,
-    fixed: Mapping[str, Any],
+    fixed: Fixed,
     shape: Callable[[int], ModelShape],
     precision: Precision,
-    options: Mapping[str, Any],
+    knobs: Knobs,
     rates: Rates | None,
 ) -> list[Evaluated]:
     """Every candidate layout, evaluated; offloading is tried only when nothing fits without it.
@@ -241,16 +301,22 @@ def _evaluate_all(
     Raises:
         StageError: no layout divides the batch over the ranks.
     """
-    fixed_offload = fixed.get("offload")
+    fixed_offload = fixed.offload
     offload_sets: list[tuple[Offload, ...]] = (
         [(fixed_offload,)] if fixed_offload else [("none",), ("optimizer", "optimizer_and_params")]
     )
     evaluated: list[Evaluated] = []
     for offloads in offload_sets:
         for layout in _candidates(
-            demand, devices, fixed, shape, precision, offloads, options["max_micro_batch_size"]
+            demand,
+            devices,
+            fixed,
+            shape,
+            precision,
+            offloads,
+            knobs.parallelism.max_micro_batch_size,
         ):
-            evaluated.append(_evaluate(layout, shape(layout.tp), devices, demand, options, rates))
+            evaluated.append(_evaluate(layout, shape(layout.tp), devices, demand, knobs, rates))
         if any(e.fits for e in evaluated):
             break
     if not evaluated:
@@ -258,13 +324,13 @@ def _evaluate_all(
             f"{demand.stage}: no layout divides the global batch of {demand.global_batch} sequences "
             f"(groups of {demand.group}) over {devices.world} ranks with tp dividing the "
             f"{shape(1).num_heads} heads, {shape(1).num_kv_heads} KV heads and {devices.per_node} "
-            f"devices per node; fixed: {dict((k, v) for k, v in fixed.items() if v is not None)}"
+            f"devices per node; fixed: {fixed.given()}"
         )
     return evaluated
 
 
 def _choose(
-    demand: Demand, evaluated: list[Evaluated], fixed: Mapping[str, Any]
+    demand: Demand, evaluated: list[Evaluated], fixed: Fixed
 ) -> tuple[Evaluated, list[Evaluated], list[str]]:
     """The best layout, the fitting ones best first, and warnings. When none fits, the smallest
     is kept with a warning if the config fixed something, else it is an error.
@@ -279,7 +345,7 @@ def _choose(
     else:
         best = min(evaluated, key=lambda e: e.memory.total)
         need = f"{best.memory.total / mem.GIB:.2f} GiB per device of {best.usable / mem.GIB:.2f} usable"
-        if not any(v is not None for v in fixed.values()):
+        if not fixed.given():
             raise StageError(
                 f"{demand.stage}: nothing fits; the smallest layout ({best.summary()}) needs {need}: "
                 "use more or larger devices, a shorter sequence or a smaller model"
@@ -294,12 +360,12 @@ def _choose(
 def search(
     demand: Demand,
     devices: Devices,
-    fixed: Mapping[str, Any],
+    fixed: Fixed,
     shape: Callable[[int], ModelShape],
     precision: Precision,
-    options: Mapping[str, Any],
+    knobs: Knobs,
     rates: Rates | None,
-) -> dict[str, Any]:
+) -> StageSearch:
     """Choose the layout of one stage and explain the choice.
 
     Args:
@@ -308,7 +374,7 @@ def search(
         fixed: values already decided (by the config or a table); None = search.
         shape: the model's shape for a given tp (the vocabulary padding depends on tp).
         precision: the training precision.
-        options: the parallelism and deepspeed config values the models use.
+        knobs: the parallelism and deepspeed sections, whose values the models use.
         rates: one device's speed in `precision`; None: no throughput model.
 
     Returns:
@@ -317,28 +383,33 @@ def search(
     Raises:
         StageError: no layout is possible, or none fits and nothing was fixed.
     """
-    evaluated = _evaluate_all(demand, devices, fixed, shape, precision, options, rates)
+    evaluated = _evaluate_all(demand, devices, fixed, shape, precision, knobs, rates)
     best, fitting, warnings = _choose(demand, evaluated, fixed)
     others = [e for e in fitting[1:] if e.summary() != best.summary()]
     rejected = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
     return {
         "layout": best.layout.to_json(),
-        "memory": {
-            **asdict(best.memory),
-            "total": best.memory.total,
-            "usable": best.usable,
-            "device": devices.device_bytes,
-            "fits": best.fits,
-        },
-        "throughput": (
-            {**asdict(best.throughput), "step_s": best.throughput.step_s}
-            if best.throughput
-            else {
-                "reason": "no measured speed of these CPU ranks in hardware.json; the training stage measures it"
-            }
-        ),
+        "memory": _memory_record(best, devices),
+        "throughput": _throughput_record(best.throughput),
         "candidates": {"considered": len(evaluated), "fit": len(fitting)},
-        "runners_up": [{**_report(e), "reason": _why_lost(e, best)} for e in others[:RUNNERS_UP]],
-        "rejected": [{**_report(e), "reason": _why_lost(e, best)} for e in rejected[:RUNNERS_UP]],
+        "runners_up": [_report(e, best) for e in others[:RUNNERS_UP]],
+        "rejected": [_report(e, best) for e in rejected[:RUNNERS_UP]],
         "warnings": warnings,
     }
+
+
+def _memory_record(best: Evaluated, devices: Devices) -> MemoryRecord:
+    """plan.json's `memory`: the chosen layout's bytes by part (MemoryRecord names
+    `mem.Memory`'s fields), its total, and what the device has."""
+    record = {**asdict(best.memory), "total": best.memory.total, "usable": best.usable,
+              "device": devices.device_bytes, "fits": best.fits}  # fmt: skip
+    return cast(MemoryRecord, record)
+
+
+def _throughput_record(throughput: Throughput | None) -> ThroughputRecord | NoThroughput:
+    """plan.json's `throughput` (ThroughputRecord names `Throughput`'s fields), or why there is none."""
+    if throughput is None:
+        return {
+            "reason": "no measured speed of these CPU ranks in hardware.json; the training stage measures it"
+        }
+    return cast(ThroughputRecord, {**asdict(throughput), "step_s": throughput.step_s})

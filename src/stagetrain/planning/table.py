@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from stagetrain.hub import HubError, fetch
+from stagetrain.planning.plan import TableEntry
 
 TABLE_FILE = "parallelism_data.json"
 ENTRY_KEYS = ("dp", "tp", "micro_batch_size")
+"""The keys of `TableEntry`, which every entry must have (it may have more)."""
+
+Table = dict[str, dict[str, TableEntry]]
+"""A checked table: GPU key -> GPU count (a string of digits) -> entry."""
 
 
 class TableMiss(Exception):
     """The table could not be used; the message says why in one line."""
 
 
-def read_local(path: str | Path) -> tuple[dict[str, Any], str]:
+def read_local(path: str | Path) -> tuple[Table, str]:
     """The table at `path` and its source label."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -39,7 +43,7 @@ def read_local(path: str | Path) -> tuple[dict[str, Any], str]:
     return parse(text, str(path)), f"file:{path}"
 
 
-def download(repo: str, revision: str) -> tuple[dict[str, Any], str]:
+def download(repo: str, revision: str) -> tuple[Table, str]:
     """The table of hub repo `repo` at `revision`, and 'hub:<repo>@<commit>'."""
     where = f"hub repo {repo!r}@{revision}"
     try:
@@ -53,7 +57,7 @@ def download(repo: str, revision: str) -> tuple[dict[str, Any], str]:
     return parse(text, where), f"hub:{repo}@{commit}"
 
 
-def parse(text: str, where: str) -> dict[str, Any]:
+def parse(text: str, where: str) -> Table:
     """Parse and check a table's structure, naming the first malformed entry."""
     try:
         table = json.loads(text)
@@ -79,7 +83,7 @@ def parse(text: str, where: str) -> dict[str, Any]:
     return table
 
 
-def lookup(table: dict[str, Any], gpu_key: str, world: int, where: str) -> dict[str, int]:
+def lookup(table: Table, gpu_key: str, world: int, where: str) -> TableEntry:
     """The entry for `gpu_key` and `world` GPUs, or a miss that lists what the table has."""
     entry = table.get(gpu_key, {}).get(str(world))
     if entry is None:
@@ -88,4 +92,4 @@ def lookup(table: dict[str, Any], gpu_key: str, world: int, where: str) -> dict[
             or "nothing"
         )
         raise TableMiss(f"{where}: no entry for {gpu_key} x {world} (the table has {have})")
-    return {k: entry[k] for k in ENTRY_KEYS}
+    return {"dp": entry["dp"], "tp": entry["tp"], "micro_batch_size": entry["micro_batch_size"]}

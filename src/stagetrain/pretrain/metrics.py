@@ -1,9 +1,10 @@
 """The pretrain stage's metric names: every key its metrics.jsonl may hold, with what it means.
 
-`stagetrain.training.metrics.MetricsLog` refuses a key that is not here.
+`stagetrain.training.metrics.MetricsLog` refuses a key that is not here. `PretrainRecord`
+types a record with the same keys (tests/test_pretrain_unit.py holds the two equal).
 """
 
-from __future__ import annotations
+from typing import NotRequired, TypedDict
 
 METRICS: dict[str, str] = {
     "step": "optimizer steps completed; every record",
@@ -25,3 +26,29 @@ METRICS: dict[str, str] = {
     "moe/load_by_layer": "per MoE layer, each expert's share of the step's routed tokens (all ranks); MoE only",
     "time/elapsed_s": "seconds since this process started training; every record",
 }
+
+PretrainRecord = TypedDict(
+    "PretrainRecord",
+    {
+        "step": int,
+        "train/loss": float,
+        "train/lr": float,
+        "train/grad_norm": float | None,
+        "train/tokens": int,
+        "throughput/tokens_per_s": float,
+        "throughput/mfu(%)": float | None,
+        "memory/max_allocated(GiB)": NotRequired[float],
+        "memory/max_reserved(GiB)": NotRequired[float],
+        "memory/max_rss(GiB)": NotRequired[float],
+        "eval/loss": NotRequired[float],
+        "train/aux_loss": NotRequired[float],
+        "moe/load_entropy": NotRequired[float],
+        "moe/load_max_over_mean": NotRequired[float],
+        "moe/load_entropy_by_layer": NotRequired[dict[str, float]],
+        "moe/load_max_over_mean_by_layer": NotRequired[dict[str, float]],
+        "moe/load_by_layer": NotRequired[list[list[float]]],
+        "time/elapsed_s": float,
+    },
+)
+"""One record of pretrain's metrics.jsonl (`pretrain.train.record`); METRICS says when each
+optional key is there."""

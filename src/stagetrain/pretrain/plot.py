@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stagetrain.pretrain.summary import PretrainSummary
 
 
-def loss_plot(summary: Mapping[str, Any], path: str | Path) -> None:
+def loss_plot(summary: PretrainSummary, path: str | Path) -> None:
     """Training loss per logged step and validation loss, as a PNG; for an MoE model also the
     expert load (the busiest expert's share over the mean, averaged over MoE layers)."""
     import matplotlib

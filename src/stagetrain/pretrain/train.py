@@ -1,9 +1,10 @@
 """The pretraining loop, run on every rank by torchrun: `python -m stagetrain.pretrain.train --spec job.json`.
 
-The spec (written by scripts/pretrain.py) names the artifacts to read and
-write and carries the config sections. Rank 0 writes the metrics, the summary
-and the loss plot; every rank takes part in forward, backward, step, evaluation
-and checkpointing, since under ZeRO-3 or AutoTP none can do them alone.
+The spec (`training.spec.PretrainJob`, written by scripts/pretrain.py) names
+the artifacts to read and write and carries the config sections. Rank 0 writes
+the metrics, the summary (`pretrain.summary.PretrainSummary`) and the loss plot;
+every rank takes part in forward, backward, step, evaluation and checkpointing,
+since under ZeRO-3 or AutoTP none can do them alone.
 """
 
 from __future__ import annotations
@@ -11,29 +12,38 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from transformers.integrations import HfDeepSpeedConfig
 
+from stagetrain.deepspeed_config import DeepSpeedJson
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning.plan import Layout
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import flops_per_token
-from stagetrain.pretrain.metrics import METRICS
+from stagetrain.pretrain.metrics import METRICS, PretrainRecord
 from stagetrain.pretrain.plot import loss_plot
-from stagetrain.settings import PretrainSettings
+from stagetrain.pretrain.summary import ExpertsSummary, ParamRecord, PretrainSummary
+from stagetrain.settings import ModelSettings, PretrainSettings
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import Sampler, window_count
-from stagetrain.training.checkpoints import Checkpoints
+from stagetrain.training.checkpoints import Checkpoints, ClientState
+from stagetrain.training.engine import ParamCounts
 from stagetrain.training.evaluation import validation_loss, window_loss
-from stagetrain.training.experts import Routing, load_stats, routing_of, training_loss
+from stagetrain.training.experts import (
+    Routing,
+    RoutingStep,
+    load_stats,
+    routing_of,
+    training_loss,
+)
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
 from stagetrain.training.metrics import (
     MetricsLog,
@@ -43,6 +53,10 @@ from stagetrain.training.metrics import (
     window_log_on,
 )
 from stagetrain.training.rank import rank_main
+from stagetrain.training.spec import PretrainJob
+
+if TYPE_CHECKING:
+    from stagetrain.prepare_tokenizer import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 WINDOW_RECORD = {
@@ -52,13 +66,27 @@ WINDOW_RECORD = {
 NOT_MATHS = ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every")
 
 
+class WindowRecord(TypedDict):
+    """One record of the debug log windows.jsonl (WINDOW_RECORD says what each key means)."""
+
+    step: int
+    windows: list[list[int]]
+
+
+class PretrainClient(ClientState):
+    """What pretrain's checkpoints carry beside DeepSpeed's state: the last validation loss
+    measured (None before the first evaluation)."""
+
+    eval_loss: float | None
+
+
 @dataclass(kw_only=True)
 class Run:
     """Everything the loop needs, built once by `setup`."""
 
-    spec: dict[str, Any]
+    spec: PretrainJob
     cfg: PretrainSettings
-    engine: Any
+    engine: DeepSpeedEngine
     device: torch.device
     layout: Layout
     sampler: Sampler
@@ -66,10 +94,13 @@ class Run:
     train: np.ndarray
     eval_windows: np.ndarray
     val: np.ndarray
-    loop: StageLoop
+    loop: StageLoop[PretrainRecord, PretrainClient]
     flops_per_token: float
     peak_flops: float | None
-    params: dict[str, Any]
+    params: ParamCounts
+    """After construction: this rank's parameter elements and the model's."""
+    predicted_tokens_per_s: float | None
+    """The planner's (`predicted_tokens_per_s`)."""
     routing: Routing | None
     """An MoE model's routing (its load-balancing loss and expert load); None when dense."""
     zero3_config: HfDeepSpeedConfig | None
@@ -77,12 +108,14 @@ class Run:
 
 
 def components(
-    spec: Mapping[str, Any], meta: Mapping[str, Any], ds_config: Mapping[str, Any]
+    spec: PretrainJob, meta: TokenizerMeta, ds_config: DeepSpeedJson, init_from: str | None
 ) -> dict[str, Any]:
-    """What the checkpoint fingerprint is made of: everything that changes the maths."""
+    """What the checkpoint fingerprint is made of: everything that changes the maths. Plain JSON
+    as each part is written (model_config.json, the pretrain section less NOT_MATHS): the
+    fingerprint hashes it, so a key no type names still changes it."""
     return {
         "model_config": json.loads(Path(spec["model_config"]).read_text()),
-        "init_from": spec["model"]["init_from"],
+        "init_from": init_from,
         "tokenizer": meta["tokenizer_sha256"],
         "data": meta["train"]["sha256"],
         "training": {k: v for k, v in spec["pretrain"].items() if k not in NOT_MATHS},
@@ -95,17 +128,18 @@ def components(
     }
 
 
-def setup(spec: dict[str, Any]) -> Run:
+def setup(spec: PretrainJob) -> Run:
     """Start the process group, check the world against the plan, build the engine and the data."""
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg = PretrainSettings.from_config(spec["pretrain"], "pretrain")
+    init_from = ModelSettings.from_config(spec["model"], "model").init_from
     layout = Layout.from_plan(plan, "pretrain")
-    checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config),
+    checkpoints = Checkpoints(Path(spec["checkpoints"]), components(spec, meta, ds_config, init_from),
                               layout.checkpoint_layout, cfg.keep_checkpoints)  # fmt: skip
     checkpoints.hold()  # before anything is built or written: a second run of the stage stops here
     config = engines.load_model_config(spec["model_config"])
     engine, params, zero3_config = engines.build(
-        config=config, ds_config=ds_config, init_from=spec["model"]["init_from"],
+        config=config, ds_config=ds_config, init_from=init_from,
         activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
         attention=plan["attention"],
     )  # fmt: skip
@@ -129,12 +163,12 @@ def setup(spec: dict[str, Any]) -> Run:
         loop=StageLoop(stage="pretrain", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         flops_per_token=flops_per_token(shape, seq),
         peak_flops=gpu_spec(plan["device"]).peak_tflops * 1e12 * plan["world"] if plan["device"] != "cpu" else None,
-        params={**params, "predicted_tokens_per_s": predicted_tokens_per_s(spec)}, routing=routing_of(config),
+        params=params, predicted_tokens_per_s=predicted_tokens_per_s(spec), routing=routing_of(config),
         zero3_config=zero3_config,
     )  # fmt: skip
 
 
-def predicted_tokens_per_s(spec: dict[str, Any]) -> float | None:
+def predicted_tokens_per_s(spec: PretrainJob) -> float | None:
     """The planner's prediction for this layout (`spec["throughput"]`, plan.json's estimate: the
     part of the plan the stage depends on leaves the estimates out, `planning.derived`)."""
     return spec["throughput"].get("tokens_per_s")
@@ -155,10 +189,11 @@ def evaluate(run: Run) -> float:
 
 
 def train_step(
-    run: Run, step: int, windows: MetricsLog | None = None
-) -> tuple[float, dict[str, Any]]:
+    run: Run, step: int, windows: MetricsLog[WindowRecord] | None = None
+) -> tuple[float, RoutingStep | None]:
     """One optimizer step over this rank's micro batches: the language-model loss averaged over
-    all ranks, and for an MoE model the aux loss and expert load (`training.experts`) too.
+    all ranks, and for an MoE model the aux loss and expert load (`training.experts`; None for
+    a dense one).
 
     With the window log on (`window_log_on`), the windows every rank read are
     gathered and rank 0 appends them to `windows`.
@@ -187,18 +222,18 @@ def train_step(
             windows.write({"step": step + 1, "windows": [by_dp[r] for r in sorted(by_dp)]})
     world = dist.get_world_size()
     if not run.routing:
-        return mean[0].item() / world, {}
+        return mean[0].item() / world, None
     shares = mean[2:].reshape(-1, run.routing.experts).double().numpy() / world
-    return mean[0].item() / world, {"train/aux_loss": mean[1].item() / world, **load_stats(shares)}
+    return mean[0].item() / world, RoutingStep(mean[1].item() / world, load_stats(shares))
 
 
 def record(
     run: Run, step: int, loss: float, seconds: float, tokens: int, elapsed: float
-) -> dict[str, Any]:
+) -> PretrainRecord:
     """One metrics record for `step`."""
     rate = tokens / seconds if seconds > 0 else 0.0
     grad_norm = run.engine.get_global_grad_norm()
-    out = {
+    out: PretrainRecord = {
         "step": step, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
         "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
         "train/tokens": step * run.layout.tokens_per_step,
@@ -215,8 +250,8 @@ def record(
     return out
 
 
-def loop(run: Run) -> dict[str, Any]:
-    """Train from the latest checkpoint (or step 0) to the configured steps; return the summary."""
+def loop(run: Run) -> None:
+    """Train from the latest checkpoint (or step 0) to the configured steps."""
     cfg, stage = run.cfg, run.loop
     client = stage.resume(METRICS)
     run.eval_windows = stage.eval_set(run.eval_windows, client)
@@ -226,24 +261,17 @@ def loop(run: Run) -> dict[str, Any]:
     last_eval, window_s, window_steps = None, 0.0, 0
     for step in stage.steps():
         t0 = time.monotonic()
-        loss, moe = train_step(run, step - 1, windows)
+        loss, routed = train_step(run, step - 1, windows)
         finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
         evaluating = stage.evaluates(step)
         if evaluating or stage.logs(step):
             # tokens/s over the training time since the last record (evaluation and saving excluded)
-            entry = (
-                record(
-                    run,
-                    step,
-                    loss,
-                    window_s,
-                    window_steps * tokens_per_step,
-                    time.monotonic() - began,
-                )
-                | moe
-            )
+            entry = record(run, step, loss, window_s, window_steps * tokens_per_step,
+                           time.monotonic() - began)  # fmt: skip
+            if routed:
+                entry |= {"train/aux_loss": routed.aux_loss, **routed.load}
             window_s, window_steps = 0.0, 0
             if evaluating:
                 entry["eval/loss"] = last_eval = evaluate(run)
@@ -252,7 +280,6 @@ def loop(run: Run) -> dict[str, Any]:
                 stage.metrics.write(entry)
                 log.info(progress.line(step, loss, entry["throughput/tokens_per_s"]))
         stage.checkpoint(step, {"step": step, "eval_loss": last_eval})
-    return {"final_step": cfg.steps, "resumed_from_step": stage.start}
 
 
 def checksum(module: torch.nn.Module) -> list[float]:
@@ -270,18 +297,33 @@ def checksum(module: torch.nn.Module) -> list[float]:
     return [total.item(), squares.item()]
 
 
-def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
+def final_params(run: Run) -> ParamRecord:
+    """The parameters at the end, on every rank (all take part in the gathers): the dtypes (the
+    optimizer states exist only now), and each rank's element count and `checksum`."""
+    dtypes = engines.dtypes(run.engine)
+    gathered = {}
+    for key, value in (("local_param_elements", run.params["local_param_elements"]),
+                       ("param_checksum", checksum(run.engine.module))):  # fmt: skip
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, value)
+        gathered[key] = every
+    return {**run.params, "dtypes": dtypes,
+            "local_param_elements_per_rank": gathered["local_param_elements"],
+            "param_checksum_per_rank": gathered["param_checksum"]}  # fmt: skip
+
+
+def summarise(run: Run, params: ParamRecord) -> PretrainSummary:
     """summary.json: the stage's declared output."""
     records = run.loop.records()
     rates = [r["throughput/tokens_per_s"] for r in records[1:]] or [
         records[0]["throughput/tokens_per_s"]
     ]
     mfus = [r["throughput/mfu(%)"] for r in records[1:] if r.get("throughput/mfu(%)") is not None]
-    predicted = run.params["predicted_tokens_per_s"]
+    predicted = run.predicted_tokens_per_s
+    final_eval_loss = [r["eval/loss"] for r in records if "eval/loss" in r][-1]
     return {
-        **run.loop.summary(result, layout=run.layout),
+        **run.loop.summary(final_eval_loss=final_eval_loss, layout=run.layout),
         "final_loss": records[-1]["train/loss"],
-        "final_eval_loss": [r["eval/loss"] for r in records if "eval/loss" in r][-1],
         "losses": {r["step"]: r["train/loss"] for r in records},
         "eval_losses": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
         "tokens_per_s": float(np.median(rates)),
@@ -289,11 +331,12 @@ def summarise(run: Run, result: Mapping[str, Any]) -> dict[str, Any]:
         "mfu(%)": float(np.median(mfus)) if mfus else None,
         "mfu_reason": None if mfus else "no MFU on CPUs or GPUs missing from the catalog",
         "experts": experts_summary(run, records),
-        **run.params,
+        "predicted_tokens_per_s": predicted,
+        **params,
     }  # fmt: skip
 
 
-def experts_summary(run: Run, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+def experts_summary(run: Run, records: list[PretrainRecord]) -> ExpertsSummary | None:
     """An MoE run's routing, its expert load at the last record (the final imbalance) and the
     imbalance at each record (for the loss plot); None for a dense model."""
     if run.routing is None:
@@ -305,19 +348,14 @@ def experts_summary(run: Run, records: list[dict[str, Any]]) -> dict[str, Any] |
             "load_max_over_mean": {r["step"]: r["moe/load_max_over_mean"] for r in records}}  # fmt: skip
 
 
-def rank(spec: dict[str, Any]) -> None:
+def rank(spec: PretrainJob) -> None:
     """One rank of the pretrain stage: train, then (rank 0) write the outputs."""
     run = setup(spec)
     quiet_other_ranks()
-    result = loop(run)
-    run.params["dtypes"] = engines.dtypes(run.engine)  # the optimizer states exist only now
-    for key, value in (("local_param_elements", run.params["local_param_elements"]),
-                       ("param_checksum", checksum(run.engine.module))):  # fmt: skip
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, value)
-        run.params[f"{key}_per_rank"] = gathered
+    loop(run)
+    params = final_params(run)
     if dist.get_rank() == 0:
-        run.loop.write_outputs(summarise(run, result), loss_plot, "loss_plot")
+        run.loop.write_outputs(summarise(run, params), loss_plot, spec["loss_plot"])
 
 
 if __name__ == "__main__":

@@ -17,16 +17,33 @@ stage that reads it (the corpus), before anything trains.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stagetrain.corpus.meta import (
+    FamilyRecord,
+    FileRecord,
+    GeneratedRecord,
+    HubFileRecord,
+    LocalFileRecord,
+    TokenizerMeta,
+)
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
+from stagetrain.settings import (
+    DataSettings,
+    GrpoSettings,
+    HubTaskFile,
+    RewardSpec,
+    TaskFamilySettings,
+    TasksSettings,
+)
 from stagetrain.tasks import rewards as task_rewards
 from stagetrain.tasks.files import read_rows
 from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, split_of
@@ -55,12 +72,12 @@ class TaskFamily:
 
     key: str
     """Its place in the config ('tasks.families.0'; 'tasks' for an unlisted built-in)."""
-    rewards: Sequence[Mapping[str, Any]] | None
+    rewards: Sequence[RewardSpec] | None
     success_at: float
     family: Family
-    record: dict[str, Any] = field(default_factory=dict)
+    record: FamilyRecord | None = None
     """Provenance for data/meta.json and the GRPO summary: files (hub ones with the commit they
-    resolved to) and problems per level and split."""
+    resolved to) and problems per level and split; None for a built-in generator."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,25 +99,27 @@ class TaskSet:
         """The weighted reward at or above which a completion counts as solving its problem."""
         return self.families[name].success_at
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, FamilyRecord]:
         """{family: provenance} of the file families."""
         return {name: f.record for name, f in self.families.items() if f.record}
 
 
 def data_part(tasks: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of `tasks` that decide the problems (not the rewards or prompt rendering): what
-    the corpus stage reads, so that editing a reward reruns GRPO and nothing upstream."""
+    the corpus stage reads, so that editing a reward reruns GRPO and nothing upstream. The raw
+    section in and out: Snakemake compares a rule's params as given, lists and absent keys
+    included, so a typed copy would rerun the stage on every run made before it."""
     keep = ("name", "generator", "files", "columns", "level_edges")
     return {
         "families": [{k: v for k, v in f.items() if k in keep} for f in tasks.get("families", [])]
     }
 
 
-def reward_digests(tasks: Mapping[str, Any]) -> dict[str, str]:
+def reward_digests(tasks: TasksSettings) -> dict[str, str]:
     """{reward file: sha256 of its content}: part of what GRPO computes, so of its checkpoints'
     fingerprint (an edited reward must not resume a run trained on the old one)."""
     paths = {task_rewards.parse_function(r["function"], KEY)[0]
-             for f in tasks.get("families", []) for r in f.get("rewards") or () if "function" in r}  # fmt: skip
+             for f in tasks.families for r in f.rewards or () if "function" in r}  # fmt: skip
     out = {}
     for path in sorted(paths):
         try:
@@ -112,48 +131,54 @@ def reward_digests(tasks: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def load_tasks(tasks: Mapping[str, Any], *, pins: Mapping[str, str] | None = None) -> TaskSet:
-    """Every family of the validated `tasks` section, file families read, checked and
-    registered with `stagetrain.tasks.registry`. `pins` maps a hub file ('repo/file@revision')
-    to the commit an earlier stage resolved it to, so every stage reads the same files."""
-    success_at = tasks.get("success_at", 1.0)
+NO_TASKS = TasksSettings(families=(), chat_template=True, success_at=1.0)
+"""The tasks section's defaults: the built-in families, rendered with a chat template."""
+
+
+def load_tasks(
+    tasks: TasksSettings = NO_TASKS, *, pins: Mapping[str, str] | None = None
+) -> TaskSet:
+    """Every family of the `tasks` section (default: none beyond the built-in ones), file
+    families read, checked and registered with `stagetrain.tasks.registry`. `pins` maps a hub
+    file ('repo/file@revision') to the commit an earlier stage resolved it to, so every stage
+    reads the same files."""
     out: dict[str, TaskFamily] = {
-        name: TaskFamily(key="tasks", rewards=None, success_at=success_at, family=family)
+        name: TaskFamily(key="tasks", rewards=None, success_at=tasks.success_at, family=family)
         for name, family in FAMILIES.items()
     }
     file_families = []
-    for index, entry in enumerate(tasks.get("families", [])):
+    for index, entry in enumerate(tasks.families):
         key = f"{KEY}.{index}"
-        own_success = entry.get("success_at")
-        common = {"key": key, "rewards": entry.get("rewards"),
-                  "success_at": success_at if own_success is None else own_success}  # fmt: skip
-        if entry.get("generator"):
-            out[entry["name"]] = TaskFamily(family=FAMILIES[entry["generator"]], **common)
+        success_at = tasks.success_at if entry.success_at is None else entry.success_at
+        if entry.generator:
+            out[entry.name] = TaskFamily(key=key, rewards=entry.rewards, success_at=success_at,
+                                         family=FAMILIES[entry.generator])  # fmt: skip
             continue
         family, record = _file_family(entry, key, pins or {})
         file_families.append(family)
-        out[entry["name"]] = TaskFamily(family=family, record=record, **common)
+        out[entry.name] = TaskFamily(key=key, rewards=entry.rewards, success_at=success_at,
+                                     family=family, record=record)  # fmt: skip
     register(file_families)
-    return TaskSet(families=out, chat_template=tasks.get("chat_template", True))
+    return TaskSet(families=out, chat_template=tasks.chat_template)
 
 
-def hub_name(entry: Mapping[str, Any]) -> str:
+def hub_name(entry: HubTaskFile) -> str:
     """How a hub file entry is named in pins and messages: 'repo/file@revision'."""
     return f"{entry['repo']}/{entry['file']}@{entry.get('revision', 'main')}"
 
 
 def _resolved(
-    entry: Mapping[str, Any], key: str, pins: Mapping[str, str]
-) -> list[tuple[str, str, dict[str, Any]]]:
+    entry: TaskFamilySettings, key: str, pins: Mapping[str, str]
+) -> list[tuple[str, str, FileRecord]]:
     """(path to read, name for messages, record) of each file of the family, in config order
     (a glob's matches sorted)."""
-    out = []
-    for i, item in enumerate(entry["files"]):
+    out: list[tuple[str, str, FileRecord]] = []
+    for i, item in enumerate(entry.files):
         if isinstance(item, str):
             matches = sorted(glob.glob(item, recursive=True))
             if not matches:
                 raise StageError(f"{key}.files.{i}: {item!r} matches no file")
-            out.extend((m, m, {"path": m}) for m in matches)
+            out.extend((m, m, LocalFileRecord(path=m)) for m in matches)
             continue
         name = hub_name(item)
         revision = pins.get(name, item.get("revision", "main"))
@@ -161,52 +186,53 @@ def _resolved(
             path, commit = fetch(item["repo"], item["file"], revision=revision, repo_type="dataset")
         except HubError as err:
             raise StageError(f"{key}.files.{i}: {err}") from None
-        out.append((str(path), f"{item['repo']}/{item['file']}", {"hub": name, "commit": commit}))
+        out.append(
+            (str(path), f"{item['repo']}/{item['file']}", HubFileRecord(hub=name, commit=commit))
+        )
     return out
 
 
 def _file_family(
-    entry: Mapping[str, Any], key: str, pins: Mapping[str, str]
-) -> tuple[Family, dict[str, Any]]:
-    columns = entry["columns"]
+    entry: TaskFamilySettings, key: str, pins: Mapping[str, str]
+) -> tuple[Family, FamilyRecord]:
+    """The family of `entry`'s files, every row and level checked, and its provenance."""
     by_key: dict[str, str] = {}
     pool: dict[tuple[int, str], list[Problem]] = {}
     files = _resolved(entry, key, pins)
     for path, shown, _ in files:
         for where, row in read_rows(path, shown):
-            problem = _problem(entry, key, columns, where, row)
+            problem = _problem(entry, key, where, row)
             if problem.key in by_key:
                 raise StageError(
-                    f"{where}: {key} ({entry['name']}): duplicate prompt, first given at {by_key[problem.key]}"
+                    f"{where}: {key} ({entry.name}): duplicate prompt, first given at {by_key[problem.key]}"
                 )
             by_key[problem.key] = where
             pool.setdefault((problem.level, split_of(problem.key)), []).append(problem)
     if not by_key:
-        raise StageError(f"{key} ({entry['name']}): its files hold no problem")
+        raise StageError(f"{key} ({entry.name}): its files hold no problem")
     top = max(level for level, _ in pool)
     counts = {lv: {s: len(pool.get((lv, s), ())) for s in SPLITS} for lv in range(1, top + 1)}
     for level, count in counts.items():
         total = sum(count.values())
         shown = f"{total} problems ({', '.join(f'{n} {s}' for s, n in count.items())})"
         if not total:
-            raise StageError(f"{key} ({entry['name']}): level {level} has no problem, though level {top} has some; "
+            raise StageError(f"{key} ({entry.name}): level {level} has no problem, though level {top} has some; "
                              "levels must run from 1 without a gap (level_edges can bucket a difficulty)")  # fmt: skip
         if count["train"] < 1 or count["val"] < MIN_VALIDATION or count["test"] < MIN_HELD_OUT:
-            raise StageError(f"{key} ({entry['name']}): level {level} has {shown}; each level needs at least 1 train, "
+            raise StageError(f"{key} ({entry.name}): level {level} has {shown}; each level needs at least 1 train, "
                              f"{MIN_VALIDATION} validation and {MIN_HELD_OUT} held-out (test) problems: add problems "
                              "or merge levels (level_edges)")  # fmt: skip
     log.info(
         "task family %s: %d problems at levels 1-%d from %d files",
-        entry["name"],
+        entry.name,
         len(by_key),
         top,
         len(files),
     )
-    record = {
-        "files": [r for _, _, r in files],
-        "problems": {str(lv): c for lv, c in counts.items()},
-    }
-    return Family(name=entry["name"], max_level=top, pool=pool), record
+    record = FamilyRecord(
+        files=[r for _, _, r in files], problems={str(lv): c for lv, c in counts.items()}
+    )
+    return Family(name=entry.name, max_level=top, pool=pool), record
 
 
 def _column(row: Mapping[str, Any], where: str, key: str, role: str, column: str) -> Any:
@@ -243,34 +269,28 @@ def _level(value: Any, edges: Sequence[float] | None, where: str, column: str) -
     return value
 
 
-def _problem(
-    entry: Mapping[str, Any],
-    key: str,
-    columns: Mapping[str, Any],
-    where: str,
-    row: Mapping[str, Any],
-) -> Problem:
-    question = _text(
-        _column(row, where, key, "prompt", columns["prompt"]), where, columns["prompt"]
-    )
+def _problem(entry: TaskFamilySettings, key: str, where: str, row: Mapping[str, Any]) -> Problem:
+    """One row of the user's file as a problem, checked; `row` is the file's, any columns."""
+    columns = entry.columns
+    question = _text(_column(row, where, key, "prompt", columns.prompt), where, columns.prompt)
     answer = _text(
-        _column(row, where, key, "answer", columns["answer"]),
+        _column(row, where, key, "answer", columns.answer),
         where,
-        columns["answer"],
+        columns.answer,
         numbers=True,
     )
     level = 1
-    if columns.get("level"):
+    if columns.level:
         level = _level(
-            _column(row, where, key, "level", columns["level"]),
-            entry.get("level_edges"),
+            _column(row, where, key, "level", columns.level),
+            entry.level_edges,
             where,
-            columns["level"],
+            columns.level,
         )
     solution = answer
-    if columns.get("solution"):
+    if columns.solution:
         solution = _text(
-            _column(row, where, key, "solution", columns["solution"]), where, columns["solution"]
+            _column(row, where, key, "solution", columns.solution), where, columns.solution
         )
     size = len(question) + len(answer) + len(solution)
     if size > MAX_ROW_CHARACTERS:
@@ -282,28 +302,36 @@ def _problem(
             raise StageError(
                 f"{where}: prompt, answer and solution must not contain the control token {marker!r}"
             )
-    mapped = {c for c in columns.values() if c}
+    mapped = {c for c in dataclasses.astuple(columns) if c}
     extra = {c: v for c, v in row.items() if c not in mapped}
     for name in extra:
         if name in task_rewards.RESERVED:
             raise StageError(f"{where}: column {name!r} is not mapped, and reward functions already get an argument "
                              f"of that name; rename the column or map it in {key}.columns")  # fmt: skip
-    return Problem(family=entry["name"], level=level, question=question, answer=answer, solution=solution,
+    return Problem(family=entry.name, level=level, question=question, answer=answer, solution=solution,
                    key=question, origin=where, columns=extra)  # fmt: skip
 
 
-def held_out_families(config: Mapping[str, Any]) -> list[str]:
+def held_out_families(grpo: GrpoSettings, data: DataSettings, tasks: TasksSettings) -> list[str]:
     """The families a held-out evaluation of a run scores: every family its config names (the
     curriculum's, the corpus's, the tasks section's), in that order."""
-    return list(dict.fromkeys([*config["grpo"]["curriculum"]["families"], *config["data"]["generated"]["families"],
-                               *(f["name"] for f in config["tasks"]["families"])]))  # fmt: skip
+    return list(dict.fromkeys([*grpo.curriculum.families, *data.generated.families,
+                               *(f.name for f in tasks.families)]))  # fmt: skip
 
 
-def hub_pins(meta: Mapping[str, Any]) -> dict[str, str]:
+def _generated_records(meta: TokenizerMeta) -> Iterator[GeneratedRecord]:
+    """The generated source's record of data/meta.json (none in a corpus without it)."""
+    for source in meta.get("sources", []):
+        record = source["record"]
+        if record["kind"] == "generated":
+            yield record
+
+
+def hub_pins(meta: TokenizerMeta) -> dict[str, str]:
     """{hub task file: commit} as the corpus stage resolved them (data/meta.json), so GRPO reads
     the same files even if a branch has moved since."""
     return {
         f["hub"]: f["commit"]
-        for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
-        for family in s["record"].get("tasks", {}).values() for f in family["files"] if "hub" in f
+        for record in _generated_records(meta)
+        for family in record.get("tasks", {}).values() for f in family["files"] if "hub" in f
     }  # fmt: skip

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from stagetrain.errors import StageError
+from stagetrain.settings import RewardSpec
 from stagetrain.tasks.problem import Problem
 from stagetrain.tasks.verify import extract_answer, is_integer, score
 
@@ -165,7 +166,7 @@ def load_function(spec: str, key: str) -> Callable[..., Any]:
     return function
 
 
-def build(entries: Sequence[dict[str, Any]] | None, key: str) -> tuple[Reward, ...]:
+def build(entries: Sequence[RewardSpec] | None, key: str) -> tuple[Reward, ...]:
     """The rewards of one family's `rewards` list (None: its problems' own verifier)."""
     if not entries:
         return (Reward(label="verifier default", weight=1.0, verifier="default"),)

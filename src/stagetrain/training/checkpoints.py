@@ -20,13 +20,15 @@ node continues on the ones left. The pointer records the layout of each tag.
 Only one run writes here at a time: `hold` has rank 0 lock the stage's
 checkpoint root (stagetrain.training.lock) before anything is written.
 
+What a checkpoint carries beside DeepSpeed's state (its client state) is `ClientState`, which
+each stage extends with its own keys. No `from __future__ import annotations` here: Python
+3.11 reads `NotRequired` only from evaluated annotations.
+
 Debug hook, for the test that kills a rank in the middle of a save: with
 STAGETRAIN_KILL_DURING_SAVE=<rank>:<step> set, that rank writes the first file
 of that step's save, cuts it to half its size and SIGKILLs itself, as a kill
 during `torch.save` would leave it. Nothing else reads the variable.
 """
-
-from __future__ import annotations
 
 import hashlib
 import json
@@ -38,7 +40,7 @@ import tempfile
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import torch.distributed as dist
 
@@ -47,6 +49,8 @@ from stagetrain.io import atomic_write_json, read_json
 from stagetrain.training import reshard
 from stagetrain.training.integrity import (
     POINTER,
+    Pointer,
+    ResumePoint,
     read_pointer,
     resume_point,
     step_of,
@@ -54,12 +58,26 @@ from stagetrain.training.integrity import (
 )
 from stagetrain.training.lock import StageLock
 
+if TYPE_CHECKING:  # DeepSpeed's import is paid by the ranks, which import it anyway
+    from deepspeed import DeepSpeedEngine
+
 log = logging.getLogger("stagetrain")
 RESUME_DECISION_TIMEOUT = timedelta(hours=6)
 """How long the other ranks wait for rank 0's resume decision: the integrity check and, under
 another layout, the conversion, which runs at tens of MB/s (docs/benchmarks.md): a 7B model's
 ~100 GB checkpoint takes about half an hour, past the collective timeout of training/engine.py."""
 KILL_DURING_SAVE = "STAGETRAIN_KILL_DURING_SAVE"
+
+
+class ClientState(TypedDict):
+    """A checkpoint's client state: the step it was saved after and, since checkpoints
+    recorded them (`loop.StageLoop.checkpoint`), the count of validation windows and the
+    `eval_batches` they were chosen under. Each stage adds its own keys
+    (`pretrain.train.PretrainClient`, `grpo.run.GrpoClient`)."""
+
+    step: int
+    eval_windows: NotRequired[int]
+    eval_batches: NotRequired[int]
 
 
 def fingerprint(components: Mapping[str, Any]) -> str:
@@ -124,7 +142,7 @@ class Checkpoints:
         )
         return f"config changed since checkpoint {others[-1].parent.name} ({', '.join(changed)}): starting fresh"
 
-    def latest(self, final_step: int | None = None) -> dict[str, Any] | None:
+    def latest(self, final_step: int | None = None) -> ResumePoint | None:
         """The pointer to the newest complete, intact checkpoint, made loadable under this run's layout.
 
         Rank 0 checks the files (`integrity.resume_point`: a damaged newest
@@ -134,28 +152,26 @@ class Checkpoints:
         stop with the same line. A checkpoint at `final_step` (the stage is complete) under a
         layout change no format carries is loaded for its weights alone (`module_only`).
         """
-        outcome: tuple[str, Any] = ("ok", None)
+        outcome: ResumePoint | str | None = None  # a str: the error every rank raises
         wide = dist.is_initialized() and dist.get_world_size() > 1
         # The others wait while rank 0 converts (minutes for a large checkpoint): longer than the
         # collective timeout allows, so the decision travels on a group of its own.
         group = dist.new_group(backend="gloo", timeout=RESUME_DECISION_TIMEOUT) if wide else None
         if self.rank == 0:
             try:
-                outcome = ("ok", self._loadable(resume_point(self.folder, self.layout), final_step))
+                outcome = self._loadable(resume_point(self.folder, self.layout), final_step)
             except StageError as err:
-                outcome = ("error", str(err))
+                outcome = str(err)
         if wide:
             box = [outcome]
             dist.broadcast_object_list(box, src=0, group=group)
             dist.destroy_process_group(group)
             outcome = box[0]
-        if outcome[0] == "error":
-            raise StageError(outcome[1])
-        return outcome[1]
+        if isinstance(outcome, str):
+            raise StageError(outcome)
+        return outcome
 
-    def _loadable(
-        self, point: dict[str, Any] | None, final_step: int | None
-    ) -> dict[str, Any] | None:
+    def _loadable(self, point: Pointer | None, final_step: int | None) -> ResumePoint | None:
         """`point` with the tag folder this run's layout loads (`load_tag`), converted if it must be."""
         if point is None:
             return None
@@ -168,27 +184,27 @@ class Checkpoints:
             log.info("%s -> %s: the ZeRO-0 checkpoint at step %d holds the whole state; loading it as it is",
                      reshard.describe(point["layout"]), reshard.describe(self.layout), point["step"])  # fmt: skip
         if how != "universal":
-            return {**point, "load_tag": point["tag"]}
+            return {**point, "load_tag": point["tag"], "module_only": False}
         tag = reshard.convert(self.folder, point["tag"], point["layout"], self.layout)
         reshard.check_universal(self.folder / tag)
-        return {**point, "load_tag": tag}
+        return {**point, "load_tag": tag, "module_only": False}
 
-    def load(self, engine: Any, pointer: Mapping[str, Any]) -> dict[str, Any]:
-        """Load `pointer` (from `latest`) into `engine` on every rank; the checkpoint's client state."""
-        options = reshard.load_options(pointer)
+    def load(self, engine: "DeepSpeedEngine", point: ResumePoint) -> ClientState:
+        """Load `point` (from `latest`) into `engine` on every rank; the checkpoint's client state."""
+        options = reshard.load_options(point)
         config = engine._config  # DeepSpeed reads load_universal from its config at load time
         before = config.load_universal_checkpoint
-        config.load_universal_checkpoint = options["universal"]
+        config.load_universal_checkpoint = options.universal
         try:
             with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
                 _, client = engine.load_checkpoint(
-                    str(self.folder), tag=options["tag"], load_module_only=options["module_only"]
+                    str(self.folder), tag=options.tag, load_module_only=options.module_only
                 )
         finally:
             config.load_universal_checkpoint = before
         return client
 
-    def save(self, engine: Any, step: int, client_state: Mapping[str, Any]) -> None:
+    def save(self, engine: "DeepSpeedEngine", step: int, client_state: ClientState) -> None:
         """Save on every rank, then (rank 0) point at it and drop checkpoints beyond `keep`."""
         tag = tag_of(step)
         if self.rank == 0:
@@ -227,15 +243,17 @@ class Checkpoints:
     def _point_at(self, tag: str, step: int) -> None:
         """Replace the pointer with one at `tag`, and drop the tags that fall out of `keep`."""
         pointer = self.folder / POINTER
-        earlier = read_pointer(pointer) if pointer.exists() else {"complete": [], "layouts": {}}
+        earlier = read_pointer(pointer) if pointer.exists() else None
+        kept = earlier["complete"] if earlier else []
         # Only tags older than this one: after a fallback, a damaged newer tag is not complete.
-        complete = [tag, *[t for t in earlier["complete"] if step_of(t) < step]][: self.keep]
-        layouts = {**earlier["layouts"], tag: self.layout}
-        atomic_write_json(pointer, {"tag": tag, "step": step, "layout": self.layout, "complete": complete,
-                                    "layouts": {t: layouts[t] for t in complete}})  # fmt: skip
+        complete = [tag, *[t for t in kept if step_of(t) < step]][: self.keep]
+        layouts = {**(earlier["layouts"] if earlier else {}), tag: self.layout}
+        written: Pointer = {"tag": tag, "step": step, "layout": self.layout, "complete": complete,
+                            "layouts": {t: layouts[t] for t in complete}}  # fmt: skip
+        atomic_write_json(pointer, written)
         # Pruned: the tags the pointer listed that fell out of `keep`, with their universal copies
         # (or a killed conversion's temp folder). A tag no pointer listed is not this run's to drop.
-        dropped = set(earlier["complete"]) - set(complete)
+        dropped = set(kept) - set(complete)
         for old in [*self.folder.glob("step*"), *self.folder.glob(".step*.tmp")]:
             if old.is_dir() and reshard.source_tag(old.name) in dropped:
                 shutil.rmtree(old, ignore_errors=True)

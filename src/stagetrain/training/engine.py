@@ -31,17 +31,24 @@ from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import deepspeed
 import torch
+from deepspeed import DeepSpeedEngine
 from safetensors import SafetensorError, safe_open
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
+from stagetrain.deepspeed_config import DeepSpeedJson
 from stagetrain.embeddings import resize_embeddings
 from stagetrain.errors import StageError
 from stagetrain.io import read_json
+from stagetrain.planning.plan import PlanPart
+
+if TYPE_CHECKING:
+    from stagetrain.prepare_tokenizer import TokenizerMeta
+    from stagetrain.training.spec import JobSpec
 
 SPARSE_BLOCKS = {
     "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
@@ -86,13 +93,15 @@ def bound_every_group(timeout: timedelta) -> None:
         distributed_c10d.default_pg_nccl_timeout = timeout
 
 
-def join_world(spec: Mapping[str, Any]) -> tuple[dict, dict, dict, torch.device]:
+def join_world(spec: JobSpec) -> tuple[PlanPart, TokenizerMeta, DeepSpeedJson, torch.device]:
     """Start this rank's process group and check the world against the plan.
 
-    Returns plan.json, meta.json, the DeepSpeed config and this rank's device;
-    the same start for every training stage.
+    Returns the stage's part of the plan, meta.json, the DeepSpeed config and this rank's
+    device; the same start for every training stage.
     """
-    plan, meta, ds_config = (read_json(spec[key]) for key in ("plan", "meta", "deepspeed_config"))
+    plan: PlanPart = read_json(spec["plan"])
+    meta: TokenizerMeta = read_json(spec["meta"])
+    ds_config: DeepSpeedJson = read_json(spec["deepspeed_config"])
     timeout = collective_timeout(os.environ)
     bound_every_group(timeout)
     deepspeed.init_distributed(dist_backend=plan["backend"], timeout=timeout)
@@ -192,15 +201,23 @@ def load_pretrained(folder: str) -> PreTrainedModel:
     return model
 
 
+class ParamCounts(TypedDict):
+    """The model's parameter elements after construction: this rank's (about 1/dp of them under
+    ZeRO-3) and the whole model's."""
+
+    local_param_elements: int
+    param_elements: int
+
+
 def build(
     *,
     config: PretrainedConfig,
-    ds_config: Mapping[str, Any],
+    ds_config: DeepSpeedJson,
     init_from: str | None,
     activation_checkpointing: bool,
     seed: int,
     attention: str,
-) -> tuple[Any, dict[str, int], HfDeepSpeedConfig | None]:
+) -> tuple[DeepSpeedEngine, ParamCounts, HfDeepSpeedConfig | None]:
     """The DeepSpeed engine, this rank's parameter count after construction, and the HF hook to
     keep alive. `attention` is the plan's kernel (`planning.attention`)."""
     zero3 = ds_config["zero_optimization"]["stage"] == 3
@@ -226,11 +243,11 @@ def build(
         config=dict(ds_config),
         model_parameters=[p for p in model.parameters() if p.requires_grad],
     )
-    counts = {"local_param_elements": local, "param_elements": total}
+    counts: ParamCounts = {"local_param_elements": local, "param_elements": total}
     return engine, counts, hook
 
 
-def dtypes(engine: Any) -> dict[str, str]:
+def dtypes(engine: DeepSpeedEngine) -> dict[str, str]:
     """The dtype of the module's parameters and of the optimizer's (master) parameters and states.
 
     The optimizer DeepSpeed wraps (bf16/fp16 and ZeRO optimizers keep fp32
@@ -250,7 +267,7 @@ def dtypes(engine: Any) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def gathered(engine: Any) -> Iterator[None]:
+def gathered(engine: DeepSpeedEngine) -> Iterator[None]:
     """Under ZeRO-3, the whole policy gathered on every rank, and ZeRO-3's module hooks off, for a
     generation phase; nothing otherwise.
 

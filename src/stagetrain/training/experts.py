@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -49,7 +49,28 @@ def expert_shares(router_logits: Sequence[torch.Tensor], top_k: int, experts: in
     return torch.stack(rows)
 
 
-def load_stats(shares: np.ndarray) -> dict[str, Any]:
+LoadStats = TypedDict(
+    "LoadStats",
+    {
+        "moe/load_entropy": float,
+        "moe/load_max_over_mean": float,
+        "moe/load_entropy_by_layer": dict[str, float],
+        "moe/load_max_over_mean_by_layer": dict[str, float],
+        "moe/load_by_layer": list[list[float]],
+    },
+)
+"""`load_stats`: the expert-load metrics of a step (pretrain's registry says what each means)."""
+
+
+class RoutingStep(NamedTuple):
+    """An MoE model's routing over one training step, all ranks: the mean load-balancing loss
+    (unweighted) and the expert load."""
+
+    aux_loss: float
+    load: LoadStats
+
+
+def load_stats(shares: np.ndarray) -> LoadStats:
     """What the metrics log of a step's expert shares (layers x experts): per layer and averaged,
     the entropy of the shares over log(experts) (1.0: every expert equally loaded; 0: one takes
     everything) and the largest share over the mean share (1.0 balanced; `experts` collapsed)."""

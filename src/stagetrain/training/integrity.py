@@ -33,7 +33,7 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -44,6 +44,27 @@ log = logging.getLogger("stagetrain")
 POINTER = "latest.json"
 TAG = re.compile(r"step\d{8}")
 FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+
+class Pointer(TypedDict):
+    """latest.json as `read_pointer` returns it (module docstring): a pointer written before
+    `complete` or `layouts` existed gets them filled in (its tag alone; `layout` for each tag)."""
+
+    tag: str
+    step: int
+    layout: dict[str, int]
+    """dp, tp and zero_stage of `tag`'s run."""
+    complete: list[str]
+    layouts: dict[str, dict[str, int]]
+
+
+class ResumePoint(Pointer):
+    """A pointer made loadable under this run's layout (`checkpoints.Checkpoints.latest`;
+    never written): `tag` is the checkpoint resumed from, `load_tag` the folder to load (a
+    universal copy after a conversion), and `module_only` whether only its weights load."""
+
+    load_tag: str
+    module_only: bool
 
 
 def safe_globals() -> list[type]:
@@ -90,7 +111,7 @@ def load_file(path: Path) -> Any:
         ) from None
 
 
-def rebuild_pointer(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] | None:
+def rebuild_pointer(folder: Path, layout: Mapping[str, int]) -> Pointer | None:
     """Write latest.json anew from the tags in `folder` that are intact under `layout`, newest
     first, and say so; None (nothing written) when no tag is. Tags of another layout cannot be
     checked without the pointer's record of it: they are named in the log and left alone."""
@@ -109,15 +130,15 @@ def rebuild_pointer(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] |
                     layout["dp"], layout["tp"], layout["zero_stage"])  # fmt: skip
     if not intact:
         return None
-    pointer = {"tag": intact[0], "step": step_of(intact[0]), "layout": dict(layout), "complete": intact,
-               "layouts": {t: dict(layout) for t in intact}}  # fmt: skip
+    pointer: Pointer = {"tag": intact[0], "step": step_of(intact[0]), "layout": dict(layout),
+                        "complete": intact, "layouts": {t: dict(layout) for t in intact}}  # fmt: skip
     atomic_write_json(folder / POINTER, pointer)
     log.warning("%s: %s was missing; rebuilt it from the %d intact checkpoint(s) here (%s), "
                 "resuming from %s", folder, POINTER, len(intact), ", ".join(intact), intact[0])  # fmt: skip
     return pointer
 
 
-def read_pointer(path: Path) -> dict[str, Any]:
+def read_pointer(path: Path) -> Pointer:
     """latest.json, checked for the shape save() writes; a one-line error naming what is wrong."""
     pointer = read_json(path)
     expected = "an object with tag, step and layout"
@@ -199,7 +220,7 @@ def check_tag(folder: Path, tag: str, layout: Mapping[str, int]) -> list[Path]:
     return files
 
 
-def resume_point(folder: Path, layout: Mapping[str, int]) -> dict[str, Any] | None:
+def resume_point(folder: Path, layout: Mapping[str, int]) -> Pointer | None:
     """The newest complete, intact checkpoint in `folder`, or None if there is none yet.
 
     Each tag is checked against the layout that wrote it (`layout` of the

@@ -35,6 +35,9 @@ in the thread that started it, and the stage script and torchrun start their
 children from their main threads. A launcher or rank whose parent died before
 it asked is caught by a check on its parent right after; a stage script whose
 Snakemake died in its first second, before `launch_stage`, is not.
+
+The job spec the ranks read is written here alone (`job_spec`, each stage's part by
+`pretrain_part` and `grpo_part`); its types are `stagetrain.training.spec`'s.
 """
 
 from __future__ import annotations
@@ -48,12 +51,15 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from stagetrain import slurm
 from stagetrain.errors import StageError
+from stagetrain.planning.plan import NoThroughput, ThroughputRecord
+from stagetrain.settings import TrackingSettings
 from stagetrain.training.metrics import WANDB_MISSING
 from stagetrain.training.rank import die_with_parent
+from stagetrain.training.spec import GrpoJob, GrpoPart, PretrainJob, PretrainPart, WandbRun
 
 RDZV_PORT = 29400
 log = logging.getLogger("stagetrain")
@@ -255,35 +261,59 @@ class NodeFailures:
         return None
 
 
+class Trackers(TypedDict):
+    """`job_spec`'s tracker arguments (`trackers`): None where `tracking.report_to` leaves one out."""
+
+    tensorboard: Path | None
+    wandb: WandbRun | None
+
+
+def pretrain_part(
+    config: Mapping[str, Any], throughput: ThroughputRecord | NoThroughput
+) -> PretrainPart:
+    """Pretrain's part of the job spec from the validated config (or the stage's sections of it,
+    `run` among them) and the planner's predicted throughput: the one writer of its keys."""
+    return {"pretrain": config["pretrain"], "model": config["model"],
+            "seed": config["run"]["seed"], "throughput": throughput}  # fmt: skip
+
+
+def grpo_part(config: Mapping[str, Any]) -> GrpoPart:
+    """GRPO's part of the job spec from the validated config (or the stage's sections of it)."""
+    return {"grpo": config["grpo"], "tasks": config["tasks"], "seed": config["run"]["seed"]}
+
+
 def job_spec(
     *,
     inputs: Mapping[str, str | Path],
     outputs: Mapping[str, str | Path],
     checkpoints: Path,
-    extra: Mapping[str, object],
+    part: PretrainPart | GrpoPart,
     tensorboard: Path | None = None,
-    wandb: Mapping[str, str] | None = None,
-) -> dict[str, object]:
+    wandb: WandbRun | None = None,
+) -> PretrainJob | GrpoJob:
     """The job spec a training stage's ranks read (`--spec job.json`): the one writer of its shape.
 
     Absolute paths of the stage's inputs and outputs by name, the checkpoint
     root, the TensorBoard folder when events are wanted, the W&B run's project,
-    name and folder when one is, then `extra` (config
-    sections, seed). The stage launcher, the test harness and the benchmarks all
-    build it here, so a key added for the ranks reaches every caller.
+    name and folder when one is, then the stage's `part` (`pretrain_part`,
+    `grpo_part`: config sections, seed). The stage launcher, the test harness
+    and the benchmarks all build it here, so a key added for the ranks reaches
+    every caller.
     """
-    spec: dict[str, object] = {
+    spec = {
         **{k: str(Path(v).resolve()) for k, v in {**inputs, **outputs}.items()},
         "checkpoints": str(checkpoints),
+        **part,
     }
     if tensorboard is not None:
         spec["tensorboard"] = str(tensorboard)
     if wandb is not None:
         spec["wandb"] = dict(wandb)
-    return {**spec, **extra}
+    # The paths are the rule's named inputs and outputs: which stage's spec it is, its part says.
+    return cast("PretrainJob | GrpoJob", spec)
 
 
-def trackers(tracking: Mapping[str, Any], results: Path, stage: str) -> dict[str, Any]:
+def trackers(tracking: TrackingSettings, results: Path, stage: str) -> Trackers:
     """`job_spec`'s tracker arguments for `tracking.report_to`, under results/<run>/.
 
     TensorBoard's folder and W&B's sit beside the checkpoints, outside the
@@ -292,13 +322,13 @@ def trackers(tracking: Mapping[str, Any], results: Path, stage: str) -> dict[str
     Raises:
         StageError: wandb asked for but not installed, before any rank starts.
     """
-    out: dict[str, Any] = {"tensorboard": None, "wandb": None}
-    if "tensorboard" in tracking["report_to"]:
+    out: Trackers = {"tensorboard": None, "wandb": None}
+    if "tensorboard" in tracking.report_to:
         out["tensorboard"] = results / "tensorboard" / stage
-    if "wandb" in tracking["report_to"]:
+    if "wandb" in tracking.report_to:
         if importlib.util.find_spec("wandb") is None:
             raise StageError(WANDB_MISSING)
-        out["wandb"] = {"project": tracking["wandb_project"], "name": f"{results.name}-{stage}",
+        out["wandb"] = {"project": tracking.wandb_project, "name": f"{results.name}-{stage}",
                         "dir": str(results / "wandb")}  # fmt: skip
     return out
 
@@ -309,14 +339,14 @@ def launch_stage(
     module: str,
     inputs: Mapping[str, str],
     outputs: Mapping[str, str],
-    extra: Mapping[str, object],
-    tracking: Mapping[str, Any],
+    part: PretrainPart | GrpoPart,
+    tracking: TrackingSettings,
 ) -> None:
     """Write the job spec of a training stage and run its ranks as the plan says.
 
     The spec holds absolute paths of the stage's inputs and outputs, its checkpoint folder
     results/<run>/checkpoints/<stage>/ (outside the declared outputs, so reruns resume) and
-    `extra` (config sections, seed, pretrain's predicted throughput).
+    the stage's `part` (config sections, seed, pretrain's predicted throughput).
     """
     import json
 
@@ -327,7 +357,7 @@ def launch_stage(
     plan = json.loads(Path(inputs["plan"]).read_text())
     root = Path(outputs["summary"]).resolve().parents[1] / "checkpoints" / stage
     StageLock(root).check_free()  # a second run fails here, before it writes its job.json
-    spec = job_spec(inputs=inputs, outputs=outputs, checkpoints=root, extra=extra,
+    spec = job_spec(inputs=inputs, outputs=outputs, checkpoints=root, part=part,
                     **trackers(tracking, root.parents[1], stage))  # fmt: skip
     atomic_write_json(root / "job.json", spec)
     alloc = slurm.allocation(os.environ)

@@ -14,30 +14,74 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, cast
 
 import numpy as np
 import torch.distributed as dist
 
 from stagetrain.io import atomic_write_bytes, atomic_write_json
-from stagetrain.planning.plan import Layout
+from stagetrain.planning.plan import Layout, LayoutRecord
 from stagetrain.settings import TrainingSettings
-from stagetrain.training.checkpoints import Checkpoints, tag_of
-from stagetrain.training.metrics import MetricsLog, tensorboard_dir, window_log_on
+from stagetrain.training.checkpoints import Checkpoints, ClientState, tag_of
+from stagetrain.training.metrics import MetricsLog, R, tensorboard_dir, window_log_on
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from stagetrain.training.spec import JobSpec
 
 log = logging.getLogger("stagetrain")
+C = TypeVar("C", bound=ClientState)
+"""A stage's client state (what its checkpoints carry)."""
 
 
-class StageLoop:
-    """One training stage's run around its steps; every rank builds one (rank 0 writes)."""
+class CheckpointRef(TypedDict):
+    """Where a stage's final checkpoint is: its fingerprint folder and tag."""
+
+    folder: str
+    tag: str
+
+
+class EvalBatch(TypedDict):
+    """The validation windows a stage's last loss was measured on: what consolidation re-evaluates."""
+
+    shard: str
+    windows: list[int]
+    seq_len: int
+    micro_batch_size: int
+
+
+class StageSummary(TypedDict):
+    """The summary.json keys every training stage writes (`StageLoop.summary`): the final
+    checkpoint, its layout, fingerprint and attention kernel, and the validation loss with the
+    windows it was measured on; what consolidation reads (docs/architecture.md, "Contracts
+    between stages"). `pretrain.summary.PretrainSummary` and `grpo.run.GrpoSummary` add the rest."""
+
+    stage: str
+    final_step: int
+    resumed_from_step: int
+    layout: LayoutRecord
+    fingerprint: str
+    attention: str
+    checkpoint: CheckpointRef
+    eval_batch: EvalBatch
+    final_eval_loss: float
+
+
+S = TypeVar("S", bound=StageSummary)
+
+
+class StageLoop(Generic[R, C]):
+    """One training stage's run around its steps; every rank builds one (rank 0 writes). `R` is
+    the type of the stage's metrics records, `C` that of its checkpoints' client state."""
 
     def __init__(
         self,
         *,
         stage: str,
-        spec: Mapping[str, Any],
+        spec: JobSpec,
         cfg: TrainingSettings,
-        engine: Any,
+        engine: DeepSpeedEngine,
         checkpoints: Checkpoints,
     ) -> None:
         self.stage, self.spec, self.cfg = stage, spec, cfg
@@ -46,9 +90,9 @@ class StageLoop:
         self.resumed_tag: str | None = None
         self.resumed_layout: dict[str, int] | None = None
         self.eval_windows: np.ndarray | None = None
-        self.metrics: MetricsLog | None = None
+        self.metrics: MetricsLog[R] | None = None
 
-    def resume(self, registry: dict[str, str]) -> dict[str, Any] | None:
+    def resume(self, registry: Mapping[str, str]) -> C | None:
         """Load the newest complete checkpoint into the engine, open the metrics log (rank 0).
 
         Returns the checkpoint's client state (None when the run starts at step 0);
@@ -57,7 +101,8 @@ class StageLoop:
         client = None
         pointer = self.checkpoints.latest(final_step=self.cfg.steps)
         if pointer:
-            client = self.checkpoints.load(self.engine, pointer)
+            # the state this stage's own `checkpoint` saved
+            client = cast(C, self.checkpoints.load(self.engine, pointer))
             self.start, self.resumed_tag = client["step"], pointer["tag"]
             self.resumed_layout = pointer["layout"]
             log.info("resuming from %s at step %d", pointer["tag"], self.start)
@@ -68,12 +113,12 @@ class StageLoop:
                 self.checkpoints.folder / "metrics.jsonl",
                 self.start,
                 registry,
-                tensorboard_dir(dict(self.spec)),
+                tensorboard_dir(self.spec),
                 self.spec.get("wandb"),
             )
         return client
 
-    def eval_set(self, windows: np.ndarray, client: Mapping[str, Any] | None) -> np.ndarray:
+    def eval_set(self, windows: np.ndarray, client: C | None) -> np.ndarray:
         """The run's validation windows: `windows` (this layout's: their count follows the micro
         batch), or after a resume those the checkpoint recorded, unless `eval_batches` changed.
 
@@ -89,7 +134,7 @@ class StageLoop:
         self.eval_windows = windows
         return windows
 
-    def debug_log(self, name: str, registry: dict[str, str]) -> MetricsLog | None:
+    def debug_log(self, name: str, registry: Mapping[str, str]) -> MetricsLog | None:
         """Rank 0's `name` log beside metrics.jsonl when the WINDOW_LOG debug option is on (after
         `resume`: cut back to the resumed step as metrics.jsonl is); None otherwise."""
         if dist.get_rank() != 0 or not window_log_on():
@@ -107,7 +152,7 @@ class StageLoop:
         """Every `eval_every` steps, and at the last."""
         return step % self.cfg.eval_every == 0 or step == self.cfg.steps
 
-    def checkpoint(self, step: int, client_state: Mapping[str, Any]) -> None:
+    def checkpoint(self, step: int, client_state: C) -> None:
         """Save every `checkpoint_every` steps and at the last (all ranks take part)."""
         if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
             if self.eval_windows is not None:
@@ -115,46 +160,44 @@ class StageLoop:
                                 "eval_batches": self.cfg.eval_batches}  # fmt: skip
             self.checkpoints.save(self.engine, step, client_state)
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[R]:
         """The stage's metrics across restarts (rank 0)."""
         text = (self.checkpoints.folder / "metrics.jsonl").read_text()
         return [json.loads(line) for line in text.splitlines()]
 
-    def summary(self, result: Mapping[str, Any], *, layout: Layout) -> dict[str, Any]:
+    def summary(self, *, final_eval_loss: float, layout: Layout) -> StageSummary:
         """The summary keys every training stage writes: where its final checkpoint is, its
-        layout and attention kernel, and the validation windows its last loss was measured on (what consolidation
-        re-checks)."""
+        layout and attention kernel, and the validation loss at the end with the windows it
+        was measured on (what consolidation re-checks)."""
+        final_step = self.cfg.steps
         saved, written = layout.to_json(), self.resumed_layout
-        if self.start == result["final_step"] and written and written != layout.checkpoint_layout:
+        if self.start == final_step and written and written != layout.checkpoint_layout:
             # Resumed at the last step under another layout, nothing trained: the final
             # checkpoint is still in the layout it was written in, which consolidation reads.
             saved |= {**written, "world": written["dp"] * written["tp"]}
         return {
             "stage": self.stage,
-            **result,
+            "final_step": final_step,
+            "resumed_from_step": self.start,
             "layout": saved,
             "fingerprint": self.checkpoints.folder.name,
             "attention": self.engine.module.config._attn_implementation,  # the plan's, as run
-            "checkpoint": {
-                "folder": str(self.checkpoints.folder),
-                "tag": tag_of(result["final_step"]),
-            },
+            "checkpoint": {"folder": str(self.checkpoints.folder), "tag": tag_of(final_step)},
             "eval_batch": {
                 "shard": self.spec["val"],
                 "windows": self.eval_windows.tolist(),  # eval_set's
                 "seq_len": layout.seq_len,
                 "micro_batch_size": layout.micro_batch_size,
             },
+            "final_eval_loss": final_eval_loss,
         }
 
-    def write_outputs(
-        self, summary: Mapping[str, Any], plot: Callable[[Mapping[str, Any], str], None], key: str
-    ) -> None:
-        """The stage's declared outputs (rank 0): metrics, the plot at spec[`key`], summary last."""
+    def write_outputs(self, summary: S, plot: Callable[[S, str], None], plot_path: str) -> None:
+        """The stage's declared outputs (rank 0): metrics, the plot at `plot_path`, summary last."""
         atomic_write_bytes(
             self.spec["metrics"], (self.checkpoints.folder / "metrics.jsonl").read_bytes()
         )
-        plot(summary, self.spec[key])
+        plot(summary, plot_path)
         atomic_write_json(self.spec["summary"], summary)
         if self.metrics is not None:
             self.metrics.close()

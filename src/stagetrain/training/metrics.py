@@ -20,10 +20,11 @@ import resource
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar
 
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_text
+from stagetrain.training.spec import JobSpec, WandbRun
 
 log = logging.getLogger("stagetrain")
 WINDOW_LOG = "STAGETRAIN_WINDOW_LOG"
@@ -44,7 +45,19 @@ def max_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def scalars(record: dict[str, Any]) -> dict[str, float]:
+class StepRecord(TypedDict):
+    """What every record of a stage's log holds: the step it is of. Each stage's record type
+    names the rest (`pretrain.metrics.PretrainRecord`, `grpo.metrics.GrpoRecord`, and the debug
+    logs' `pretrain.train.WindowRecord`, `grpo.train.PromptRecord`)."""
+
+    step: int
+
+
+R = TypeVar("R", bound=StepRecord)
+"""The record type of one log."""
+
+
+def scalars(record: StepRecord) -> dict[str, float]:
     """The plottable numbers of a record: numbers as they are; {name: number} maps, lists of
     numbers and lists of such lists (an MoE layer's expert shares) flattened to `key/name`,
     `key/i` and `key/i/j`; strings, nulls and lists of anything else left out."""
@@ -77,7 +90,7 @@ WANDB_MISSING = (
 )
 
 
-def wandb_run(wandb: Mapping[str, str], run_id: str) -> Any:
+def wandb_run(wandb: WandbRun, run_id: str) -> Any:
     """A Weights & Biases run for a stage (`wandb`: project, name, dir from the job spec).
 
     The id is fixed per checkpoint folder, so a resumed stage continues its run.
@@ -95,7 +108,7 @@ def wandb_run(wandb: Mapping[str, str], run_id: str) -> Any:
                           id=run_id, resume="allow")  # fmt: skip
 
 
-def tensorboard_dir(spec: dict[str, Any]) -> Path | None:
+def tensorboard_dir(spec: JobSpec) -> Path | None:
     """Where a stage's job spec asks for TensorBoard events (the stage launcher always does;
     the test harness's specs may leave them out)."""
     return Path(spec["tensorboard"]) if "tensorboard" in spec else None
@@ -114,17 +127,17 @@ def _whole_lines(path: Path) -> list[str]:
     return lines
 
 
-class MetricsLog:
-    """Appends records to a JSON-lines file whose keys must all be in `registry`, and
-    to TensorBoard event files in `events` and a Weights & Biases run (`wandb`) when given."""
+class MetricsLog(Generic[R]):
+    """Appends records (of type `R`) to a JSON-lines file whose keys must all be in `registry`,
+    and to TensorBoard event files in `events` and a Weights & Biases run (`wandb`) when given."""
 
     def __init__(
         self,
         path: Path,
         resume_step: int,
-        registry: dict[str, str],
+        registry: Mapping[str, str],
         events: Path | None = None,
-        wandb: Mapping[str, str] | None = None,
+        wandb: WandbRun | None = None,
     ) -> None:
         self.path, self.registry, self.events = path, registry, None
         # One W&B run per checkpoint folder (<run>-<stage>-<fingerprint>): a resume continues it.
@@ -146,7 +159,7 @@ class MetricsLog:
             kept = [line for line in _whole_lines(path) if json.loads(line)["step"] <= resume_step]
         atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: R) -> None:
         """Append one record (unknown keys are a bug: raise)."""
         unknown = set(record) - set(self.registry)
         if unknown:

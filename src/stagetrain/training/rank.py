@@ -15,8 +15,13 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from stagetrain.errors import StageError
+from stagetrain.training.spec import JobSpec
+
+J = TypeVar("J", bound=JobSpec)
+"""A stage's job spec type (`spec.PretrainJob`, `spec.GrpoJob`)."""
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -41,7 +46,7 @@ def _orphaned_rank() -> bool:
     return b"torch.distributed.run" not in parent and b"torchrun" not in parent
 
 
-def rank_main(body: Callable[[dict], None], argv: list[str] | None = None) -> None:
+def rank_main(body: Callable[[J], None], argv: list[str] | None = None) -> None:
     """The entry of every training rank: read --spec, run `body(spec)`, turn bad input into one line.
 
     First the rank arranges to be SIGKILLed when its torchrun agent dies (module

@@ -38,10 +38,10 @@ import time
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 from stagetrain.errors import StageError
-from stagetrain.training.integrity import load_file, weights_only_loads
+from stagetrain.training.integrity import ResumePoint, load_file, weights_only_loads
 
 log = logging.getLogger("stagetrain")
 SUFFIX = ".universal"
@@ -291,11 +291,18 @@ def _size(folder: Path) -> str:
     return f"{total / 1e6:.1f} MB"
 
 
-def load_options(pointer: Mapping[str, Any]) -> dict[str, Any]:
-    """What `engine.load_checkpoint` needs for `pointer`: the tag folder and whether it is universal."""
-    tag = pointer.get("load_tag", pointer["tag"])
-    return {
-        "tag": tag,
-        "universal": tag.endswith(SUFFIX),
-        "module_only": pointer.get("module_only", False),
-    }
+class LoadOptions(NamedTuple):
+    """What `engine.load_checkpoint` needs for a resume point."""
+
+    tag: str
+    """The tag folder to load."""
+    universal: bool
+    """Whether it is a universal copy (DeepSpeed's `load_universal_checkpoint`)."""
+    module_only: bool
+    """Whether only the weights load (`load_module_only`)."""
+
+
+def load_options(point: ResumePoint) -> LoadOptions:
+    """What `engine.load_checkpoint` needs for `point`: the tag folder and whether it is universal."""
+    return LoadOptions(tag=point["load_tag"], universal=point["load_tag"].endswith(SUFFIX),
+                       module_only=point["module_only"])  # fmt: skip
