@@ -17,7 +17,7 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
-from stagetrain import configfiles
+from stagetrain.config import files as configfiles
 
 
 # A config file given with --configfile stands on its own: every key it leaves

@@ -60,7 +60,7 @@ CONSOLIDATE = (
     + """
 import time
 from stagetrain.consolidate.folder import consolidate
-from stagetrain.settings import ConsolidateSettings
+from stagetrain.config.settings import ConsolidateSettings
 def io():
     fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
     return {k: int(fields[k]) for k in ("read_bytes", "rchar")}

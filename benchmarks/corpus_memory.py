@@ -84,9 +84,9 @@ def throughput(corpus: Path, tokenizer_dir: Path, row_groups: int) -> dict[str, 
     import pyarrow.parquet as pq
     from transformers import PreTrainedTokenizerFast
 
+    from stagetrain.config.settings import FileData
     from stagetrain.corpus.shards import write_split
     from stagetrain.corpus.sources import files
-    from stagetrain.settings import FileData
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     backend = tokenizer.backend_tokenizer

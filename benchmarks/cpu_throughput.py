@@ -49,7 +49,7 @@ def run(precision: str, steps: int, root: Path) -> dict:
     subprocess.run([snakemake, "--cores", "2", "pretrain"], cwd=work, check=True,
                    capture_output=True, text=True)  # fmt: skip
     results = work / "results" / cfg["run"]["name"]
-    from stagetrain import config as stconfig
+    from stagetrain.config import validation as stconfig
 
     return {
         "cpu_efficiency": stconfig.load(path)["parallelism"]["cpu_efficiency"],

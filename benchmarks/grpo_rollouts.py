@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 from stagetrain.grpo.rollouts import Group, flat_groups, tree_groups
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import read_json

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 from stagetrain.hardware.detect import describe
-from stagetrain.model_config import build_config
+from stagetrain.model.config import build_config
 from stagetrain.planning.plan import PlanRecord
 from stagetrain.planning.resolve import PlannerSettings, resolve
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import DataSettings
 from stagetrain.corpus import sources as corpus_sources
 from stagetrain.corpus.shards import BATCH_DOCUMENTS, write_documents
-from stagetrain.prepare_tokenizer import training_sample
-from stagetrain.settings import DataSettings
-from stagetrain.tokenizer import train_bpe
+from stagetrain.tokenizer.build import train_bpe
+from stagetrain.tokenizer.prepare import training_sample
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = 200_000
@@ -80,8 +80,8 @@ def throughput() -> None:
 PREPARE = """
 import json, resource, sys, time
 from pathlib import Path
-from stagetrain import config as stconfig
-from stagetrain.prepare_tokenizer import prepare
+from stagetrain.config import validation as stconfig
+from stagetrain.tokenizer.prepare import prepare
 
 def merge(into, changes):
     for key, value in changes.items():

@@ -117,8 +117,8 @@ def main() -> None:
 
 
 def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
-    from stagetrain.deepspeed_config import render
     from stagetrain.io import atomic_write_json
+    from stagetrain.training.deepspeed_config import render
     from stagetrain.training.launch import job_spec, pretrain_part
     from tests.harness.planning import cpu_hardware, plan_for
 

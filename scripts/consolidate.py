@@ -9,9 +9,9 @@ Snakemake runs it through the `consolidate` rule (wildcard: stage); on its own:
 
 import logging
 
+from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.consolidate.folder import consolidate
-from stagetrain.settings import ConsolidateSettings
-from stagetrain.stage import StageIO, run_stage, training_stage
+from stagetrain.workflow.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
 smk = globals().get("snakemake")

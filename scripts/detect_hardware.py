@@ -6,10 +6,10 @@ Snakemake runs it through the `detect_hardware` rule; on its own:
 
 import logging
 
+from stagetrain.config.settings import HardwareSettings
 from stagetrain.hardware import speed
 from stagetrain.hardware.detect import detect
-from stagetrain.settings import HardwareSettings
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.workflow.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")
 

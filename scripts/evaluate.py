@@ -2,7 +2,7 @@
 
 Snakemake runs it through the `evaluate_model` rule (wildcard: stage) for the optional
 `evaluate` target. The run's held-out problems become local lm-eval tasks scored by its own
-rewards (stagetrain.lmeval), run beside the lm-eval tasks `evaluate.tasks` names, offline.
+rewards (stagetrain.evaluate.lmeval), run beside the lm-eval tasks `evaluate.tasks` names, offline.
 On its own:
     python scripts/evaluate.py --config config/config.yaml --stage grpo \
         --model results/tiny/model/grpo --meta results/tiny/data/meta.json \
@@ -12,17 +12,17 @@ On its own:
 import logging
 from pathlib import Path
 
-from stagetrain.io import atomic_write_json, atomic_write_text, read_json
-from stagetrain.lmeval import Run, StageEvaluation, evaluate, table
-from stagetrain.settings import (
+from stagetrain.config.settings import (
     DataSettings,
     EvaluateSettings,
     GrpoSettings,
     RunSettings,
     TasksSettings,
 )
-from stagetrain.stage import StageIO, run_stage, training_stage
+from stagetrain.evaluate.lmeval import Run, StageEvaluation, evaluate, table
+from stagetrain.io import atomic_write_json, atomic_write_text, read_json
 from stagetrain.tasks.families import held_out_families, hub_pins
+from stagetrain.workflow.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
 smk = globals().get("snakemake")

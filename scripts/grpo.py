@@ -10,9 +10,9 @@ with checkpoints in results/<run>/checkpoints/grpo/<fingerprint>/. On its own:
         --reward-plot results/tiny/grpo/reward.png
 """
 
-from stagetrain.settings import TrackingSettings
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.config.settings import TrackingSettings
 from stagetrain.training.launch import grpo_part, launch_stage
+from stagetrain.workflow.stage import StageIO, run_stage
 
 
 def main(io: StageIO) -> None:

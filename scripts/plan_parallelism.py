@@ -13,7 +13,7 @@ import logging
 from stagetrain.errors import StageError
 from stagetrain.planning.ahead import INPUTS_KEY, PLANNED_SECTIONS
 from stagetrain.planning.plan import PlanRecord
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.workflow.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")
 

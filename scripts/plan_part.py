@@ -12,7 +12,7 @@ from pathlib import Path
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json
 from stagetrain.planning.derived import part_of
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.workflow.stage import StageIO, run_stage
 
 
 def main(io: StageIO) -> None:

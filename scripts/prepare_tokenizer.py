@@ -9,8 +9,8 @@ Snakemake runs it through the `prepare_tokenizer` rule; on its own:
 
 import logging
 
-from stagetrain.prepare_tokenizer import prepare
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.tokenizer.prepare import prepare
+from stagetrain.workflow.stage import StageIO, run_stage
 
 log = logging.getLogger("stagetrain")
 

@@ -12,11 +12,11 @@ so a rerun after a crash resumes from the newest complete one. On its own:
         --metrics results/tiny/pretrain/metrics.jsonl --loss-plot results/tiny/pretrain/loss.png
 """
 
+from stagetrain.config.settings import TrackingSettings
 from stagetrain.io import read_json
 from stagetrain.planning.derived import whole_plan
-from stagetrain.settings import TrackingSettings
-from stagetrain.stage import StageIO, run_stage
 from stagetrain.training.launch import launch_stage, pretrain_part
+from stagetrain.workflow.stage import StageIO, run_stage
 
 
 def main(io: StageIO) -> None:

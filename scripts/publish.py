@@ -12,13 +12,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stagetrain.config.settings import ModelSettings, PublishSettings, RunSettings
 from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
 from stagetrain.planning.plan import PlanRecord
-from stagetrain.publish import card_text, measured_layouts, push
-from stagetrain.settings import ModelSettings, PublishSettings, RunSettings
-from stagetrain.stage import StageIO, run_stage
+from stagetrain.publish.push import card_text, measured_layouts, push
+from stagetrain.workflow.stage import StageIO, run_stage
 
 if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
     from stagetrain.grpo.run import GrpoSummary

@@ -7,9 +7,9 @@ Snakemake runs it through the `render_deepspeed_config` rule (wildcard: stage); 
 
 import logging
 
-from stagetrain.deepspeed_config import render
-from stagetrain.settings import DeepSpeedSettings, training_settings
-from stagetrain.stage import StageIO, run_stage, training_stage
+from stagetrain.config.settings import DeepSpeedSettings, training_settings
+from stagetrain.training.deepspeed_config import render
+from stagetrain.workflow.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
 smk = globals().get("snakemake")

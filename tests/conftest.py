@@ -14,7 +14,7 @@ from harness.configs import apply_config, small_grpo, small_run
 from harness.sessions import made_once, shared_root
 from harness.workflow import REPO, copy_workflow, snakemake
 
-from stagetrain.config import read_file
+from stagetrain.config.validation import read_file
 
 if TYPE_CHECKING:
     from harness.training import SharedRuns

@@ -12,9 +12,9 @@ from harness.configs import model_settings
 from harness.workflow import REPO, default_config
 from snakemake.utils import validate as snakemake_validate
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 from stagetrain.errors import StageError
-from stagetrain.model_config import build_config
+from stagetrain.model.config import build_config
 
 PRESETS = sorted((REPO / "config" / "presets").glob("*.yaml"))
 

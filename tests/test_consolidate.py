@@ -17,6 +17,7 @@ from harness.training import SharedRuns, final_params
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.consolidate.folder import (
     DTYPES,
     MANIFEST,
@@ -28,7 +29,6 @@ from stagetrain.consolidate.folder import (
 )
 from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
 from stagetrain.errors import StageError
-from stagetrain.settings import ConsolidateSettings
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.integrity import expected_files, safe_globals, weights_only_loads
 

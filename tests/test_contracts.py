@@ -12,12 +12,12 @@ from harness.workflow import REPO
 
 from stagetrain.consolidate.folder import Manifest
 from stagetrain.corpus.meta import TokenizerMeta
+from stagetrain.evaluate.lmeval import StageEvaluation
 from stagetrain.grpo.run import GrpoSummary
 from stagetrain.hardware.report import HardwareReport
-from stagetrain.lmeval import StageEvaluation
 from stagetrain.planning.plan import PlanRecord
 from stagetrain.pretrain.summary import PretrainSummary
-from stagetrain.publish import PublishReceipt
+from stagetrain.publish.push import PublishReceipt
 
 DOCUMENTED: dict[str, Any] = {
     "hardware.json": HardwareReport,

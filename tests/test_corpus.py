@@ -23,17 +23,17 @@ from harness.planning import cpu_hardware, plan_for
 from harness.workflow import REPO, default_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import DataSettings, FileData, TasksSettings, TokenizerSettings
 from stagetrain.corpus import sources as corpus_sources
 from stagetrain.corpus.meta import FilesRecord, GeneratedRecord, TokenizerMeta
 from stagetrain.corpus.shards import token_dtype, write_split
 from stagetrain.errors import StageError
-from stagetrain.model_config import training_config
+from stagetrain.model.config import training_config
 from stagetrain.planning.derived import vocab_padding
-from stagetrain.prepare_tokenizer import prepare
-from stagetrain.settings import DataSettings, FileData, TasksSettings, TokenizerSettings
 from stagetrain.tasks import ANSWER_TOKEN, PROBLEM_TOKEN, split_of
-from stagetrain.tokenizer import SPECIAL_TOKENS, load_pretrained, save, train_bpe
+from stagetrain.tokenizer.build import SPECIAL_TOKENS, load_pretrained, save, train_bpe
+from stagetrain.tokenizer.prepare import prepare
 
 TEXTS = [
     "The cat sees 3 apples.",
@@ -52,7 +52,7 @@ def sources() -> list[corpus_sources.Source]:
 
 @pytest.fixture(scope="module")
 def tokenizer(sources: list[corpus_sources.Source]) -> PreTrainedTokenizerFast:
-    from stagetrain.prepare_tokenizer import training_sample
+    from stagetrain.tokenizer.prepare import training_sample
 
     return train_bpe(training_sample(sources, 0.3), 512)
 
@@ -115,7 +115,7 @@ def test_digits_are_single_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
 
 
 def test_training_is_deterministic(sources: list[corpus_sources.Source], tmp_path: Path) -> None:
-    from stagetrain.prepare_tokenizer import training_sample
+    from stagetrain.tokenizer.prepare import training_sample
 
     hashes = {
         save(train_bpe(training_sample(sources, 0.1), 400), tmp_path / f"t{i}") for i in range(2)
@@ -647,7 +647,7 @@ HUB_SOURCE = """
 import json, sys, time
 from stagetrain.corpus import sources
 from stagetrain.errors import StageError
-from stagetrain.settings import HubData
+from stagetrain.config.settings import HubData
 cfg = HubData(repo="org/corpus", revision="main", files=("train.jsonl",), weight=1.0, text_field="text")
 start = time.monotonic()
 try:

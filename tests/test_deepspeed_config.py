@@ -9,9 +9,9 @@ import pytest
 from harness.planning import cpu_hardware, plan_for, preset_config
 from harness.workflow import default_config
 
-from stagetrain.deepspeed_config import check, render
+from stagetrain.config.settings import DeepSpeedSettings, training_settings
 from stagetrain.errors import StageError
-from stagetrain.settings import DeepSpeedSettings, training_settings
+from stagetrain.training.deepspeed_config import check, render
 
 
 def _render(cfg: dict[str, Any], stage: str, plan: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from harness.workflow import REPO, default_config
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from stagetrain.embeddings import embedding_rows, resize_embeddings
 from stagetrain.errors import StageError
-from stagetrain.model_config import build_config
+from stagetrain.model.config import build_config
+from stagetrain.model.embeddings import embedding_rows, resize_embeddings
 
 OLD_ROWS, NEW_ROWS = 300, 320
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

@@ -11,9 +11,9 @@ from harness.configs import edit_config
 from harness.training import SCORING_FAMILIES
 from harness.workflow import snakemake
 
-from stagetrain import config as stconfig
-from stagetrain.evaluate import accuracy
-from stagetrain.lmeval import Run, evaluate
+from stagetrain.config import validation as stconfig
+from stagetrain.evaluate.accuracy import accuracy
+from stagetrain.evaluate.lmeval import Run, evaluate
 
 pytestmark = pytest.mark.slow
 LENGTHS = (64, 16)

@@ -126,7 +126,7 @@ def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:
     from harness.configs import model_settings, named_config
 
     from stagetrain.errors import StageError
-    from stagetrain.model_config import build_config
+    from stagetrain.model.config import build_config
 
     model = {**named_config("tiny")["model"], "router_aux_loss_coef": 0.01}
     with pytest.raises(

@@ -27,10 +27,10 @@ from harness.training import (
 from harness.training import grpo_config as harness_grpo_config
 from safetensors.torch import load_file
 
+from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.consolidate.folder import Manifest, consolidate
 from stagetrain.grpo.metrics import METRICS, GrpoRecord
 from stagetrain.grpo.run import GrpoSummary
-from stagetrain.settings import ConsolidateSettings
 from stagetrain.training.checkpoints import KILL_DURING_SAVE
 from stagetrain.training.lock import LOCK_NAME
 
@@ -249,7 +249,7 @@ def test_grpo_on_two_ranks_resumes_on_one(
 def test_evaluation_script_reports_accuracy_per_family_and_level(
     start: tuple, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from stagetrain.evaluate import accuracy, main
+    from stagetrain.evaluate.accuracy import accuracy, main
 
     _, model = start
     results = accuracy(model, ["comparison", "counting"], [1, 2], 4, seed=1)

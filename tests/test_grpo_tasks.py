@@ -27,10 +27,10 @@ from harness.training import grpo_config as harness_grpo_config
 from harness.training import launch_grpo, run_grpo
 from transformers import AutoTokenizer
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import TasksSettings
 from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig
 from stagetrain.grpo.steps import step_prompts
-from stagetrain.settings import TasksSettings
 from stagetrain.tasks import heldout
 from stagetrain.tasks.families import load_tasks
 from stagetrain.tasks.judge import Judge

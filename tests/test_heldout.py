@@ -13,12 +13,12 @@ from harness.contracts import mismatches
 from harness.workflow import default_config
 from transformers import AutoModelForCausalLM
 
-from stagetrain import evaluate
+from stagetrain.evaluate import accuracy as evaluate
+from stagetrain.evaluate.heldout import TARGET_SE, GainReport, gains, problems_for, standard_error
 from stagetrain.grpo.train import held_out_gain
-from stagetrain.heldout import TARGET_SE, GainReport, gains, problems_for, standard_error
-from stagetrain.model_config import build_config
+from stagetrain.model.config import build_config
 from stagetrain.tasks import problems, training_text
-from stagetrain.tokenizer import save, train_bpe
+from stagetrain.tokenizer.build import save, train_bpe
 
 
 def test_the_standard_error_is_the_binomial_one_and_the_default_size_meets_the_target() -> None:

@@ -10,14 +10,14 @@ import pytest
 import torch
 from harness.workflow import default_config
 
-from stagetrain import config as stconfig
-from stagetrain.codedeps import code_digest, modules_of
+from stagetrain.config import validation as stconfig
+from stagetrain.config.inputs import local_inputs
+from stagetrain.config.settings import Settings
 from stagetrain.consolidate.folder import weights_sha256
 from stagetrain.consolidate.writer import write_shards
 from stagetrain.errors import StageError
-from stagetrain.inputs import local_inputs
 from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
-from stagetrain.settings import Settings
+from stagetrain.workflow.codedeps import code_digest, modules_of
 
 
 def _config(**sections: dict) -> Settings:

@@ -54,7 +54,7 @@ def test_the_installed_package_validates_a_config_and_runs_the_workflow(
     _, site = installed
     env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of the editable install's path
     code = (
-        "import stagetrain, stagetrain.config as c, stagetrain.hardware.catalog as k;"
+        "import stagetrain, stagetrain.config.validation as c, stagetrain.hardware.catalog as k;"
         "print(stagetrain.__file__); c.load('config/config.yaml'); print(k.gpu_spec('H100').key)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=workdir, env=env,

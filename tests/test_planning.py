@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.hardware.detect import describe
-from stagetrain.model_config import build_config, padded_vocab
+from stagetrain.model.config import build_config, padded_vocab
 from stagetrain.planning import memory as mem
 from stagetrain.planning.derived import ESTIMATES, SHARED_KEYS, stage_plan
 from stagetrain.planning.memory import Memory

@@ -135,7 +135,7 @@ def test_init_from_loads_partitioned_and_grows_the_embeddings(
     """A saved model with fewer embedding rows than model_config.json continues under ZeRO-3."""
     from transformers import AutoModelForCausalLM
 
-    from stagetrain.model_config import SHAPE_KEYS
+    from stagetrain.model.config import SHAPE_KEYS
     from stagetrain.training.engine import load_model_config
 
     config = load_model_config(data["model_config"])
@@ -161,7 +161,7 @@ def test_a_bf16_start_model_trains_in_the_plans_precision_with_fp32_master_weigh
     """A folder saved in bf16 (as consolidation writes it) is not trained in pure bf16 under an fp32 plan."""
     from transformers import AutoModelForCausalLM
 
-    from stagetrain.model_config import SHAPE_KEYS
+    from stagetrain.model.config import SHAPE_KEYS
     from stagetrain.training.engine import load_model_config
 
     start = AutoModelForCausalLM.from_config(load_model_config(data["model_config"]))

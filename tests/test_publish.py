@@ -62,7 +62,7 @@ def test_publish_pushes_both_models_and_a_card_in_one_commit(
 PUSH = """
 import json, sys
 from pathlib import Path
-from stagetrain.publish import measured_layouts, push
+from stagetrain.publish.push import measured_layouts, push
 folder = Path(sys.argv[1])
 folder.mkdir()
 (folder / "config.json").write_text("{}")
@@ -74,11 +74,11 @@ print(json.dumps(receipt))
 """
 PLAN = """
 import json
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning.resolve import table_values
 from stagetrain.planning.search import Devices
-from stagetrain.settings import ParallelismSettings
+from stagetrain.config.settings import ParallelismSettings
 devices = Devices(gpu=gpu_spec("H100"), nodes=1, per_node=8, device_bytes=80 * 2**30,
                   host_bytes_per_node=None, inter_node_gbps=50)
 section = {"table_path": None, "table_repo": "me/tables", "table_revision": "main", "on_table_miss": "planner"}

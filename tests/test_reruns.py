@@ -39,7 +39,7 @@ import pytest
 import yaml
 from harness.workflow import REPO, SNAKEMAKE, snakemake
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 from stagetrain.errors import StageError
 from stagetrain.io import json_bytes
 from stagetrain.planning.ahead import plan_ahead, planner_sections
@@ -396,8 +396,8 @@ def test_an_edited_reward_file_reruns_grpo_and_nothing_upstream(finished_copy: P
     [
         ("hardware/detect.py", {"detect_hardware"}),
         ("planning/search.py", {"plan_parallelism"}),
-        ("prepare_tokenizer.py", {"prepare_tokenizer"}),
-        ("deepspeed_config.py", RENDER),
+        ("tokenizer/prepare.py", {"prepare_tokenizer"}),
+        ("training/deepspeed_config.py", RENDER),
         ("pretrain/train.py", {"pretrain"}),  # the stages are siblings: GRPO never imports it
         ("training/loop.py", {"pretrain", "grpo"}),  # the shared runtime runs in both
         ("consolidate/writer.py", CONSOLIDATE),

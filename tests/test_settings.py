@@ -1,4 +1,4 @@
-"""The typed config sections (stagetrain.settings) against the schema they stand for."""
+"""The typed config sections (stagetrain.config.settings) against the schema they stand for."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from harness.workflow import default_config
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import GrpoSettings, PretrainSettings, Settings, training_settings
 from stagetrain.errors import StageError
-from stagetrain.settings import GrpoSettings, PretrainSettings, Settings, training_settings
 
 
 def _resolve(node: dict[str, Any]) -> dict[str, Any]:

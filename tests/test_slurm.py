@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.errors import StageError
-from stagetrain.settings import ConsolidateSettings
-from stagetrain.slurm import (
+from stagetrain.training.launch import NodeFailures, torchrun_command
+from stagetrain.workflow.slurm import (
     TRAINING_RESOURCES,
     Allocation,
     allocation,
@@ -14,7 +15,6 @@ from stagetrain.slurm import (
     expand_nodelist,
     job_resources,
 )
-from stagetrain.training.launch import NodeFailures, torchrun_command
 
 
 def _plan(nodes: int, per_node: int, device: str = "H100") -> dict:

@@ -25,13 +25,13 @@ from harness.hub import (
     serve_hub,
 )
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import ParallelismSettings
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning import table as tables
 from stagetrain.planning.resolve import table_values
 from stagetrain.planning.search import Devices
-from stagetrain.settings import ParallelismSettings
 
 TABLE = {
     "H100": {
@@ -492,7 +492,7 @@ from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning.resolve import table_values
 from stagetrain.planning.search import Devices
-from stagetrain.settings import ParallelismSettings
+from stagetrain.config.settings import ParallelismSettings
 
 devices = Devices(gpu=gpu_spec("H100"), nodes=1, per_node=8, device_bytes=80 * 2**30,
                   host_bytes_per_node=None, inter_node_gbps=50)

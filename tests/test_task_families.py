@@ -17,16 +17,16 @@ import pytest
 from harness.datafiles import write_rows
 from harness.workflow import default_config
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
+from stagetrain.config.inputs import local_inputs
+from stagetrain.config.settings import Settings, TasksSettings
 from stagetrain.errors import StageError
-from stagetrain.inputs import local_inputs
-from stagetrain.settings import Settings, TasksSettings
 from stagetrain.tasks import get_family, heldout, sample, split_of
 from stagetrain.tasks.families import CONTROL_TOKENS, load_tasks
 from stagetrain.tasks.judge import Judge
 from stagetrain.tasks.prompts import Prompter
 from stagetrain.tasks.rewards import RESERVED, Completion, check_function
-from stagetrain.tokenizer import SPECIAL_TOKENS, train_bpe
+from stagetrain.tokenizer.build import SPECIAL_TOKENS, train_bpe
 
 
 def rows(n: int = 1800, levels: int = 3) -> list[dict[str, Any]]:

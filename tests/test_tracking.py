@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from harness.workflow import default_config
 
+from stagetrain.config.settings import TrackingSettings
 from stagetrain.errors import StageError
 from stagetrain.grpo.metrics import METRICS
-from stagetrain.settings import TrackingSettings
 from stagetrain.training.launch import grpo_part, job_spec, trackers
 from stagetrain.training.metrics import MetricsLog
 

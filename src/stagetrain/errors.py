@@ -2,7 +2,7 @@
 
 A stage that fails on its input must tell the user, in one line, which key or
 file is wrong and what was expected. Stage scripts catch `StageError` at the
-edge (`stagetrain.stage.run_stage`), print the message and exit non-zero, so a
+edge (`stagetrain.workflow.stage.run_stage`), print the message and exit non-zero, so a
 user never reads a traceback from deep inside a library for a typo in a config.
 """
 

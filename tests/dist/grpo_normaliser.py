@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from stagetrain.grpo.rollouts import Group
 from stagetrain.grpo.steps import train_on
-from stagetrain.settings import GrpoSettings
+from stagetrain.config.settings import GrpoSettings
 
 GROUPS = 6
 """Groups of two completions in the global batch (3 per rank at dp 2)."""

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
-from stagetrain.config import load
-from stagetrain.embeddings import embedding_rows, resize_embeddings
+from stagetrain.config.validation import load
+from stagetrain.model.embeddings import embedding_rows, resize_embeddings
 from stagetrain.errors import StageError
-from stagetrain.model_config import build_config
+from stagetrain.model.config import build_config
 
 OLD_ROWS, NEW_ROWS, SEED = 300, 320, 4321
 # Ids below and above 300: the step must run through old and new rows.

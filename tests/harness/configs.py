@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from stagetrain import config as stconfig
-from stagetrain.settings import ModelSettings
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import ModelSettings
 
 from .workflow import default_config
 

@@ -61,11 +61,11 @@ def run_mismatches(run: Path) -> list[str]:
     """Every artifact of a finished run (results/<name>/) against the type its writer declares."""
     from stagetrain.consolidate.folder import Manifest
     from stagetrain.corpus.meta import TokenizerMeta
-    from stagetrain.deepspeed_config import DeepSpeedJson
     from stagetrain.grpo.run import GrpoSummary
     from stagetrain.hardware.report import HardwareReport
     from stagetrain.planning.plan import PlanPart, PlanRecord, VocabPart
     from stagetrain.pretrain.summary import PretrainSummary
+    from stagetrain.training.deepspeed_config import DeepSpeedJson
 
     files: dict[str, Any] = {
         "hardware.json": HardwareReport,

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stagetrain.config.settings import HardwareSettings
 from stagetrain.hardware.detect import detect
 from stagetrain.hardware.report import HardwareReport
-from stagetrain.settings import HardwareSettings
 
 # --------------------------------------------------------------------------------------
 # Fake NVML

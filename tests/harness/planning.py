@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 from stagetrain.hardware.detect import describe
 from stagetrain.planning.plan import PlanRecord
 from stagetrain.planning.resolve import PlannerSettings, resolve

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stagetrain.deepspeed_config import render
+from stagetrain.config.settings import ConsolidateSettings, DeepSpeedSettings, training_settings
 from stagetrain.io import atomic_write_json
-from stagetrain.model_config import training_config
+from stagetrain.model.config import training_config
 from stagetrain.planning.derived import vocab_padding
-from stagetrain.prepare_tokenizer import prepare
 from stagetrain.pretrain.summary import PretrainSummary
-from stagetrain.settings import ConsolidateSettings, DeepSpeedSettings, training_settings
+from stagetrain.tokenizer.prepare import prepare
+from stagetrain.training.deepspeed_config import render
 from stagetrain.training.integrity import load_file, weights_only_loads
 from stagetrain.training.launch import grpo_part, job_spec, pretrain_part, torchrun_command
 from stagetrain.training.loop import StageSummary

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))

@@ -10,15 +10,16 @@ from snakemake.exceptions import IncompleteCheckpointException, WorkflowError
 from snakemake.utils import validate
 
 import stagetrain
-from stagetrain import config as stconfig
-from stagetrain import configfiles, slurm
-from stagetrain.codedeps import code_digest
+from stagetrain.config import validation as stconfig
+from stagetrain.config import files as configfiles
+from stagetrain.workflow import slurm
+from stagetrain.workflow.codedeps import code_digest
 from stagetrain.errors import StageError
 from stagetrain.training.lock import refuse_while_running
-from stagetrain.inputs import local_inputs
+from stagetrain.config.inputs import local_inputs
 from stagetrain.planning.ahead import inputs_key, plan_ahead, planner_sections
 from stagetrain.planning.derived import digest, part_of
-from stagetrain.settings import Settings
+from stagetrain.config.settings import Settings
 from stagetrain.tasks.families import data_part, held_out_families
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and

@@ -1,5 +1,5 @@
 # Optional (`snakemake --cores all evaluate`, not part of `all`): lm-evaluation-harness on a
-# consolidated model folder, with the run's held-out problems as local tasks (stagetrain.lmeval).
+# consolidated model folder, with the run's held-out problems as local tasks (stagetrain.evaluate.lmeval).
 rule evaluate_model:
     input:
         after_detection,

@@ -44,6 +44,7 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
+from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.consolidate.stored import Reader, Region, Stored
 from stagetrain.consolidate.weights import read_weights
 from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size, write_shards
@@ -51,13 +52,12 @@ from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
 from stagetrain.planning.plan import LayoutRecord
-from stagetrain.settings import ConsolidateSettings
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.evaluation import validation_loss
 from stagetrain.training.loop import EvalBatch, StageSummary
 
 if TYPE_CHECKING:
-    from stagetrain.prepare_tokenizer import TokenizerMeta
+    from stagetrain.tokenizer.prepare import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

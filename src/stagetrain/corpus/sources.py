@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from stagetrain.config.settings import DataSettings, FileData, GeneratedData, HubData
 from stagetrain.corpus.meta import FilesRecord, GeneratedRecord, HubRecord, SourceRecord
 from stagetrain.corpus.prose import paragraph
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
 from stagetrain.io import not_utf8
-from stagetrain.settings import DataSettings, FileData, GeneratedData, HubData
 from stagetrain.tasks import sample, training_text
 from stagetrain.tasks.families import TaskSet, load_tasks
 from stagetrain.tasks.files import SUFFIXES, read_texts, suffix_of

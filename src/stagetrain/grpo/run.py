@@ -13,12 +13,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
+from stagetrain.config.settings import GrpoSettings
+from stagetrain.evaluate.heldout import GainReport
 from stagetrain.grpo.curriculum import CurriculumConfig, CurriculumStateRecord
 from stagetrain.grpo.metrics import GrpoRecord
 from stagetrain.grpo.tree import TreeConfig
-from stagetrain.heldout import GainReport
 from stagetrain.planning.plan import Layout
-from stagetrain.settings import GrpoSettings
 from stagetrain.tasks import Problem
 from stagetrain.tasks.families import FamilyRecord
 from stagetrain.tasks.judge import Judge
@@ -47,7 +47,7 @@ class GrpoClient(ClientState):
 class Accuracy(TypedDict):
     """summary.json's `accuracy`: greedy, on the fixed held-out problems, mean over families and
     by family, at the start (None when the metrics lost the step-0 record) and the end, and
-    the gain report (`stagetrain.heldout.gains`)."""
+    the gain report (`stagetrain.evaluate.heldout.gains`)."""
 
     start: float | None
     start_by_family: dict[str, float] | None

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from stagetrain.config.settings import GrpoSettings, TasksSettings
 from stagetrain.consolidate.folder import Manifest
-from stagetrain.deepspeed_config import DeepSpeedJson
 from stagetrain.errors import StageError
+from stagetrain.evaluate.heldout import GainReport, gains
 from stagetrain.grpo import steps as grpo_steps
 from stagetrain.grpo.curriculum import (
     Curriculum,
@@ -41,16 +42,15 @@ from stagetrain.grpo.curriculum import (
 from stagetrain.grpo.metrics import METRICS, GrpoRecord
 from stagetrain.grpo.run import GrpoSummary, Replay, Run, SamplerSummary
 from stagetrain.grpo.tree import TreeConfig
-from stagetrain.heldout import GainReport, gains
 from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
-from stagetrain.settings import GrpoSettings, TasksSettings
 from stagetrain.tasks import Problem, get_family, heldout
 from stagetrain.tasks.families import hub_pins, load_tasks, reward_digests
 from stagetrain.tasks.judge import Judge
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import window_count
 from stagetrain.training.checkpoints import Checkpoints
+from stagetrain.training.deepspeed_config import DeepSpeedJson
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, validation_loss
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
@@ -59,7 +59,7 @@ from stagetrain.training.rank import rank_main
 from stagetrain.training.spec import GrpoJob
 
 if TYPE_CHECKING:
-    from stagetrain.prepare_tokenizer import TokenizerMeta
+    from stagetrain.tokenizer.prepare import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 PROMPT_RECORD = {
@@ -392,7 +392,7 @@ def held_out_gain(
     level: int,
     families: Sequence[str] | None = None,
 ) -> GainReport | None:
-    """The summary's gain report (stagetrain.heldout.gains) from per-family accuracies on the
+    """The summary's gain report (stagetrain.evaluate.heldout.gains) from per-family accuracies on the
     fixed held-out set, whose problems give each family's level and count, its mean over
     `families` (the curriculum's); None without a start measurement (a metrics file that lost
     its step-0 record)."""

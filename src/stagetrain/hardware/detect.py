@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
-from stagetrain import slurm
+from stagetrain.config.settings import HardwareSettings
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import GpuSpec, gpu_spec, match_gpu
 from stagetrain.hardware.report import (
@@ -31,7 +31,7 @@ from stagetrain.hardware.report import (
     Source,
 )
 from stagetrain.hardware.visible import Device, select_visible
-from stagetrain.settings import HardwareSettings
+from stagetrain.workflow import slurm
 
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS in nvml.h
 

@@ -100,7 +100,7 @@ def plan_ahead(
             return cast(
                 PlanRecord, recorded
             )  # written by this planner's code: the key has its digest
-    from stagetrain import config as cfg
+    from stagetrain.config import validation as cfg
     from stagetrain.planning.resolve import plan_from
 
     try:

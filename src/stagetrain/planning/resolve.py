@@ -8,10 +8,19 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Any, cast
 
+from stagetrain.config.settings import (
+    DeepSpeedSettings,
+    GrpoSettings,
+    HardwareSettings,
+    ModelSettings,
+    ParallelismSettings,
+    PretrainSettings,
+    TokenizerSettings,
+)
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import CATALOG_PATH, gpu_spec
 from stagetrain.hardware.report import HardwareReport, SpeedReport
-from stagetrain.model_config import build_config, padded_vocab
+from stagetrain.model.config import build_config, padded_vocab
 from stagetrain.planning import attention as attentions
 from stagetrain.planning import precision as precisions
 from stagetrain.planning import table as tables
@@ -30,20 +39,11 @@ from stagetrain.planning.plan import (
 from stagetrain.planning.search import SEARCHED, Demand, Devices, Fixed, Knobs, search
 from stagetrain.planning.shape import ModelShape, model_shape
 from stagetrain.planning.throughput import Rates
-from stagetrain.settings import (
-    DeepSpeedSettings,
-    GrpoSettings,
-    HardwareSettings,
-    ModelSettings,
-    ParallelismSettings,
-    PretrainSettings,
-    TokenizerSettings,
-)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerSettings:
-    """The config sections the planner reads, typed (`stagetrain.settings`).
+    """The config sections the planner reads, typed (`stagetrain.config.settings`).
 
     Built once where the planner is entered (`plan_from`, the DAG's `planning.ahead`, the
     stage script, the tests' harness); everything below reads attributes. pretrain and grpo

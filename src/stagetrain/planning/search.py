@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from itertools import product
 from typing import cast
 
+from stagetrain.config.settings import DeepSpeedSettings, ParallelismSettings
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import GpuSpec
 from stagetrain.planning import memory as mem
@@ -34,7 +35,6 @@ from stagetrain.planning.plan import (
 )
 from stagetrain.planning.shape import ModelShape
 from stagetrain.planning.throughput import Rates, Throughput, predict
-from stagetrain.settings import DeepSpeedSettings, ParallelismSettings
 
 RUNNERS_UP = 5
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from transformers.integrations import HfDeepSpeedConfig
 
-from stagetrain.deepspeed_config import DeepSpeedJson
+from stagetrain.config.settings import ModelSettings, PretrainSettings
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning.plan import Layout
@@ -31,10 +31,10 @@ from stagetrain.planning.throughput import flops_per_token
 from stagetrain.pretrain.metrics import METRICS, PretrainRecord
 from stagetrain.pretrain.plot import loss_plot
 from stagetrain.pretrain.summary import ExpertsSummary, ParamRecord, PretrainSummary
-from stagetrain.settings import ModelSettings, PretrainSettings
 from stagetrain.training import engine as engines
 from stagetrain.training.batches import Sampler, window_count
 from stagetrain.training.checkpoints import Checkpoints, ClientState
+from stagetrain.training.deepspeed_config import DeepSpeedJson
 from stagetrain.training.engine import ParamCounts
 from stagetrain.training.evaluation import validation_loss, window_loss
 from stagetrain.training.experts import (
@@ -56,7 +56,7 @@ from stagetrain.training.rank import rank_main
 from stagetrain.training.spec import PretrainJob
 
 if TYPE_CHECKING:
-    from stagetrain.prepare_tokenizer import TokenizerMeta
+    from stagetrain.tokenizer.prepare import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 WINDOW_RECORD = {

@@ -26,6 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stagetrain.config.settings import (
+    DataSettings,
+    GrpoSettings,
+    HubTaskFile,
+    RewardSpec,
+    TaskFamilySettings,
+    TasksSettings,
+)
 from stagetrain.corpus.meta import (
     FamilyRecord,
     FileRecord,
@@ -36,14 +44,6 @@ from stagetrain.corpus.meta import (
 )
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
-from stagetrain.settings import (
-    DataSettings,
-    GrpoSettings,
-    HubTaskFile,
-    RewardSpec,
-    TaskFamilySettings,
-    TasksSettings,
-)
 from stagetrain.tasks import rewards as task_rewards
 from stagetrain.tasks.files import read_rows
 from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, split_of
@@ -54,7 +54,7 @@ log = logging.getLogger("stagetrain")
 KEY = "tasks.families"
 CONTROL_TOKENS = (*TASK_TOKENS, *END_MARKERS, "<|bos|>", "<|pad|>")
 """Strings a task row must not hold: its text goes into the generated corpus, where these are
-control tokens (stagetrain.tokenizer.SPECIAL_TOKENS and the task markers), so a prompt with
+control tokens (stagetrain.tokenizer.build.SPECIAL_TOKENS and the task markers), so a prompt with
 "<|pad|>" would become a pad token, and one with "<|problem|>" a second, fake problem."""
 MAX_ROW_CHARACTERS = 65_536
 """A task is a question and its answer: a row longer than this is a mistake (a 30 MB row ran BPE

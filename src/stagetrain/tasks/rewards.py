@@ -35,8 +35,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from stagetrain.config.settings import RewardSpec
 from stagetrain.errors import StageError
-from stagetrain.settings import RewardSpec
 from stagetrain.tasks.problem import Problem
 from stagetrain.tasks.verify import extract_answer, is_integer, score
 

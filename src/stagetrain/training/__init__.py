@@ -1,6 +1,7 @@
 """The training runtime both training stages (and consolidation) share.
 
-Modules: `launch` (the launcher side: the job spec, the torchrun / srun
+Modules: `deepspeed_config` (the render_deepspeed_config stage: the DeepSpeed config each
+training stage's engine is built with), `launch` (the launcher side: the job spec, the torchrun / srun
 command, running the ranks), `spec` (the job spec's types), `rank` (every rank's entry and the death signals),
 `engine` (joining the world, building the model and the DeepSpeed engine, the
 ZeRO-3 policy gathered for generation),

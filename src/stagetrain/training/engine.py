@@ -12,7 +12,7 @@
    weights are the same whatever the ZeRO stage, tp or world size; transformers'
    own initialisation consumes the random stream differently under zero.Init.
 2. The embeddings are resized to model_config.json's padded vocabulary
-   (stagetrain.embeddings), before the engine exists.
+   (stagetrain.model.embeddings), before the engine exists.
 3. MoE sparse blocks become ZeRO-3 leaf modules, so a rank whose tokens skip an
    expert does not wait forever for that expert's parameters.
 4. Activation checkpointing follows the plan.
@@ -40,14 +40,14 @@ from safetensors import SafetensorError, safe_open
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
-from stagetrain.deepspeed_config import DeepSpeedJson
-from stagetrain.embeddings import resize_embeddings
 from stagetrain.errors import StageError
 from stagetrain.io import read_json
+from stagetrain.model.embeddings import resize_embeddings
 from stagetrain.planning.plan import PlanPart
+from stagetrain.training.deepspeed_config import DeepSpeedJson
 
 if TYPE_CHECKING:
-    from stagetrain.prepare_tokenizer import TokenizerMeta
+    from stagetrain.tokenizer.prepare import TokenizerMeta
     from stagetrain.training.spec import JobSpec
 
 SPARSE_BLOCKS = {

@@ -53,13 +53,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
-from stagetrain import slurm
+from stagetrain.config.settings import TrackingSettings
 from stagetrain.errors import StageError
 from stagetrain.planning.plan import NoThroughput, ThroughputRecord
-from stagetrain.settings import TrackingSettings
 from stagetrain.training.metrics import WANDB_MISSING
 from stagetrain.training.rank import die_with_parent
 from stagetrain.training.spec import GrpoJob, GrpoPart, PretrainJob, PretrainPart, WandbRun
+from stagetrain.workflow import slurm
 
 RDZV_PORT = 29400
 log = logging.getLogger("stagetrain")

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, cast
 import numpy as np
 import torch.distributed as dist
 
+from stagetrain.config.settings import TrainingSettings
 from stagetrain.io import atomic_write_bytes, atomic_write_json
 from stagetrain.planning.plan import Layout, LayoutRecord
-from stagetrain.settings import TrainingSettings
 from stagetrain.training.checkpoints import Checkpoints, ClientState, tag_of
 from stagetrain.training.metrics import MetricsLog, R, tensorboard_dir, window_log_on
 

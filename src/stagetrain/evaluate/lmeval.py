@@ -29,10 +29,10 @@ from typing import Any, TypedDict
 
 import yaml
 
+from stagetrain.config.settings import TasksSettings
 from stagetrain.errors import StageError
-from stagetrain.heldout import AccuracyEntry, accuracy_entry
+from stagetrain.evaluate.heldout import AccuracyEntry, accuracy_entry
 from stagetrain.io import atomic_write_json, atomic_write_text
-from stagetrain.settings import TasksSettings
 from stagetrain.tasks import heldout
 from stagetrain.tasks.families import TaskSet, load_tasks
 from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem
@@ -150,11 +150,11 @@ class Scorer:
         return float(reward >= tasks.success_at(problem.family))
 
 
-_SCORING = '''"""Written by stagetrain.lmeval: lm-eval's process_results for the tasks beside it."""
+_SCORING = '''"""Written by stagetrain.evaluate.lmeval: lm-eval's process_results for the tasks beside it."""
 
 from pathlib import Path
 
-from stagetrain.lmeval import Scorer
+from stagetrain.evaluate.lmeval import Scorer
 
 _score = Scorer(Path(__file__).with_name("run.json"))
 

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
 from stagetrain.errors import StageError
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")

@@ -12,9 +12,9 @@ only the keys `DeepSpeedJson` names.
 import logging
 from typing import Literal, NotRequired, TypedDict
 
+from stagetrain.config.settings import DeepSpeedSettings, OptimizerSettings, TrainingSettings
 from stagetrain.errors import StageError
 from stagetrain.planning.plan import Layout, PlanPart, PlanRecord
-from stagetrain.settings import DeepSpeedSettings, OptimizerSettings, TrainingSettings
 
 SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
 

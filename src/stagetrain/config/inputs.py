@@ -12,8 +12,8 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
+from stagetrain.config.settings import Settings
 from stagetrain.errors import StageError
-from stagetrain.settings import Settings
 from stagetrain.tasks.rewards import check_function
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")

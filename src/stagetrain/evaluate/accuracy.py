@@ -14,7 +14,7 @@ and grpo.max_prompt_len / max_new_tokens the lengths; by default every family
 the config names is scored. A file family's level is scored on each of its
 held-out problems once, up to --problems. Prints one line per family and level;
 `--json` also writes the figures in the form of GRPO's summary (`accuracy` by
-family and level, and with `--baseline` the `gain` report of stagetrain.heldout).
+family and level, and with `--baseline` the `gain` report of stagetrain.evaluate.heldout).
 The default number of problems keeps one standard error <= 0.03 at any accuracy.
 """
 
@@ -26,11 +26,17 @@ from typing import NotRequired, TypedDict
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stagetrain import config as stconfig
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import Settings
 from stagetrain.errors import StageError
-from stagetrain.heldout import AccuracyEntry, GainReport, accuracy_entry, gains, problems_for
+from stagetrain.evaluate.heldout import (
+    AccuracyEntry,
+    GainReport,
+    accuracy_entry,
+    gains,
+    problems_for,
+)
 from stagetrain.io import atomic_write_json
-from stagetrain.settings import Settings
 from stagetrain.tasks import FAMILIES, get_family, heldout, known
 from stagetrain.tasks.families import NO_TASKS, TaskSet, held_out_families, load_tasks
 from stagetrain.tasks.judge import Judge

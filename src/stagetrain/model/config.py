@@ -13,8 +13,8 @@ from pathlib import Path
 from transformers import AutoConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from stagetrain.config.settings import ModelSettings
 from stagetrain.errors import StageError
-from stagetrain.settings import ModelSettings
 
 SHAPE_KEYS = (
     "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

@@ -18,6 +18,13 @@ from typing import Any
 import numpy as np
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from stagetrain.config.settings import (
+    DataSettings,
+    ModelSettings,
+    RunSettings,
+    TasksSettings,
+    TokenizerSettings,
+)
 from stagetrain.corpus import sources as corpus_sources
 from stagetrain.corpus.meta import (  # TokenizerMeta: data/meta.json, this stage's output
     SourceShare,
@@ -28,16 +35,9 @@ from stagetrain.corpus.meta import (  # TokenizerMeta: data/meta.json, this stag
 from stagetrain.corpus.shards import Written, sha256_file, token_dtype, write_split
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, atomic_write_text
-from stagetrain.model_config import training_config
-from stagetrain.settings import (
-    DataSettings,
-    ModelSettings,
-    RunSettings,
-    TasksSettings,
-    TokenizerSettings,
-)
+from stagetrain.model.config import training_config
 from stagetrain.tasks.families import NO_TASKS, load_tasks
-from stagetrain.tokenizer import load_pretrained, save, train_bpe
+from stagetrain.tokenizer.build import load_pretrained, save, train_bpe
 
 log = logging.getLogger("stagetrain")
 

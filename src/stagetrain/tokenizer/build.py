@@ -17,9 +17,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from stagetrain.config.settings import TokenizerSettings
 from stagetrain.errors import StageError
 from stagetrain.io import public_dir
-from stagetrain.settings import TokenizerSettings
 from stagetrain.tasks import TASK_TOKENS
 
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}

@@ -36,8 +36,8 @@ import jsonschema
 import yaml
 from jsonschema import Draft202012Validator, validators
 
+from stagetrain.config.settings import Settings
 from stagetrain.errors import StageError
-from stagetrain.settings import Settings
 
 # One schema file: workflow/schemas/config.schema.yaml, which Snakemake validates against;
 # the package's schemas/config.schema.yaml is a symbolic link to it, which a wheel stores

@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypedDict
 
+from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.errors import StageError
 from stagetrain.planning.plan import PlanRecord
-from stagetrain.settings import ConsolidateSettings
 
 RANK_HOST_MB = 4096
 """Host memory of one rank beyond its model state. In the default run each CPU rank

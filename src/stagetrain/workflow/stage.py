@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stagetrain import config as cfg
+from stagetrain.config import validation as cfg
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
 

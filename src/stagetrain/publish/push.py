@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from stagetrain.config.inputs import looks_local
+from stagetrain.config.settings import ModelSettings
 from stagetrain.corpus.meta import SourceShare, TokenizerMeta
 from stagetrain.errors import StageError
-from stagetrain.inputs import looks_local
 from stagetrain.planning.plan import LayoutRecord, PlanRecord, TableEntry
 from stagetrain.planning.table import Table
-from stagetrain.settings import ModelSettings
 
 if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
     from stagetrain.grpo.run import GrpoSummary
