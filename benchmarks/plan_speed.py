@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import ModelSettings
 from stagetrain.hardware.detect import describe
 from stagetrain.model.config import build_config
 from stagetrain.planning.plan import PlanRecord
@@ -73,7 +74,9 @@ def _plan(cfg: dict) -> PlanRecord:
 
 
 def _meta_build(cfg: dict) -> None:
-    config = build_config(cfg["model"], cfg["tokenizer"]["vocab_size"])
+    config = build_config(
+        ModelSettings.from_config(cfg["model"], "model"), cfg["tokenizer"]["vocab_size"]
+    )
     with torch.device("meta"):
         AutoModelForCausalLM.from_config(config)
 

@@ -117,6 +117,7 @@ def main() -> None:
 
 
 def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
+    from stagetrain.config.settings import DeepSpeedSettings, training_settings
     from stagetrain.io import atomic_write_json
     from stagetrain.training.deepspeed_config import render
     from stagetrain.training.launch import job_spec, pretrain_part
@@ -135,7 +136,12 @@ def _spec(data, out: Path, cfg) -> Path:  # noqa: ANN001
     atomic_write_json(out / "plan.json", plan)
     atomic_write_json(
         out / "ds.json",
-        render(stage="pretrain", plan=plan, deepspeed=cfg["deepspeed"], training=cfg["pretrain"]),
+        render(
+            stage="pretrain",
+            plan=plan,
+            deepspeed=DeepSpeedSettings.from_config(cfg["deepspeed"], "deepspeed"),
+            training=training_settings("pretrain", cfg["pretrain"]),
+        ),
     )
     # No outputs: the benchmark times steps and writes no summary, metrics or plot.
     part = pretrain_part(cfg, plan["stages"]["pretrain"]["throughput"]) | {"seed": 1}

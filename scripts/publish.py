@@ -21,7 +21,7 @@ from stagetrain.publish.push import card_text, measured_layouts, push
 from stagetrain.workflow.stage import StageIO, run_stage
 
 if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
-    from stagetrain.grpo.run import GrpoSummary
+    from stagetrain.grpo.summary import GrpoSummary
     from stagetrain.pretrain.summary import PretrainSummary
 
 log = logging.getLogger("stagetrain")

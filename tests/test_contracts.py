@@ -10,10 +10,10 @@ import pytest
 from harness.contracts import mismatches
 from harness.workflow import REPO
 
-from stagetrain.consolidate.folder import Manifest
+from stagetrain.consolidate.manifest import Manifest
 from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.evaluate.lmeval import StageEvaluation
-from stagetrain.grpo.run import GrpoSummary
+from stagetrain.grpo.summary import GrpoSummary
 from stagetrain.hardware.report import HardwareReport
 from stagetrain.planning.plan import PlanRecord
 from stagetrain.pretrain.summary import PretrainSummary
@@ -52,7 +52,10 @@ def test_the_architecture_doc_names_every_key_an_artifact_declares(name: str) ->
 
 
 def _declares_optional_keys(tree: ast.Module) -> bool:
-    return any(isinstance(node, ast.Name) and node.id == "NotRequired" for node in ast.walk(tree))
+    return any(
+        isinstance(node, ast.Name) and node.id in ("NotRequired", "Required")
+        for node in ast.walk(tree)
+    )
 
 
 def _postpones_annotations(tree: ast.Module) -> bool:

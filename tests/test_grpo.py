@@ -28,9 +28,10 @@ from harness.training import grpo_config as harness_grpo_config
 from safetensors.torch import load_file
 
 from stagetrain.config.settings import ConsolidateSettings
-from stagetrain.consolidate.folder import Manifest, consolidate
+from stagetrain.consolidate.folder import consolidate
+from stagetrain.consolidate.manifest import Manifest
 from stagetrain.grpo.metrics import METRICS, GrpoRecord
-from stagetrain.grpo.run import GrpoSummary
+from stagetrain.grpo.summary import GrpoSummary
 from stagetrain.training.checkpoints import KILL_DURING_SAVE
 from stagetrain.training.lock import LOCK_NAME
 

@@ -17,6 +17,7 @@ import torch
 from harness.workflow import REPO
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from stagetrain.config.settings import CurriculumSettings
 from stagetrain.errors import StageError
 from stagetrain.grpo.advantages import (
     group_advantages,
@@ -26,7 +27,6 @@ from stagetrain.grpo.advantages import (
 )
 from stagetrain.grpo.curriculum import (
     Curriculum,
-    CurriculumConfig,
     CurriculumState,
     draw,
     levels_for,
@@ -406,7 +406,7 @@ def test_bad_loss_arguments_are_refused() -> None:
 # --- curriculum ---------------------------------------------------------------------------------
 
 
-def _cfg(**changes) -> CurriculumConfig:
+def _cfg(**changes) -> CurriculumSettings:
     base = {
         "start_level": 2,
         "max_level": 3,
@@ -416,7 +416,7 @@ def _cfg(**changes) -> CurriculumConfig:
         "min_steps": 3,
         "earlier_share": 0.25,
     }
-    return CurriculumConfig(**{**base, **changes})
+    return CurriculumSettings(**{"families": (), **base, **changes})
 
 
 @pytest.fixture

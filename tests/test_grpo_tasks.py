@@ -28,8 +28,8 @@ from harness.training import launch_grpo, run_grpo
 from transformers import AutoTokenizer
 
 from stagetrain.config import validation as stconfig
-from stagetrain.config.settings import TasksSettings
-from stagetrain.grpo.curriculum import Curriculum, CurriculumConfig
+from stagetrain.config.settings import CurriculumSettings, TasksSettings
+from stagetrain.grpo.curriculum import Curriculum
 from stagetrain.grpo.steps import step_prompts
 from stagetrain.tasks import heldout
 from stagetrain.tasks.families import load_tasks
@@ -204,8 +204,7 @@ def test_a_raising_reward_stops_before_the_step_and_keeps_the_last_checkpoint(
     tasks = tasks_section(tmp_path, "org/tasks")
     cfg = config(tasks)
     load_tasks(local_tasks(tmp_path))
-    settings = {k: v for k, v in cfg["grpo"]["curriculum"].items() if k != "families"}
-    curriculum = CurriculumConfig(**settings)
+    curriculum = CurriculumSettings.from_config(cfg["grpo"]["curriculum"], "grpo.curriculum")
     state = Curriculum.start(curriculum, ["parity", "remote"])
     first, second = (step_prompts(state, curriculum, prompts=cfg["grpo"]["prompts_per_step"], seed=cfg["run"]["seed"], step=s)
                      for s in (1, 2))  # fmt: skip

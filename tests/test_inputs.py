@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.workflow import default_config
+from harness.workflow import REPO, default_config
 
 from stagetrain.config import validation as stconfig
 from stagetrain.config.inputs import local_inputs
@@ -159,3 +159,33 @@ def test_the_weights_hash_does_not_depend_on_the_sharding(tmp_path: Path) -> Non
     folder.mkdir()
     write_shards(sorted(tensors), shapes, torch.bfloat16, chunks, folder, 10**9)
     assert weights_sha256(sorted(folder.glob("*.safetensors"))) != hashes[0]
+
+
+def _reached(script: str) -> set[str]:
+    """The package modules a stage script's code digest covers, relative to the package."""
+    package = REPO / "src" / "stagetrain"
+    found = modules_of(REPO / "scripts" / f"{script}.py", REPO / "src")
+    return {str(p.relative_to(package)) for p in found}
+
+
+def test_a_stage_digests_the_types_it_reads_not_the_code_that_writes_them() -> None:
+    """The artifacts' types sit in small modules of their own (corpus/meta, consolidate/manifest,
+    training/summary, pretrain/summary, grpo/summary), so reading another stage's artifact does
+    not put that stage's code into the reader's digest, and edits there do not rerun it. (The
+    GRPO settings check builds the tree's class, so every stage that reads settings reaches
+    grpo/tree.)"""
+    shared = ("grpo/__init__.py", "grpo/tree.py")
+    stages = ("tokenizer/", "pretrain/", "grpo/", "consolidate/", "evaluate/", "publish/")
+    own = {"pretrain": ("pretrain/",), "grpo": ("grpo/", "consolidate/__init__.py",
+           "consolidate/manifest.py", "evaluate/__init__.py", "evaluate/heldout.py"),
+           "consolidate": ("consolidate/",),
+           "publish": ("publish/", "pretrain/__init__.py", "pretrain/summary.py", "grpo/summary.py",
+                       "grpo/curriculum.py",  # the curriculum's record, in GRPO's summary
+                       "evaluate/__init__.py", "evaluate/heldout.py")}  # fmt: skip
+    for script, allowed in own.items():
+        foreign = {
+            m for m in _reached(script)
+            if m.startswith(stages) and not m.startswith(allowed) and m not in shared
+        }  # fmt: skip
+        assert foreign == set(), script
+    assert not {m for m in _reached("publish") if m.startswith("training/") and m != "training/summary.py" and not m.endswith("__init__.py")}  # fmt: skip

@@ -510,3 +510,10 @@ def test_completions_end_at_eos_or_a_new_problem(tokenizer: Any) -> None:
     ):
         done = prompter.completion(body + tail)
         assert (done.text, done.finished, done.ids) == ("12", finished, body)
+
+
+def test_no_tasks_is_the_schemas_default_tasks_section() -> None:
+    """`load_tasks()` (the built-in families alone) stands for a config without a tasks section."""
+    from stagetrain.tasks.families import NO_TASKS
+
+    assert TasksSettings.from_config(stconfig.validate_section("tasks", {}), "tasks") == NO_TASKS

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from stagetrain.config.settings import GrpoSettings
 from stagetrain.grpo.rollouts import Group
 from stagetrain.grpo.steps import train_on
-from stagetrain.config.settings import GrpoSettings
 
 GROUPS = 6
 """Groups of two completions in the global batch (3 per rank at dp 2)."""
@@ -52,7 +52,9 @@ def main(out: Path, grad_accum: int) -> None:
     model = LlamaForCausalLM(config)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": grad_accum,
           "zero_optimization": {"stage": 0}, "bf16": {"enabled": False}}  # fmt: skip
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds
+    )
     grpo = {"temperature": 0.7, "top_p": 1.0, "passes": 1, "kl_coef": 0.0, "loss_type": "dapo",
             "clip_eps_low": 0.2, "clip_eps_high": 0.28, "max_new_tokens": 8, "sampler_correction": None}  # fmt: skip
     cfg = SimpleNamespace(**grpo)
@@ -62,7 +64,10 @@ def main(out: Path, grad_accum: int) -> None:
     share = GROUPS // dp
     train_on(run, groups()[rank * share : (rank + 1) * share])
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / "weights.pt")
+        torch.save(
+            {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+            out / "weights.pt",
+        )
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
+from stagetrain.config.settings import ModelSettings
 from stagetrain.config.validation import load
-from stagetrain.model.embeddings import embedding_rows, resize_embeddings
 from stagetrain.errors import StageError
 from stagetrain.model.config import build_config
+from stagetrain.model.embeddings import embedding_rows, resize_embeddings
 
 OLD_ROWS, NEW_ROWS, SEED = 300, 320, 4321
 # Ids below and above 300: the step must run through old and new rows.
@@ -53,7 +54,9 @@ def build(tied: bool) -> PreTrainedModel:
         "tie_word_embeddings": tied,
     }
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(build_config(model_settings(section), OLD_ROWS))
+    return AutoModelForCausalLM.from_config(
+        build_config(ModelSettings.from_config(section, "model"), OLD_ROWS)
+    )
 
 
 def gathered(param: torch.nn.Parameter) -> torch.Tensor:

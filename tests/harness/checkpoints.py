@@ -11,7 +11,7 @@ import torch
 
 from stagetrain.training.checkpoints import Checkpoints, tag_of
 from stagetrain.training.integrity import expected_files
-from stagetrain.training.loop import StageSummary
+from stagetrain.training.summary import StageSummary
 
 ZERO2 = {"dp": 2, "tp": 1, "zero_stage": 2}
 

@@ -59,9 +59,9 @@ def mismatches(artifact: dict[str, Any], declared: Any, where: str = "") -> list
 
 def run_mismatches(run: Path) -> list[str]:
     """Every artifact of a finished run (results/<name>/) against the type its writer declares."""
-    from stagetrain.consolidate.folder import Manifest
+    from stagetrain.consolidate.manifest import Manifest
     from stagetrain.corpus.meta import TokenizerMeta
-    from stagetrain.grpo.run import GrpoSummary
+    from stagetrain.grpo.summary import GrpoSummary
     from stagetrain.hardware.report import HardwareReport
     from stagetrain.planning.plan import PlanPart, PlanRecord, VocabPart
     from stagetrain.pretrain.summary import PretrainSummary

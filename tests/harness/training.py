@@ -31,14 +31,14 @@ from stagetrain.tokenizer.prepare import prepare
 from stagetrain.training.deepspeed_config import render
 from stagetrain.training.integrity import load_file, weights_only_loads
 from stagetrain.training.launch import grpo_part, job_spec, pretrain_part, torchrun_command
-from stagetrain.training.loop import StageSummary
+from stagetrain.training.summary import StageSummary
 
 from .configs import merge, model_settings, named_config
 from .planning import cpu_hardware, plan_for
 from .sessions import made_once
 
 if TYPE_CHECKING:
-    from stagetrain.grpo.run import GrpoSummary
+    from stagetrain.grpo.summary import GrpoSummary
 
 FIXED = {"activation_checkpointing": False, "offload": "none"}
 """What every harness run fixes beside the layout a test asks for."""

@@ -19,7 +19,6 @@ from stagetrain.training.lock import refuse_while_running
 from stagetrain.config.inputs import local_inputs
 from stagetrain.planning.ahead import inputs_key, plan_ahead, planner_sections
 from stagetrain.planning.derived import digest, part_of
-from stagetrain.config.settings import Settings
 from stagetrain.tasks.families import data_part, held_out_families
 
 # Snakemake's YAML loader keeps the last of two equal keys without a word, and
@@ -28,7 +27,7 @@ from stagetrain.tasks.families import data_part, held_out_families
 configfiles.check(workflow.configfiles)
 # The typed settings, built once, the checks no schema can make run as they are built.
 try:
-    SETTINGS = Settings.from_config(stconfig.validate(config))
+    SETTINGS = stconfig.settings(config)
 except StageError as _err:
     sys.exit(f"error: {_err}")
 validate(config, "../schemas/config.schema.yaml")
@@ -212,7 +211,7 @@ def get_init_model(wildcards):
 def get_training(wildcards):
     """The optimizer and optimizer-step count of one training stage, for its DeepSpeed config."""
     stage = wildcards.stage
-    steps = getattr(SETTINGS, stage).optimizer_steps
+    steps = SETTINGS.training(stage).optimizer_steps
     return {"steps": steps, "optimizer": config[stage]["optimizer"]}
 
 
@@ -249,4 +248,4 @@ def _stage_resources(stage, plan_key):
     if stage == "consolidate":
         return {"mem_mb": slurm.consolidate_mem_mb(plan, SETTINGS.consolidate)}
     cores = json.loads(Path(HARDWARE).read_text())["cpu"]["cores"]
-    return slurm.job_resources(plan, stage, cores, getattr(SETTINGS, stage).optimizer_steps)
+    return slurm.job_resources(plan, stage, cores, SETTINGS.training(stage).optimizer_steps)

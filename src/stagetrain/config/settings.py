@@ -334,14 +334,42 @@ class TreeSettings(_Section):
 
 @dataclass(frozen=True)
 class CurriculumSettings(_Section):
+    """`grpo.curriculum`: which families, where each starts and how far it may climb, and what
+    moves a family's level (its rolling success rate); the curriculum (`grpo.curriculum`)
+    reads it as it is, and its keys' agreement is checked as it is built."""
+
     families: tuple[str, ...]
     start_level: int
     max_level: int
     window: int
+    """Current-level prompts in the rolling success window."""
     promote_at: float
+    """Success rate at or above which the level goes up."""
     demote_below: float
+    """Success rate at or below which the level goes down."""
     min_steps: int
+    """Optimizer steps at a level before it may change."""
     earlier_share: float
+    """Share of prompts drawn from earlier levels."""
+
+    def __post_init__(self) -> None:
+        key = "grpo.curriculum"
+        if self.start_level < 1:
+            raise StageError(f"{key}.start_level: must be >= 1 (got {self.start_level})")
+        if self.max_level < self.start_level:
+            raise StageError(
+                f"{key}.max_level: must be >= start_level {self.start_level} (got {self.max_level})"
+            )
+        for name in ("window", "min_steps"):
+            if getattr(self, name) < 1:
+                raise StageError(f"{key}.{name}: must be >= 1 (got {getattr(self, name)})")
+        for name in ("promote_at", "demote_below", "earlier_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise StageError(f"{key}.{name}: must be in [0, 1] (got {getattr(self, name)})")
+        if self.demote_below >= self.promote_at:
+            raise StageError(
+                f"{key}.demote_below: must be < promote_at {self.promote_at} (got {self.demote_below})"
+            )
 
 
 @dataclass(frozen=True)
@@ -383,14 +411,11 @@ class GrpoSettings(_Section):
         return self.steps * self.passes
 
     def check(self) -> None:
-        """The GRPO keys that decide together, checked by the classes the stage builds (so at
-        DAG time, not 140 s into the GRPO ranks after pretraining has run)."""
-        from stagetrain.grpo.curriculum import CurriculumConfig
+        """The tree's keys against the group's, checked by the class the stage builds (so at
+        DAG time, not 140 s into the GRPO ranks after pretraining has run); the curriculum's
+        are checked as it is built."""
         from stagetrain.grpo.tree import TreeConfig
 
-        CurriculumConfig(
-            **{k: v for k, v in dataclasses.asdict(self.curriculum).items() if k != "families"}
-        )
         if self.rollout == "tree":
             TreeConfig(**dataclasses.asdict(self.tree), max_leaves=self.group_size,
                        max_tokens=self.group_size * self.max_new_tokens,
@@ -457,6 +482,12 @@ class Settings(_Section):
     consolidate: ConsolidateSettings
     evaluate: EvaluateSettings
     publish: PublishSettings
+
+    def training(self, stage: str) -> TrainingSettings:
+        """The section of training stage `stage` (pretrain or grpo)."""
+        if stage not in ("pretrain", "grpo"):
+            raise StageError(f"unknown training stage {stage!r} (expected pretrain or grpo)")
+        return self.pretrain if stage == "pretrain" else self.grpo
 
     def check(self, *, families: bool = True) -> None:
         """The checks no schema can make: keys that must agree with each other. Run by

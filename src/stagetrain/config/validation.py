@@ -194,6 +194,19 @@ def validate(
     Raises:
         StageError: one line naming the first offending dotted key.
     """
+    return _checked(config, source, families)[0]
+
+
+def settings(config: Mapping[str, Any], source: str = "config") -> Settings:
+    """The whole config validated as `validate` does, as the typed settings the checks built."""
+    return _checked(config, source, True)[1]
+
+
+def _checked(
+    config: Mapping[str, Any], source: str, families: bool
+) -> tuple[dict[str, Any], Settings]:
+    """The filled copy and its settings: the schema first, then the checks across keys that
+    the settings make as they are built."""
     _refuse_replaced_keys(config, source)
     filled = copy.deepcopy(dict(config))
     validator = _StrictValidator(schema())
@@ -201,10 +214,11 @@ def validate(
     if best is not None:
         raise StageError(f"{source}: {_describe(best)}")
     try:
-        Settings.from_config(filled).check(families=families)
+        built = Settings.from_config(filled)
+        built.check(families=families)
     except StageError as err:
         raise StageError(f"{source}: {err}") from None
-    return filled
+    return filled, built
 
 
 def _refuse_replaced_keys(config: Mapping[str, Any], source: str) -> None:

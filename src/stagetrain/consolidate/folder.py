@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypedDict
 
 import deepspeed
 import numpy as np
@@ -45,69 +44,21 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from stagetrain.config.settings import ConsolidateSettings
+from stagetrain.consolidate.manifest import FiniteCheck, LossCheck, Manifest
 from stagetrain.consolidate.stored import Reader, Region, Stored
 from stagetrain.consolidate.weights import read_weights
 from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size, write_shards
+from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
-from stagetrain.planning.plan import LayoutRecord
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.evaluation import validation_loss
-from stagetrain.training.loop import EvalBatch, StageSummary
-
-if TYPE_CHECKING:
-    from stagetrain.tokenizer.prepare import TokenizerMeta
+from stagetrain.training.summary import EvalBatch, StageSummary
 
 log = logging.getLogger("stagetrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MANIFEST = "MANIFEST.json"
-
-
-class LossCheck(TypedDict):
-    """`consolidate.verify: loss`: the reloaded folder's validation loss, the training's, and
-    the relative tolerance between them."""
-
-    method: Literal["loss"]
-    eval_loss: float
-    training_eval_loss: float
-    relative_tolerance: float
-
-
-class FiniteCheck(TypedDict):
-    """`consolidate.verify: finite`: the tensors read back, every value finite; the training's
-    validation loss for the record."""
-
-    method: Literal["finite"]
-    tensors: int
-    training_eval_loss: float
-
-
-class FileRecord(TypedDict):
-    """One file of the folder in the manifest."""
-
-    sha256: str
-    bytes: int
-
-
-class Manifest(TypedDict):
-    """MANIFEST.json (`consolidate`; docs/architecture.md, "Contracts between stages"): what was
-    consolidated (the stage's summary: step, tag, fingerprint, layout), as what dtype and
-    vocabulary, how it was verified, the library versions, every file's sha256 and size, and
-    `weights_sha256` (`weights_sha256`), which GRPO's checkpoint fingerprint takes."""
-
-    stage: str
-    step: int
-    tag: str
-    fingerprint: str
-    layout: LayoutRecord
-    dtype: str
-    tokenizer_size: int
-    vocab_size: int
-    verification: LossCheck | FiniteCheck
-    versions: dict[str, str]
-    files: dict[str, FileRecord]
-    weights_sha256: str
 
 
 def tolerance(output: str, trained: str) -> float:

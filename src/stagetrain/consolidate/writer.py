@@ -37,6 +37,8 @@ class TensorEntry(TypedDict):
 
 
 class IndexMetadata(TypedDict):
+    """The index's metadata: the weights' bytes in all, as transformers writes it."""
+
     total_size: int
 
 

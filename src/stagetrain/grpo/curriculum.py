@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal, TypedDict
 
+from stagetrain.config.settings import CurriculumSettings
 from stagetrain.errors import StageError
 from stagetrain.tasks.registry import get_family
 
@@ -67,43 +68,7 @@ class CurriculumStateRecord(TypedDict):
     events: list[CurriculumEvent]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CurriculumConfig:
-    """The `grpo.curriculum` section, validated on construction."""
-
-    start_level: int
-    max_level: int
-    window: int
-    """Current-level prompts in the rolling success window."""
-    promote_at: float
-    """Success rate at or above which the level goes up."""
-    demote_below: float
-    """Success rate at or below which the level goes down."""
-    min_steps: int
-    """Optimizer steps at a level before it may change."""
-    earlier_share: float
-    """Share of prompts drawn from earlier levels."""
-
-    def __post_init__(self) -> None:
-        if self.start_level < 1:
-            raise StageError(f"{KEY}.start_level: must be >= 1 (got {self.start_level})")
-        if self.max_level < self.start_level:
-            raise StageError(
-                f"{KEY}.max_level: must be >= start_level {self.start_level} (got {self.max_level})"
-            )
-        for key in ("window", "min_steps"):
-            if getattr(self, key) < 1:
-                raise StageError(f"{KEY}.{key}: must be >= 1 (got {getattr(self, key)})")
-        for key in ("promote_at", "demote_below", "earlier_share"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise StageError(f"{KEY}.{key}: must be in [0, 1] (got {getattr(self, key)})")
-        if self.demote_below >= self.promote_at:
-            raise StageError(
-                f"{KEY}.demote_below: must be < promote_at {self.promote_at} (got {self.demote_below})"
-            )
-
-
-def top_level(cfg: CurriculumConfig, family: str) -> int:
+def top_level(cfg: CurriculumSettings, family: str) -> int:
     """The highest level a family can reach: max_level, or the family's own top if lower."""
     return min(cfg.max_level, get_family(family).max_level)
 
@@ -121,7 +86,7 @@ class CurriculumState:
     """Every promotion and demotion of this family so far, as `update` returned them."""
 
     @classmethod
-    def start(cls, cfg: CurriculumConfig, family: str) -> CurriculumState:
+    def start(cls, cfg: CurriculumSettings, family: str) -> CurriculumState:
         """The family's state before the first step (start_level, or its top level if lower)."""
         return cls(family=family, level=min(cfg.start_level, top_level(cfg, family)))
 
@@ -142,7 +107,7 @@ class CurriculumState:
 
 
 def update(
-    state: CurriculumState, cfg: CurriculumConfig, step: int, outcomes: Sequence[float]
+    state: CurriculumState, cfg: CurriculumSettings, step: int, outcomes: Sequence[float]
 ) -> CurriculumEvent | None:
     """Record one optimizer step's current-level rewards of the family; promote or demote if due.
 
@@ -181,7 +146,7 @@ def window_rate(state: CurriculumState) -> float | None:
 
 
 def levels_for(
-    state: CurriculumState, cfg: CurriculumConfig, n: int, rng: random.Random
+    state: CurriculumState, cfg: CurriculumSettings, n: int, rng: random.Random
 ) -> list[int]:
     """The level of each of n prompts of the family: uniform over 1 .. level - 1 with
     probability earlier_share, else the current level (always the current level at level 1)."""
@@ -204,7 +169,7 @@ class Curriculum:
     states: dict[str, CurriculumState]
 
     @classmethod
-    def start(cls, cfg: CurriculumConfig, families: Sequence[str]) -> Curriculum:
+    def start(cls, cfg: CurriculumSettings, families: Sequence[str]) -> Curriculum:
         """The states before the first step; unknown or repeated families are refused."""
         if len(set(families)) != len(families):
             raise StageError(f"{KEY}.families: a family is listed twice ({list(families)})")
@@ -225,7 +190,7 @@ class Curriculum:
 
 
 def draw(
-    curriculum: Curriculum, cfg: CurriculumConfig, n: int, rng: random.Random
+    curriculum: Curriculum, cfg: CurriculumSettings, n: int, rng: random.Random
 ) -> list[tuple[str, int]]:
     """(family, level) of each of n prompts: the family uniform over the curriculum's
     families, then the level as `levels_for` draws it for that family, never above the
@@ -241,7 +206,7 @@ def draw(
 
 def update_all(
     curriculum: Curriculum,
-    cfg: CurriculumConfig,
+    cfg: CurriculumSettings,
     step: int,
     outcomes: Iterable[tuple[str, int, float]],
 ) -> list[CurriculumEvent]:

@@ -1,29 +1,27 @@
 """What one GRPO run holds while it trains: `Run`, built once by `grpo.train.setup` and read by
-every step (`grpo.steps`), the replay it mixes in, and the types of what it saves and writes
-(its checkpoints' client state, summary.json). Its own module so that the loop and the steps
+every step (`grpo.steps`), the replay it mixes in, and its checkpoints' client state
+(summary.json's type is `grpo.summary`'s). Its own module so that the loop and the steps
 both import it and neither imports the other."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
-from stagetrain.config.settings import GrpoSettings
-from stagetrain.evaluate.heldout import GainReport
-from stagetrain.grpo.curriculum import CurriculumConfig, CurriculumStateRecord
+from stagetrain.config.settings import CurriculumSettings, GrpoSettings
+from stagetrain.grpo.curriculum import CurriculumStateRecord
 from stagetrain.grpo.metrics import GrpoRecord
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.planning.plan import Layout
 from stagetrain.tasks import Problem
-from stagetrain.tasks.families import FamilyRecord
 from stagetrain.tasks.judge import Judge
 from stagetrain.training.checkpoints import ClientState
-from stagetrain.training.loop import StageLoop, StageSummary
+from stagetrain.training.loop import StageLoop
 from stagetrain.training.spec import GrpoJob
 
 if TYPE_CHECKING:
@@ -44,49 +42,6 @@ class GrpoClient(ClientState):
     curriculum: dict[str, CurriculumStateRecord]
 
 
-class Accuracy(TypedDict):
-    """summary.json's `accuracy`: greedy, on the fixed held-out problems, mean over families and
-    by family, at the start (None when the metrics lost the step-0 record) and the end, and
-    the gain report (`stagetrain.evaluate.heldout.gains`)."""
-
-    start: float | None
-    start_by_family: dict[str, float] | None
-    end: float
-    end_by_family: dict[str, float]
-    gain: GainReport | None
-
-
-class SamplerSummary(TypedDict):
-    """summary.json's `sampler`: the sampler-trainer gap over the logged steps (None when none
-    logged it) and the truncated importance correction applied (`grpo.sampler_correction`)."""
-
-    logprob_gap_mean: float | None
-    logprob_gap_max: float | None
-    kl_mean: float | None
-    correction: dict[str, float] | None
-
-
-class GrpoSummary(StageSummary):
-    """grpo/summary.json (`grpo.train.summarise`; docs/architecture.md, "Contracts between
-    stages"): the keys every stage writes, then DeepSpeed's optimizer steps, the curriculum at
-    the end, by step (text keys once read back from JSON) the losses, rewards, levels and
-    held-out evaluations, the accuracy and its gain, the sampler-trainer gap, the task files
-    read and the dtypes at the end."""
-
-    optimizer_steps: int
-    curriculum: dict[str, CurriculumStateRecord]
-    losses: dict[int, float]
-    final_loss: float | None
-    rewards: dict[int, float]
-    levels: dict[int, dict[str, int]]
-    evaluations: dict[int, dict[str, float]]
-    accuracy: Accuracy
-    eval_losses: dict[int, float]
-    sampler: SamplerSummary
-    tasks: dict[str, FamilyRecord]
-    dtypes: dict[str, str]
-
-
 @dataclass(kw_only=True)
 class Run:
     """Everything the loop needs, built once by `setup`."""
@@ -102,7 +57,7 @@ class Run:
     device: torch.device
     layout: Layout
     dp_rank: int
-    curriculum: CurriculumConfig
+    curriculum: CurriculumSettings
     tree: TreeConfig | None
     eval_set: list[Problem]
     loop: StageLoop[GrpoRecord, GrpoClient]

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stagetrain.config.settings import CurriculumSettings
 from stagetrain.grpo.curriculum import (
     Curriculum,
-    CurriculumConfig,
     draw,
     update_all,
     window_rate,
@@ -27,12 +27,12 @@ from stagetrain.tasks import Problem, sample
 from stagetrain.training.engine import gathered
 
 if TYPE_CHECKING:  # reward_plot's annotation
-    from stagetrain.grpo.run import GrpoSummary
+    from stagetrain.grpo.summary import GrpoSummary
 
 
 def step_prompts(
     curriculum: Curriculum,
-    config: CurriculumConfig,
+    config: CurriculumSettings,
     *,
     prompts: int,
     seed: int,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import deepspeed
 import numpy as np
@@ -29,18 +29,19 @@ from deepspeed import DeepSpeedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from stagetrain.config.settings import GrpoSettings, TasksSettings
-from stagetrain.consolidate.folder import Manifest
+from stagetrain.consolidate.manifest import Manifest
+from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.evaluate.heldout import GainReport, gains
 from stagetrain.grpo import steps as grpo_steps
 from stagetrain.grpo.curriculum import (
     Curriculum,
-    CurriculumConfig,
     CurriculumStateRecord,
     top_level,
 )
 from stagetrain.grpo.metrics import METRICS, GrpoRecord
-from stagetrain.grpo.run import GrpoSummary, Replay, Run, SamplerSummary
+from stagetrain.grpo.run import Replay, Run
+from stagetrain.grpo.summary import GrpoSummary, SamplerSummary
 from stagetrain.grpo.tree import TreeConfig
 from stagetrain.io import read_json
 from stagetrain.planning.plan import Layout
@@ -57,9 +58,6 @@ from stagetrain.training.loop import StageLoop, quiet_other_ranks
 from stagetrain.training.metrics import check_finite
 from stagetrain.training.rank import rank_main
 from stagetrain.training.spec import GrpoJob
-
-if TYPE_CHECKING:
-    from stagetrain.tokenizer.prepare import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 PROMPT_RECORD = {
@@ -169,9 +167,7 @@ def setup(spec: GrpoJob) -> Run:
     reference = None
     if cfg.kl_coef > 0:
         reference = _reference(spec["model"], ds_config, device, dtype, plan["attention"])
-    curriculum = CurriculumConfig(
-        **{k: v for k, v in asdict(cfg.curriculum).items() if k != "families"}
-    )
+    curriculum = cfg.curriculum
     tree = None
     if cfg.rollout == "tree":
         tree = TreeConfig(**asdict(cfg.tree), max_leaves=cfg.group_size, max_tokens=cfg.group_size * cfg.max_new_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from stagetrain.training.loop import StageSummary
+from stagetrain.training.summary import StageSummary
 
 
 class ExpertsSummary(TypedDict):
@@ -45,7 +45,6 @@ class PretrainSummary(StageSummary, ParamRecord, _Mfu):
 
     final_loss: float
     losses: dict[int, float]
-    eval_losses: dict[int, float]
     tokens_per_s: float
     predicted_tokens_per_s: float | None
     tokens_per_s_over_predicted: float | None

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from deepspeed import DeepSpeedEngine
 from transformers.integrations import HfDeepSpeedConfig
 
 from stagetrain.config.settings import ModelSettings, PretrainSettings
+from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import gpu_spec
 from stagetrain.planning.plan import Layout
@@ -54,9 +55,6 @@ from stagetrain.training.metrics import (
 )
 from stagetrain.training.rank import rank_main
 from stagetrain.training.spec import PretrainJob
-
-if TYPE_CHECKING:
-    from stagetrain.tokenizer.prepare import TokenizerMeta
 
 log = logging.getLogger("stagetrain")
 WINDOW_RECORD = {

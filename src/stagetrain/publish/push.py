@@ -30,7 +30,7 @@ from stagetrain.planning.plan import LayoutRecord, PlanRecord, TableEntry
 from stagetrain.planning.table import Table
 
 if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
-    from stagetrain.grpo.run import GrpoSummary
+    from stagetrain.grpo.summary import GrpoSummary
     from stagetrain.pretrain.summary import PretrainSummary
 
 log = logging.getLogger("stagetrain")
@@ -120,12 +120,12 @@ def card_text(*, run: str, model: ModelSettings, plan: PlanRecord, meta: Tokeniz
             f"micro batch {lay['micro_batch_size']} x {lay['grad_accum']} accumulation"
             + (f", {tokens:,} tokens" if tokens else "")
         )
-    accuracy = grpo.get("accuracy")
-    if accuracy:
+    gain = grpo["accuracy"]["gain"]  # None when the metrics lost the step-0 evaluation
+    if gain:
         lines += ["", "## Held-out accuracy", "",
                   "Greedy, on problems no stage trained on, before and after GRPO:", "",
                   "| family | level | before | after | gain | se |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        for family, levels in accuracy["gain"]["by_family"].items():
+        for family, levels in gain["by_family"].items():
             for level, e in levels.items():
                 lines.append(
                     f"| {family} | {level} | {e['start']:.3f} | {e['end']:.3f} | {e['gain']:+.3f} | {e['se']:.3f} |"

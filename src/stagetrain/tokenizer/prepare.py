@@ -26,7 +26,7 @@ from stagetrain.config.settings import (
     TokenizerSettings,
 )
 from stagetrain.corpus import sources as corpus_sources
-from stagetrain.corpus.meta import (  # TokenizerMeta: data/meta.json, this stage's output
+from stagetrain.corpus.meta import (
     SourceShare,
     SpecialIds,
     SplitTotals,

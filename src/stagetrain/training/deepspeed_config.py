@@ -19,7 +19,9 @@ from stagetrain.planning.plan import Layout, PlanPart, PlanRecord
 SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
 
 
-class Offload(TypedDict):
+class OffloadDevice(TypedDict):
+    """Where ZeRO moves a part of the training state (optimizer or parameters)."""
+
     device: Literal["cpu"]
     pin_memory: bool
 
@@ -34,20 +36,26 @@ class Zero(TypedDict):
     allgather_bucket_size: NotRequired[int]
     stage3_prefetch_bucket_size: NotRequired[int]
     stage3_max_live_parameters: NotRequired[int]
-    offload_optimizer: NotRequired[Offload]
-    offload_param: NotRequired[Offload]
+    offload_optimizer: NotRequired[OffloadDevice]
+    offload_param: NotRequired[OffloadDevice]
 
 
 class Scheduler(TypedDict):
+    """DeepSpeed's scheduler: its class name and that class's keyword arguments."""
+
     type: str
     params: dict[str, float | int | str]
 
 
 class Enabled(TypedDict):
+    """A precision section that is on or off."""
+
     enabled: bool
 
 
 class Fp16(Enabled):
+    """fp16 with dynamic loss scaling (`loss_scale` 0)."""
+
     loss_scale: int
     initial_scale_power: int
     loss_scale_window: int
@@ -113,6 +121,21 @@ def _zero(layout: Layout, deepspeed: DeepSpeedSettings) -> Zero:
     return zero
 
 
+def _set_precision(config: DeepSpeedJson, precision: str, deepspeed: DeepSpeedSettings) -> None:
+    """bf16 as is; fp16 with dynamic loss scaling from 2**fp16_initial_scale_power; fp32: neither."""
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": deepspeed.fp16_initial_scale_power,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+
+
 def render(
     *,
     stage: str,
@@ -156,17 +179,7 @@ def render(
         },
         "scheduler": _scheduler(optimizer, steps),
     }
-    if layout.precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    if layout.precision == "fp16":
-        config["fp16"] = {
-            "enabled": True,
-            "loss_scale": 0,
-            "initial_scale_power": deepspeed.fp16_initial_scale_power,
-            "loss_scale_window": 1000,
-            "hysteresis": 2,
-            "min_loss_scale": 1,
-        }
+    _set_precision(config, layout.precision, deepspeed)
     if layout.tp > 1:
         # Full logits on every tp rank (the output projection gathers its columns), so the
         # loss is the ordinary cross-entropy; the planner counts the logits unsplit.

@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
+from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.io import read_json
 from stagetrain.model.embeddings import resize_embeddings
@@ -47,7 +48,6 @@ from stagetrain.planning.plan import PlanPart
 from stagetrain.training.deepspeed_config import DeepSpeedJson
 
 if TYPE_CHECKING:
-    from stagetrain.tokenizer.prepare import TokenizerMeta
     from stagetrain.training.spec import JobSpec
 
 SPARSE_BLOCKS = {

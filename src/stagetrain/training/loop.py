@@ -14,16 +14,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import numpy as np
 import torch.distributed as dist
 
 from stagetrain.config.settings import TrainingSettings
 from stagetrain.io import atomic_write_bytes, atomic_write_json
-from stagetrain.planning.plan import Layout, LayoutRecord
+from stagetrain.planning.plan import Layout
 from stagetrain.training.checkpoints import Checkpoints, ClientState, tag_of
 from stagetrain.training.metrics import MetricsLog, R, tensorboard_dir, window_log_on
+from stagetrain.training.summary import StageSummary
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -33,39 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stagetrain")
 C = TypeVar("C", bound=ClientState)
 """A stage's client state (what its checkpoints carry)."""
-
-
-class CheckpointRef(TypedDict):
-    """Where a stage's final checkpoint is: its fingerprint folder and tag."""
-
-    folder: str
-    tag: str
-
-
-class EvalBatch(TypedDict):
-    """The validation windows a stage's last loss was measured on: what consolidation re-evaluates."""
-
-    shard: str
-    windows: list[int]
-    seq_len: int
-    micro_batch_size: int
-
-
-class StageSummary(TypedDict):
-    """The summary.json keys every training stage writes (`StageLoop.summary`): the final
-    checkpoint, its layout, fingerprint and attention kernel, and the validation loss with the
-    windows it was measured on; what consolidation reads (docs/architecture.md, "Contracts
-    between stages"). `pretrain.summary.PretrainSummary` and `grpo.run.GrpoSummary` add the rest."""
-
-    stage: str
-    final_step: int
-    resumed_from_step: int
-    layout: LayoutRecord
-    fingerprint: str
-    attention: str
-    checkpoint: CheckpointRef
-    eval_batch: EvalBatch
-    final_eval_loss: float
 
 
 S = TypeVar("S", bound=StageSummary)
