@@ -68,6 +68,11 @@ def main(out: Path, grad_accum: int) -> None:
             {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
             out / "weights.pt",
         )
+    # Both ranks leave together, through the process group's own teardown: a rank that exited
+    # while the other still saved took gloo's threads down with it (SIGABRT, "terminate called
+    # without an active exception"), once in a loaded full suite.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
