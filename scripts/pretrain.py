@@ -18,6 +18,10 @@ from stagetrain.planning.derived import whole_plan
 from stagetrain.training.launch import launch_stage, pretrain_part
 from stagetrain.workflow.stage import StageIO, run_stage
 
+INPUTS = ["plan", "deepspeed_config", "tokenizer", "train", "val", "meta", "model_config"]
+"""What the ranks read. The rule's `init_from` input (a local model's files) is there for
+Snakemake to rerun on an edit; the ranks read model.init_from from the model section."""
+
 
 def main(io: StageIO) -> None:
     smk = globals().get("snakemake")
@@ -31,7 +35,7 @@ def main(io: StageIO) -> None:
     launch_stage(
         stage="pretrain",
         module="stagetrain.pretrain.train",
-        inputs=io.inputs,
+        inputs={name: io.inputs[name] for name in INPUTS},
         outputs=io.outputs,
         part=pretrain_part(io.sections, throughput),
         tracking=TrackingSettings.from_config(io.sections["tracking"], "tracking"),
@@ -42,7 +46,7 @@ run_stage(
     main,
     snakemake=globals().get("snakemake"),
     doc=__doc__,
-    inputs=["plan", "deepspeed_config", "tokenizer", "train", "val", "meta", "model_config"],
+    inputs=INPUTS,
     outputs=["summary", "metrics", "loss_plot"],
     sections=["run", "model", "pretrain", "tracking"],
 )

@@ -109,3 +109,24 @@ def test_a_documented_key_the_doc_leaves_out_is_found() -> None:
     """The doc check itself can fail: a key no paragraph names."""
     assert re.search(r"`no_such_key`", _contracts_text("hardware.json")) is None
     assert "no_such_key" not in get_type_hints(HardwareReport)
+
+
+def test_the_records_written_from_a_dataclass_name_its_fields() -> None:
+    """hardware.json's catalog entry and devices are `asdict` of a dataclass, typed by a cast:
+    the TypedDict must name exactly the dataclass's fields."""
+    from stagetrain.hardware.catalog import GpuSpec
+    from stagetrain.hardware.report import DeviceRecord, GpuSpecRecord
+    from stagetrain.hardware.visible import Device
+
+    assert GpuSpecRecord.__required_keys__ == set(GpuSpec.__dataclass_fields__)
+    assert DeviceRecord.__required_keys__ == set(Device.__dataclass_fields__)
+
+
+def test_each_debug_log_record_is_what_its_registry_describes() -> None:
+    """windows.jsonl and prompts.jsonl: the registry that says what each key means, and the
+    type of the records written, name the same keys."""
+    from stagetrain.grpo.train import PROMPT_RECORD, PromptRecord
+    from stagetrain.pretrain.train import WINDOW_RECORD, WindowRecord
+
+    assert set(WINDOW_RECORD) == WindowRecord.__required_keys__
+    assert set(PROMPT_RECORD) == PromptRecord.__required_keys__

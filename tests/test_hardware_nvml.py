@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from harness.contracts import mismatches
 from harness.nvml import (
     A100_80,
     A100_80_MEMORY,
@@ -27,6 +28,7 @@ from harness.nvml import (
 )
 
 from stagetrain.errors import StageError
+from stagetrain.hardware.report import HardwareReport
 from stagetrain.hardware.visible import Device, select_visible
 
 # --------------------------------------------------------------------------------------
@@ -62,6 +64,9 @@ class TestNvmlNode:
         assert [d["index"] for d in result["devices"]] == list(range(8))
         assert nvml.calls[0] == "nvmlInit"
         assert nvml.calls[-1] == "nvmlShutdown"
+        # The GPU side of hardware.json, which the default run (CPU) never writes, is what
+        # its type declares: the catalog entry and the devices included.
+        assert mismatches(result, HardwareReport) == []
 
     def test_memory_is_the_smallest_visible(self, tmp_path: Path) -> None:
         """Same model, different reported totals: plan for the smallest."""

@@ -66,6 +66,7 @@ def run_mismatches(run: Path) -> list[str]:
     from stagetrain.planning.plan import PlanPart, PlanRecord, VocabPart
     from stagetrain.pretrain.summary import PretrainSummary
     from stagetrain.training.deepspeed_config import DeepSpeedJson
+    from stagetrain.training.spec import GrpoJob, PretrainJob
 
     files: dict[str, Any] = {
         "hardware.json": HardwareReport,
@@ -80,6 +81,8 @@ def run_mismatches(run: Path) -> list[str]:
         "grpo/summary.json": GrpoSummary,
         "model/pretrain/MANIFEST.json": Manifest,
         "model/grpo/MANIFEST.json": Manifest,
+        "checkpoints/pretrain/job.json": PretrainJob,
+        "checkpoints/grpo/job.json": GrpoJob,
     }
     return [
         f"{name}{found}"

@@ -21,19 +21,10 @@ from pathlib import Path
 from typing import cast
 
 from stagetrain.io import json_bytes
-from stagetrain.planning.plan import PlanPart, PlanRecord, VocabPart
+from stagetrain.planning.plan import PlanPart, PlanRecord, RunWide, StageEstimates, VocabPart
 
-# The run-wide keys the training stages read (world, backend, device, model shape).
-SHARED_KEYS = (
-    "attention",
-    "backend",
-    "device",
-    "model",
-    "nodes",
-    "precision",
-    "ranks_per_node",
-    "world",
-)
+SHARED_KEYS = tuple(sorted(RunWide.__required_keys__))
+"""The run-wide keys the training stages read (world, backend, device, model shape)."""
 
 
 def vocab_padding(plan: PlanRecord) -> VocabPart:
@@ -41,14 +32,14 @@ def vocab_padding(plan: PlanRecord) -> VocabPart:
     return {"tp": math.lcm(*(stage["layout"]["tp"] for stage in plan["stages"].values()))}
 
 
-ESTIMATES = ("throughput", "runners_up")
+ESTIMATES = tuple(sorted(StageEstimates.__required_keys__))
 """The keys of a stage's entry that predict rather than decide (module docstring)."""
 
 
 def stage_plan(plan: PlanRecord, stage: str) -> PlanPart:
     """plan/<stage>.json: plan.json with only the run-wide keys and `stages.<stage>`, less its
-    ESTIMATES (SHARED_KEYS are `plan.RunWide`'s keys and ESTIMATES `plan.StageEstimates`',
-    which tests/test_planning.py holds equal; the entry keeps any other key as it is)."""
+    ESTIMATES (the keys of `plan.RunWide` and of `plan.StageEstimates`; the entry keeps any
+    other key as it is)."""
     entry = {k: v for k, v in plan["stages"][stage].items() if k not in ESTIMATES}
     shared = {key: plan[key] for key in SHARED_KEYS}  # type: ignore[literal-required]
     return cast(PlanPart, {**shared, "stages": {stage: entry}})

@@ -17,8 +17,8 @@ from stagetrain.hub import HubError, fetch
 from stagetrain.planning.plan import TableEntry
 
 TABLE_FILE = "parallelism_data.json"
-ENTRY_KEYS = ("dp", "tp", "micro_batch_size")
-"""The keys of `TableEntry`, which every entry must have (it may have more)."""
+ENTRY_KEYS = tuple(TableEntry.__annotations__)
+"""The keys every entry must have (it may have more): `TableEntry`'s."""
 
 Table = dict[str, dict[str, TableEntry]]
 """A checked table: GPU key -> GPU count (a string of digits) -> entry."""
