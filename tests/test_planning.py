@@ -37,7 +37,7 @@ from stagetrain.planning.plan import (
     ThroughputRecord,
 )
 from stagetrain.planning.resolve import PlannerSettings
-from stagetrain.planning.shape import ModelShape, model_shape
+from stagetrain.planning.shape import ModelShape, cached_shape, model_shape, shape_key
 from stagetrain.planning.throughput import Throughput
 
 GIB = 2**30
@@ -95,6 +95,31 @@ def test_vocab_is_padded_to_multiple_times_tp() -> None:
     assert padded_vocab(500, 64) == 512
     assert padded_vocab(513, 64) == 576
     assert padded_vocab(513, 64, tp=4) == 768
+
+
+def test_a_kept_shape_is_the_counted_one_and_any_edit_to_its_inputs_counts_again(
+    tmp_path: Path,
+) -> None:
+    """The DAG keeps counted shapes across runs (planning.shape.cached_shape); a shape served
+    from that folder for a model it was not counted for would plan the wrong memory."""
+    model = model_settings(_model())
+    counted: list[int] = []
+
+    def count(settings: Any = model) -> ModelShape:
+        counted.append(1)
+        return model_shape(build_config(settings, 512))
+
+    key = shape_key(model, 512, 1)
+    first = cached_shape(tmp_path, key, count)
+    assert cached_shape(tmp_path, key, count) == first and len(counted) == 1
+    wider = model_settings({**_model(), "hidden_size": 256, "num_heads": 4})
+    for other in (shape_key(wider, 512, 1), shape_key(model, 1024, 1), shape_key(model, 512, 2)):
+        assert other not in (None, key)
+    kept = cached_shape(tmp_path, shape_key(wider, 512, 1), lambda: count(wider))
+    assert kept.hidden_size == 256 and len(counted) == 2
+    (tmp_path / f"{key}.json").write_text("{")  # a torn file is counted again, not read
+    assert cached_shape(tmp_path, key, count) == first and len(counted) == 3
+    assert shape_key(replace(model, init_from="org/a-hub-model"), 512, 1) is None
 
 
 # --- memory model -------------------------------------------------------------

@@ -143,8 +143,9 @@ def planned():
 
 @functools.lru_cache(maxsize=4)
 def _planned(key):
-    cache = Path(".snakemake") / "stagetrain-plans"  # Snakemake's own state folder
-    return plan_ahead(Path(RUN) / "plan.json", key, Path(HARDWARE), planner_sections(config), cache=cache)
+    state = Path(".snakemake")  # Snakemake's own state folder
+    return plan_ahead(Path(RUN) / "plan.json", key, Path(HARDWARE), planner_sections(config),
+                      cache=state / "stagetrain-plans", shapes=state / "stagetrain-shapes")
 
 
 def get_plan(wildcards, input):

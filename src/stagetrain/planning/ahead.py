@@ -85,12 +85,15 @@ def plan_ahead(
     sections: Mapping[str, Any],
     *,
     cache: Path | None = None,
+    shapes: Path | None = None,
 ) -> PlanRecord | str:
     """plan.json as the planner's job writes it for these inputs: the recorded one if it was
     planned from them, else the plan an earlier DAG worked out from them (`cache`: the folder of
     such plans, by key, so that a dry run and the run after it plan once), else planned now; or
     the planner's one-line refusal of them, which the jobs that would write the plan fail with
-    (so the error lands in their logs, as a stage's)."""
+    (so the error lands in their logs, as a stage's). `shapes`: the folder of the model shapes
+    counted before (`planning.shape.cached_shape`), so that a replan whose model did not change
+    imports neither torch nor transformers."""
     for path in (Path(plan_json), *([cache / f"{key}.json"] if cache else [])):
         try:
             recorded = json.loads(path.read_text())
@@ -105,7 +108,7 @@ def plan_ahead(
 
     try:
         valid = {name: cfg.validate_section(name, value) for name, value in sections.items()}
-        plan = plan_from(json.loads(Path(hardware).read_text()), valid)
+        plan = plan_from(json.loads(Path(hardware).read_text()), valid, shapes=shapes)
     except StageError as err:
         return str(err)
     if cache is not None:

@@ -20,7 +20,6 @@ from stagetrain.config.settings import (
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import CATALOG_PATH, gpu_spec
 from stagetrain.hardware.report import HardwareReport, SpeedReport
-from stagetrain.model.config import build_config, padded_vocab
 from stagetrain.planning import attention as attentions
 from stagetrain.planning import precision as precisions
 from stagetrain.planning import table as tables
@@ -37,7 +36,7 @@ from stagetrain.planning.plan import (
     parallelism_error,
 )
 from stagetrain.planning.search import SEARCHED, Demand, Devices, Fixed, Knobs, search
-from stagetrain.planning.shape import ModelShape, model_shape
+from stagetrain.planning.shape import ModelShape, cached_shape, model_shape, shape_key
 from stagetrain.planning.throughput import Rates
 
 
@@ -296,22 +295,34 @@ def _plan_source(sources: Mapping[str, str], table_record: TableRecord) -> str:
     )  # fmt: skip
 
 
-def _shapes(model: ModelSettings, vocab_size: int) -> Callable[[int], ModelShape]:
-    """The model's shape for a given tp (the padded vocabulary depends on tp), each built once."""
+def _shapes(
+    model: ModelSettings, vocab_size: int, kept: Path | None
+) -> Callable[[int], ModelShape]:
+    """The model's shape for a given tp (the padded vocabulary depends on tp), each built once,
+    and kept in the folder `kept` across runs when given (`shape.cached_shape`)."""
+
+    def count(tp: int) -> ModelShape:
+        from stagetrain.model.config import build_config, padded_vocab  # imports transformers
+
+        return model_shape(build_config(model, padded_vocab(vocab_size, model.vocab_multiple, tp)))
 
     @cache
     def shape(tp: int) -> ModelShape:
-        vocab = padded_vocab(vocab_size, model.vocab_multiple, tp)
-        return model_shape(build_config(model, vocab))
+        if kept is None:
+            return count(tp)
+        return cached_shape(kept, shape_key(model, vocab_size, tp), partial(count, tp))
 
     return shape
 
 
-def resolve(hardware: HardwareReport, settings: PlannerSettings) -> PlanRecord:
+def resolve(
+    hardware: HardwareReport, settings: PlannerSettings, *, shapes: Path | None = None
+) -> PlanRecord:
     """Build plan.json from hardware.json and the planner's config sections.
 
     Of `settings.grpo` the planner reads only the keys that shape its batch
-    (prompts_per_step, group_size, max_prompt_len, max_new_tokens, kl_coef).
+    (prompts_per_step, group_size, max_prompt_len, max_new_tokens, kl_coef). `shapes`: a
+    folder that keeps the model's counted shapes across runs.
     """
     devices = devices_from(hardware, settings.hardware)
     speed = hardware.get("speed")
@@ -320,7 +331,7 @@ def resolve(hardware: HardwareReport, settings: PlannerSettings) -> PlanRecord:
     kernel = attentions.choose(settings.deepspeed.attention, gpu=devices.gpu is not None,
                                speed=speed, precision=precision)  # fmt: skip
     rates = device_rates(devices, speed, precision, settings.parallelism)
-    shape = _shapes(settings.model, settings.tokenizer.vocab_size)
+    shape = _shapes(settings.model, settings.tokenizer.vocab_size, shapes)
     configured = Fixed.of(settings.parallelism)
     heads, kv_heads = shape(1).num_heads, shape(1).num_kv_heads
     check_fixed(configured, devices, heads, kv_heads)
@@ -362,8 +373,13 @@ def resolve(hardware: HardwareReport, settings: PlannerSettings) -> PlanRecord:
     }
 
 
-def plan_from(hardware: HardwareReport, sections: Mapping[str, Mapping[str, Any]]) -> PlanRecord:
+def plan_from(
+    hardware: HardwareReport,
+    sections: Mapping[str, Mapping[str, Any]],
+    *,
+    shapes: Path | None = None,
+) -> PlanRecord:
     """`resolve` with the validated config sections by name, as the planner's rule passes them
     (the planner's job and the plan worked out at DAG time, `planning.ahead`, both call this),
     or a whole validated config: the typed sections are built here, once."""
-    return resolve(hardware, PlannerSettings.from_config(sections))
+    return resolve(hardware, PlannerSettings.from_config(sections), shapes=shapes)

@@ -5,15 +5,33 @@ planner asked to answer in under one. Decoder layers of the architectures here
 are identical, so the model is built on the meta device with one and with two
 layers, and the count is extrapolated exactly: total = P(1) + (L - 1) * (P(2) - P(1)).
 Configs with per-layer differences are built whole.
+
+Importing torch and transformers for that costs seconds, and the planner runs in Snakemake's own
+process whenever an edit it reads changes (planning/ahead.py), so a dry run after a learning-rate
+or batch edit paid them although the model had not changed. A shape depends only on the model
+section, the vocabulary and the code that counts it, so it is kept on disk by a digest of those
+(`shape_key`, `cached_shape`) and the imports happen only when the model itself changes.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import hashlib
+import importlib.metadata
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from stagetrain.config.settings import ModelSettings
+from stagetrain.io import atomic_write_json
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+COUNTING_CODE = (Path(__file__), Path(__file__).parents[1] / "model" / "config.py")
+"""The modules a shape is worked out by: a change to either is a new cache key."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +69,9 @@ def _homogeneous(config: PretrainedConfig) -> bool:
 
 
 def _counts(config: PretrainedConfig, layers: int) -> dict[str, int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     cfg = copy.deepcopy(config)
     cfg.num_hidden_layers = layers
     with torch.device("meta"):
@@ -110,3 +131,38 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         experts_per_token=top_k,
         vocab_size=config.vocab_size,
     )
+
+
+def shape_key(model: ModelSettings, vocab_size: int, tp: int) -> str | None:
+    """A digest of everything `model`'s shape at `tp` follows from: the model section, the
+    tokenizer's vocabulary, a local start model's config.json, transformers' version and the
+    counting code. None for a start model on a hub, whose config is downloaded to be read."""
+    start = None
+    if model.init_from:
+        config_json = Path(model.init_from) / "config.json"
+        if not config_json.is_file():
+            return None
+        start = hashlib.sha256(config_json.read_bytes()).hexdigest()
+    record = {
+        "model": asdict(model),
+        "vocab_size": vocab_size,
+        "tp": tp,
+        "config.json": start,
+        "transformers": importlib.metadata.version("transformers"),
+        "code": [hashlib.sha256(p.read_bytes()).hexdigest() for p in COUNTING_CODE],
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def cached_shape(folder: Path, key: str | None, count: Callable[[], ModelShape]) -> ModelShape:
+    """The shape kept in `folder` under `key`, else `count()`, kept there for the next run."""
+    if key is None:
+        return count()
+    path = folder / f"{key}.json"
+    try:
+        return ModelShape(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    shape = count()
+    atomic_write_json(path, asdict(shape))
+    return shape
