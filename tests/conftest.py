@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from harness import workflow
 from harness.configs import apply_config, small_grpo, small_run
 from harness.sessions import made_once, shared_root
 from harness.workflow import REPO, copy_workflow, snakemake
@@ -58,6 +59,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return unit(nodeid)
 
     return ByUnit(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kept_shapes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The model shapes every workflow copy of this test run starts with (harness.workflow)."""
+    folder = shared_root(tmp_path_factory) / "shapes"
+    folder.mkdir(parents=True, exist_ok=True)
+    workflow.kept_shapes = folder
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ import pytest
 import torch
 from harness.compare import LOSS_RTOL, PARAM_ATOL
 from harness.configs import edit_config, small_grpo, small_run
-from harness.workflow import copy_workflow, kill_after_checkpoint, snakemake
+from harness.workflow import kill_after_checkpoint, snakemake
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -109,17 +109,28 @@ def _run_leg(workdir: Path, hardware: dict, parallelism: dict, killed: str | Non
     return start
 
 
+def _trained_removed(workdir: Path) -> None:
+    """What the training stages wrote, gone; the hardware, the data and the tokenizer stay."""
+    for done in ("pretrain", "grpo", "checkpoints", "model"):
+        shutil.rmtree(workdir / RUN / done)
+
+
 def test_a_run_killed_and_rerun_under_five_layouts_equals_the_uninterrupted_run(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    finished_small_run: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("STAGETRAIN_WINDOW_LOG", "1")
-    straight = copy_workflow(tmp_path_factory.mktemp("straight") / "wf")
+    # The uninterrupted run starts from the shared finished run's data and tokenizer (the
+    # same tiny corpus), so only the training stages and their consolidations run for it.
+    straight = tmp_path_factory.mktemp("straight") / "wf"
+    shutil.copytree(finished_small_run, straight, symlinks=True)
+    _trained_removed(straight)
     _configure(straight)
     snakemake(straight, "all")
     chain = tmp_path_factory.mktemp("chain") / "wf"
     shutil.copytree(straight, chain, symlinks=True)
-    for done in ("pretrain", "grpo", "checkpoints", "model"):
-        shutil.rmtree(chain / RUN / done)  # the data and the tokenizer are reused
+    _trained_removed(chain)
 
     converted: dict[str, list[int]] = {"pretrain": [], "grpo": []}
     for hardware, parallelism, killed, conversion in LEGS:

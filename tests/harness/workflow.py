@@ -23,6 +23,12 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 CLUSTER_SNAKEMAKE = [sys.executable, str(Path(__file__).with_name("cluster_snakemake.py"))]
 """Snakemake for a run that submits to a cluster: its status checks at a fixed short interval."""
 WORKFLOW_PARTS = ("Snakefile", "workflow", "config", "scripts", "profiles", "examples")
+SHAPES = Path(".snakemake/stagetrain-shapes")
+"""Where a workflow copy keeps the model shapes its planner counted (planning/shape.py)."""
+kept_shapes: Path | None = None
+"""The shapes every run of this test run counted (set by conftest): each copy starts with them,
+so that Snakemake's process imports torch for the planner once per model in a test run, not once
+per copy; each is keyed by everything it was counted from, so none is served for another model."""
 
 
 def default_config() -> dict[str, Any]:
@@ -39,7 +45,20 @@ def copy_workflow(root: Path) -> Path:
             shutil.copytree(src, root / part)
         else:
             shutil.copy(src, root / part)
+    if kept_shapes is not None:
+        shutil.copytree(kept_shapes, root / SHAPES)
     return root
+
+
+def _keep_shapes(workdir: Path) -> None:
+    """Add the shapes a run in `workdir` counted to `kept_shapes`."""
+    if kept_shapes is None or not (workdir / SHAPES).is_dir():
+        return
+    for shape in (workdir / SHAPES).glob("*.json"):
+        if not (kept_shapes / shape.name).exists():
+            partial = kept_shapes / f".{shape.name}.{os.getpid()}"
+            shutil.copy(shape, partial)
+            partial.replace(kept_shapes / shape.name)
 
 
 def snakemake(
@@ -55,6 +74,7 @@ def snakemake(
         text=True,
         timeout=timeout,
     )
+    _keep_shapes(workdir)
     if check and proc.returncode != 0:
         pytest.fail(
             f"snakemake {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
