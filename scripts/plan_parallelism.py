@@ -60,6 +60,12 @@ def _log(plan: PlanRecord) -> None:
             lay["activation_checkpointing"], lay["offload"], mem["total"] / 2**30, mem["usable"] / 2**30,
             f"predicted {thr['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in thr else thr["reason"],
         )  # fmt: skip
+        log.info(
+            "  memory per device (GiB): params %.2f, grads %.2f, optimizer %.2f, ZeRO buffers %.2f, "
+            "activations %.2f, logits %.2f, stage extra %.2f; host per node for offload %.2f",
+            *(mem[k] / 2**30 for k in ("params", "grads", "optimizer", "zero_buffers", "activations",
+                                       "logits", "extra", "host_per_node")),
+        )  # fmt: skip
         for other in stage["runners_up"]:
             log.info("  runner-up %s: %s", other["layout"], other["reason"])
     for warning in plan["warnings"]:

@@ -273,6 +273,11 @@ def test_validate_section_checks_one_section() -> None:
         stconfig.validate_section("runs", {})
 
 
+DEEPSEEK = {"architecture": "deepseek_v3", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64,
+            "num_shared_experts": 1, "first_dense_layers": 1, "num_kv_heads": 4}  # fmt: skip
+"""The default model as a deepseek_v3: its shape keys and the MoE keys it requires."""
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -283,6 +288,19 @@ def test_validate_section_checks_one_section() -> None:
         ({"architecture": "mixtral"}, "model.num_experts: required for a from-scratch mixtral model"),
         ({"architecture": "mixtral", "num_experts": 2, "experts_per_token": 3}, "model.experts_per_token: 3 exceeds"),
         ({"init_from": "some/model"}, "model.hidden_size: not allowed with model.init_from"),
+        ({"architecture": "deepseek_v3", "num_kv_heads": 4}, "model.num_experts: required for a from-scratch deepseek_v3 model"),
+        ({**DEEPSEEK, "num_kv_heads": 2}, "model.num_kv_heads: deepseek_v3's latent attention has one key and value per query head: expected model.num_heads"),
+        ({**DEEPSEEK, "num_heads": 64, "num_kv_heads": 64}, "model.num_heads: deepseek_v3 gives half of each head's hidden_size / num_heads = 2 dimensions"),
+        ({**DEEPSEEK, "first_dense_layers": 4}, "model.first_dense_layers: 4 leaves no MoE layer of model.num_layers 4"),
+        ({**DEEPSEEK, "router_aux_loss_coef": 0.01}, "model.router_aux_loss_coef: transformers defines no load-balancing loss for deepseek_v3"),
+        ({**DEEPSEEK, "num_experts": 2, "experts_per_token": 3}, "model.experts_per_token: 3 exceeds"),
+        ({"architecture": "mixtral", "num_experts": 4, "experts_per_token": 2, "router_bias_update_rate": 0.01},
+         "model.router_bias_update_rate: not used by architecture 'mixtral'"),
+        ({"router_bias_update_rate": 0.01}, "model.router_bias_update_rate: not used by architecture 'llama'"),
+        ({"architecture": "qwen2_moe", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64,
+          "num_shared_experts": 1}, "model.num_shared_experts: not used by architecture 'qwen2_moe'"),
+        ({"architecture": "mixtral", "num_experts": 4, "experts_per_token": 2, "first_dense_layers": 1},
+         "model.first_dense_layers: not used by architecture 'mixtral'"),
     ],
 )  # fmt: skip
 def test_model_shape_errors(change: dict[str, Any], message: str) -> None:
@@ -290,6 +308,45 @@ def test_model_shape_errors(change: dict[str, Any], message: str) -> None:
     model = {k: v for k, v in model.items() if v is not None or k == "init_from"}
     with pytest.raises(StageError, match=message.replace("(", r"\(")):
         build_config(model_settings(model), 512)
+
+
+def test_a_deepseek_v3_model_is_built_with_its_latent_attention_and_routing_bias() -> None:
+    """The keys reach DeepseekV3Config under its own names; the latent attention's dimensions
+    follow head_dim = hidden / heads = 32 (`model.config.latent_attention`); the bias update's
+    rate is written into the config (the checkpoint fingerprint holds model_config.json)."""
+    config = build_config(model_settings({**default_config()["model"], **DEEPSEEK}), 512)
+    assert config.model_type == "deepseek_v3"
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.n_shared_experts, config.first_k_dense_replace) == (4, 2, 64, 1, 1)  # fmt: skip
+    assert (config.n_group, config.topk_group, config.num_mtp_layers) == (1, 1, 0)
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (16, 16, 32)
+    # 3 x 128 would widen a 128-wide query: projected directly
+    assert (config.kv_lora_rank, config.q_lora_rank) == (128, None)
+    assert config.router_bias_update_rate == 0.001
+    wide = build_config(model_settings({**default_config()["model"], **DEEPSEEK, "hidden_size": 2048,
+                                        "num_heads": 32, "num_kv_heads": 32, "router_bias_update_rate": 0.0}), 512)  # fmt: skip
+    assert (wide.qk_nope_head_dim, wide.qk_rope_head_dim, wide.v_head_dim) == (32, 32, 64)
+    assert (wide.kv_lora_rank, wide.q_lora_rank, wide.router_bias_update_rate) == (256, 768, 0.0)
+
+
+def test_router_keys_on_a_continued_model_follow_its_architecture(tmp_path: Path) -> None:
+    """A continued deepseek_v3 takes the bias rate (0.001 when absent) and refuses an aux loss
+    coefficient; a continued Llama refuses the rate."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(model_settings({**default_config()["model"], **DEEPSEEK}), 512)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deepseek")
+    AutoModelForCausalLM.from_config(build_config(model_settings(default_config()["model"]), 512)).save_pretrained(
+        tmp_path / "llama"
+    )  # fmt: skip
+    model = {"init_from": str(tmp_path / "deepseek"), "architecture": None, "vocab_multiple": 64}
+    assert build_config(model_settings(model), 512).router_bias_update_rate == 0.001
+    rate = {**model, "router_bias_update_rate": 0.01}
+    assert build_config(model_settings(rate), 512).router_bias_update_rate == 0.01
+    with pytest.raises(StageError, match=r"^model\.router_aux_loss_coef: .* is a 'deepseek_v3' model, for which transformers defines no load-balancing loss"):  # fmt: skip
+        build_config(model_settings({**model, "router_aux_loss_coef": 0.01}), 512)
+    with pytest.raises(StageError, match=r"^model\.router_bias_update_rate: .* is a 'llama' model, whose router has no balancing bias"):  # fmt: skip
+        build_config(model_settings({**rate, "init_from": str(tmp_path / "llama")}), 512)
 
 
 def test_init_from_a_local_model_takes_its_shape(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stagetrain.consolidate.folder import finite_as
+from stagetrain.consolidate.folder import finite_as, kept_in_fp32, output_dtypes
 from stagetrain.consolidate.stored import Reader, Region, Stored, describe, region_of, span
 from stagetrain.consolidate.weights import zero3_layout, zero12_layout
 from stagetrain.consolidate.writer import INDEX, plan_shards, write_shards
@@ -48,6 +48,34 @@ def test_streamed_shards_are_the_bytes_of_save_file(
         save_file({n: tensors[n] for n in group}, str(tmp_path / "ref"), metadata={"format": "pt"})
         assert (tmp_path / name).read_bytes() == (tmp_path / "ref").read_bytes()
         assert all(torch.equal(v, tensors[k]) for k, v in load_file(tmp_path / name).items())
+
+
+def test_shards_mixing_fp32_into_bf16_are_the_bytes_of_save_file(tmp_path: Path) -> None:
+    """What transformers keeps in fp32 in a bf16 folder (DeepseekV3's routing bias and router
+    weights, named by `_keep_in_fp32_modules_strict` and matched as transformers matches them)
+    is written in fp32, fp32 tensors first in their shard, as save_file orders them."""
+    tensors = _tensors(torch.float32)
+    names = sorted(tensors)
+    dtypes = output_dtypes(names, torch.bfloat16, ["model.norm", "scalar"])
+    assert {n for n, d in dtypes.items() if d == torch.float32} == {"model.norm", "a.scalar"}
+    assert kept_in_fp32(names, ["b"]) == {"model.embed.weight", "b"}  # anywhere in a name
+    assert output_dtypes(names, torch.float32, ["b"]) == dict.fromkeys(names, torch.float32)
+    assert kept_in_fp32(["model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.3.mlp.gate.weight",
+                         "model.layers.3.mlp.up_proj.weight"], ["e_score_correction_bias", "gate.weight"]) == {
+        "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.3.mlp.gate.weight"}  # fmt: skip
+    wanted = {n: t.to(dtypes[n]) for n, t in tensors.items()}
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    index = write_shards(
+        names, shapes, dtypes, lambda n: iter([wanted[n].reshape(-1)]), tmp_path, 600
+    )
+    sizes = {n: t.numel() * t.element_size() for n, t in wanted.items()}
+    groups = plan_shards(sizes, 600)
+    assert len(groups) == 3 and index["metadata"]["total_size"] == sum(sizes.values())
+    for i, group in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: wanted[n] for n in group}, str(tmp_path / "ref"), metadata={"format": "pt"})
+        assert (tmp_path / name).read_bytes() == (tmp_path / "ref").read_bytes(), group
+        assert all(torch.equal(v, wanted[k]) for k, v in load_file(tmp_path / name).items())
 
 
 def test_a_tensor_short_of_its_bytes_is_a_bug_not_a_shard(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def _no_auto(obj: Any) -> bool:
     return obj != "auto"
 
 
-@pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100"])
+@pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100", "deepseek-moe-h100"])
 @pytest.mark.parametrize("stage", ["pretrain", "grpo"])
 def test_presets_render_complete_configs(preset: str, stage: str) -> None:
     cfg = preset_config(preset)

@@ -1,9 +1,13 @@
-"""Mixture-of-experts pretraining: the router's load-balancing loss trains, and expert load is measured.
+"""Mixture-of-experts pretraining: the router is balanced (an aux loss, or DeepSeek-V3's routing
+bias), and expert load is measured.
 
 The maths of the load statistics on hand-made shares; the training loss against transformers'
-own aux loss on a tiny Mixtral; and on two ranks, for each MoE architecture offered, 100 steps
-with the aux loss against the same run with its coefficient 0: the router it trains must keep
-the experts more evenly loaded over the run's second half, by the stage's own metrics.
+own aux loss on a tiny Mixtral; the experts counted against the ones transformers' DeepseekV3
+router chooses, bias and groups included; the bias update alone; and on two ranks, for each
+MoE architecture offered, 100 steps with its balancing against the same run without it (aux
+loss coefficient, or bias update rate, 0): the router must keep the experts more evenly loaded
+over the run's second half, by the stage's own metrics. A deepseek_v3 run's bias survives a
+resume and consolidation, and the folder loads and generates in transformers.
 """
 
 from __future__ import annotations
@@ -15,17 +19,31 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from harness.training import MOE, dp2, model_config, run
-from transformers import LlamaConfig, MixtralConfig, MixtralForCausalLM
+from harness.checkpoints import truncate
+from harness.configs import model_settings, named_config
+from harness.training import DEEPSEEK, MOE, dp2, launch, model_config, run
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, MixtralForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from stagetrain.config.settings import ConsolidateSettings
+from stagetrain.consolidate.folder import consolidate
+from stagetrain.errors import StageError
+from stagetrain.model.config import build_config
 from stagetrain.training.batches import read_windows
 from stagetrain.training.experts import (
+    BIAS,
     Routing,
+    balance_routers,
+    bias_update,
+    chosen_experts,
+    expert_counts,
     expert_shares,
     load_stats,
+    router_biases,
     routing_of,
     training_loss,
 )
+from stagetrain.training.integrity import load_file
 from stagetrain.training.metrics import scalars
 
 
@@ -56,8 +74,85 @@ def test_each_layers_load_reaches_tensorboard_as_a_scalar() -> None:
 
 def test_expert_shares_count_each_tokens_top_k() -> None:
     logits = torch.tensor([[3.0, 2.0, 0.0, -1.0], [3.0, 0.0, 2.0, -1.0], [0.0, 3.0, 2.0, -1.0]])
-    shares = expert_shares([logits], top_k=2, experts=4)
-    assert shares.tolist()[0] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    counts = expert_counts([logits], Routing(experts=4, top_k=2, coef=0.01))
+    assert counts.tolist() == [[2, 2, 2, 0]] and counts.dtype == torch.int64
+    assert expert_shares(counts).tolist()[0] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+
+
+def test_a_routing_bias_changes_the_experts_counted() -> None:
+    """The experts counted are the ones the router chose: the top-k of sigmoid(logits) + bias,
+    not of the logits (the same logits as above, where expert 3 was never chosen)."""
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0], [3.0, 0.0, 2.0, -1.0], [0.0, 3.0, 2.0, -1.0]])
+    routing = Routing(experts=4, top_k=2, coef=None, bias_rate=0.001)
+    bias = torch.tensor([0.0, 0.0, 0.0, 2.0])
+    assert expert_counts([logits], routing, [bias]).tolist() == [[2, 1, 0, 3]]
+    assert expert_counts([logits], routing, [torch.zeros(4)]).tolist() == [[2, 2, 2, 0]]
+
+
+@pytest.mark.parametrize(("groups", "top_groups"), [(1, 1), (4, 2)])
+def test_the_experts_counted_are_the_ones_deepseeks_router_chooses(
+    groups: int, top_groups: int
+) -> None:
+    """Against transformers' own DeepseekV3TopkRouter, with a bias and with group-limited routing
+    (8 experts in 4 groups, the best 2 kept: a continued DeepSeek model may have them)."""
+    config = build_config(
+        model_settings({**named_config("tiny")["model"], **DEEPSEEK, "num_experts": 8}), 512
+    )
+    config.n_group, config.topk_group = groups, top_groups
+    torch.manual_seed(0)
+    router = DeepseekV3TopkRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.1)
+    router.e_score_correction_bias.copy_(torch.randn(8) * 0.05)
+    hidden = torch.randn(64, 128)
+    logits, _, indices = router(hidden)
+    chosen = chosen_experts(logits, 2, router.e_score_correction_bias, groups, top_groups)
+    assert torch.equal(chosen.sort(dim=-1).values, indices.sort(dim=-1).values)
+    routing = routing_of(config)
+    assert routing == Routing(
+        experts=8, top_k=2, coef=None, bias_rate=0.001, groups=groups, top_groups=top_groups
+    )
+    counts = expert_counts([logits], routing, [router.e_score_correction_bias])
+    assert counts.tolist() == [torch.bincount(indices.reshape(-1), minlength=8).tolist()]
+
+
+def test_the_bias_update_moves_each_expert_towards_the_mean_load() -> None:
+    """DeepSeek-V3's step: + rate below the layer's mean load, - rate above it, nothing at it
+    (the mean here is 4 tokens: exact, from whole counts); each layer on its own."""
+    bias = torch.tensor([[0.5, 0.0, 0.0, -0.1], [0.0, 0.0, 0.0, 0.0]])
+    load = torch.tensor([[10, 2, 4, 0], [1, 1, 1, 2]])
+    updated = bias_update(bias, load, 0.001)
+    expected = torch.tensor([[0.499, 0.001, 0.0, -0.099], [0.001, 0.001, 0.001, -0.001]])
+    assert torch.allclose(updated, expected, rtol=0, atol=1e-7)
+    assert torch.equal(bias_update(bias, load, 0.0), bias)
+    assert torch.equal(bias_update(bias, torch.full((2, 4), 3), 0.001), bias)  # balanced: unmoved
+
+
+def test_balancing_moves_each_moe_layers_bias_in_place_and_refuses_a_16_bit_one() -> None:
+    """The biases of the three MoE layers (the first layer is dense) in layer order; a bf16 bias
+    is one line, not a bias whose 0.001 steps round away."""
+    config = build_config(model_settings({**named_config("tiny")["model"], **DEEPSEEK}), 512)
+    model = AutoModelForCausalLM.from_config(config)
+    biases = router_biases(model)
+    assert len(biases) == 3 and all(b.dtype == torch.float32 and not b.any() for b in biases)
+    load = torch.tensor([[5, 3, 4, 4], [0, 8, 8, 0], [4, 4, 4, 4]])
+    balance_routers(model, load, 0.25)
+    assert [b.tolist() for b in router_biases(model)] == [
+        [-0.25, 0.25, 0.0, 0.0],
+        [0.25, -0.25, -0.25, 0.25],
+        [0.0] * 4,
+    ]
+    with pytest.raises(
+        StageError,
+        match=r"^model\.router_bias_update_rate: 3 routing biases, but loads of 2 MoE layers",
+    ):
+        balance_routers(model, load[:2], 0.25)
+    layer = model.model.layers[1].mlp.gate
+    layer.e_score_correction_bias = layer.e_score_correction_bias.bfloat16()
+    with pytest.raises(
+        StageError,
+        match=r"^model\.router_bias_update_rate: model\.layers\.1\.mlp\.gate\.e_score_correction_bias is torch\.bfloat16, not fp32",
+    ):
+        router_biases(model)
 
 
 def test_the_training_loss_adds_the_architectures_aux_loss() -> None:
@@ -70,17 +165,38 @@ def test_the_training_loss_adds_the_architectures_aux_loss() -> None:
     assert routing == Routing(experts=4, top_k=2, coef=0.3)
     assert routing_of(LlamaConfig()) is None  # a dense model has no router
     shard = np.random.default_rng(0).integers(0, 64, 400).astype(np.uint16)
-    loss, lm, aux, shares = training_loss(
+    loss, lm, aux, counts = training_loss(
         model, torch.device("cpu"), shard, np.arange(4), 16, routing
     )
     tokens = torch.from_numpy(read_windows(shard, np.arange(4), 16))
     reference = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1], output_router_logits=True)
     assert float(aux) == pytest.approx(float(reference.aux_loss), rel=1e-6)
     assert float(loss) == pytest.approx(float(lm) + 0.3 * float(aux), rel=1e-6)
-    assert shares.shape == (2, 4) and torch.allclose(shares.sum(1), torch.ones(2))
+    assert counts.shape == (2, 4) and counts.sum(1).tolist() == [4 * 16 * 2] * 2  # tokens x top-k
     loss.backward()
     gate = model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0
+
+
+def test_a_deepseek_v3_trains_on_the_language_model_loss_and_counts_its_biased_choice() -> None:
+    """No aux loss (transformers defines none for it): the loss trained on is the cross-entropy;
+    the three MoE layers' counts follow the routing bias (a large one on expert 0 sends every
+    token there); the dense first layer routes nothing."""
+    config = build_config(model_settings({**named_config("tiny")["model"], **DEEPSEEK}), 512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    routing = routing_of(config)
+    assert routing == Routing(experts=4, top_k=2, coef=None, bias_rate=0.001)
+    shard = np.random.default_rng(0).integers(0, 512, 400).astype(np.uint16)
+    loss, lm, aux, counts = training_loss(
+        model, torch.device("cpu"), shard, np.arange(4), 16, routing
+    )
+    assert aux is None and loss is lm
+    assert counts.shape == (3, 4) and counts.sum(1).tolist() == [4 * 16 * 2] * 3
+    for bias in router_biases(model):
+        bias[0] = 5.0
+    _, _, _, counts = training_loss(model, torch.device("cpu"), shard, np.arange(4), 16, routing)
+    assert counts[:, 0].tolist() == [4 * 16] * 3
 
 
 QWEN_MOE = {"architecture": "qwen2_moe", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64,
@@ -89,45 +205,111 @@ STEPS = 100
 COEF = 0.1
 """The aux loss's weight in the balanced runs: the architectures' default (0.001) moves a tiny
 router too little in 100 steps to tell from noise."""
+RATE = 0.01
+"""The routing bias's step in deepseek_v3's balanced run, ten times DeepSeek-V3's (the default),
+as COEF is for the aux loss: at 0.001 the bias can move 0.1 in 100 steps, and the second
+half's imbalance measured 1.45 against 1.54 at rate 0, inside this test's 5% margin of noise."""
+BALANCING = {"mixtral": (MOE, "router_aux_loss_coef", COEF), "qwen2_moe": (QWEN_MOE, "router_aux_loss_coef", COEF),
+             "deepseek_v3": (DEEPSEEK, "router_bias_update_rate", RATE)}  # fmt: skip
+"""Each MoE architecture: its tiny model, the key that balances its router, and the balanced value."""
 
 
 def _imbalance(
-    data: dict[str, str], out: Path, model: dict[str, Any], coef: float
+    data: dict[str, str], out: Path, model: dict[str, Any], key: str, value: float
 ) -> dict[str, Any]:
-    config = model_config(out / "model", **model, router_aux_loss_coef=coef)
+    config = model_config(out / "model", **model, **{key: value})
     summary = run(data, out, world=2, layout=dp2(2), model_config=config,
                   config_changes={"pretrain": {"steps": STEPS, "checkpoint_every": STEPS, "eval_every": STEPS,
                                                "log_every": 10}})  # fmt: skip
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all("train/aux_loss" in r and "moe/load_by_layer" in r for r in records)
+    aux = key == "router_aux_loss_coef"  # deepseek_v3 has no aux loss to log
+    assert all(("train/aux_loss" in r) == aux and "moe/load_by_layer" in r for r in records)
     return summary
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [MOE, QWEN_MOE], ids=["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("architecture", list(BALANCING))
 def test_the_aux_loss_balances_the_experts_on_two_ranks(
-    data: dict[str, str], tmp_path: Path, model: dict[str, Any]
+    data: dict[str, str], tmp_path: Path, architecture: str
 ) -> None:
-    balanced = _imbalance(data, tmp_path / "aux", model, COEF)
-    free = _imbalance(data, tmp_path / "none", model, 0.0)
+    """For deepseek_v3 the balancing is the routing bias's update, against a rate of 0."""
+    model, key, value = BALANCING[architecture]
+    balanced = _imbalance(data, tmp_path / "aux", model, key, value)
+    free = _imbalance(data, tmp_path / "none", model, key, 0.0)
     b, f = balanced["experts"], free["experts"]
-    assert b["aux_loss_coef"] == COEF and f["aux_loss_coef"] == 0.0
+    setting = "aux_loss_coef" if key == "router_aux_loss_coef" else "bias_update_rate"
+    assert b[setting] == value and f[setting] == 0.0
     # One step routes only 512 token slots, so one record's imbalance is noisy (a balanced
     # router would read about 1.1): the second half's records are compared. Measured: mixtral
-    # 1.46 against 1.73, qwen2_moe 1.31 against 1.53.
+    # 1.46 against 1.73, qwen2_moe 1.31 against 1.53, deepseek_v3 1.19 against 1.54.
     late = {name: np.mean([v for step, v in s["load_max_over_mean"].items() if int(step) > STEPS // 2])
             for name, s in (("balanced", b), ("free", f))}  # fmt: skip
     assert late["balanced"] < 0.95 * late["free"], (late, b, f)
-    assert b["final_aux_loss"] < f["final_aux_loss"], (b, f)
+    if setting == "aux_loss_coef":
+        assert b["final_aux_loss"] < f["final_aux_loss"], (b, f)
+    else:
+        assert b["final_aux_loss"] is None and b["aux_loss_coef"] is None
     assert (tmp_path / "aux" / "loss.png").stat().st_size > 0
 
 
+def _biases(folder: Path, tag: str, zero: int) -> dict[str, torch.Tensor]:
+    """The routing biases rank 0's model-states file of `tag` holds (a buffer is saved whole)."""
+    name = (
+        "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero == 3 else "mp_rank_00_model_states.pt"
+    )
+    module = load_file(folder / tag / name)["module"]
+    return {k: v for k, v in module.items() if k.endswith(BIAS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict[str, str], tmp_path: Path,
+                                                                      zero: int) -> None:  # fmt: skip
+    """The bias is a buffer: DeepSpeed's model-states file keeps it (ZeRO-2 and ZeRO-3), in fp32.
+    A run resumed from step 2 ends with the bias of the uninterrupted run (one restarted at zero
+    would be two updates behind) and, under ZeRO-2, the same checksum, biases included, on both
+    ranks. The bf16 folder consolidated from it holds the bias exactly (written in fp32, as
+    transformers keeps it), and loads and generates in transformers."""
+    config = model_config(tmp_path / "model", **DEEPSEEK)
+    layout, every2 = dp2(zero), {"pretrain": {"checkpoint_every": 2}}
+    first = run(data, tmp_path, world=2, layout=layout, model_config=config, config_changes=every2)
+    assert (
+        first["experts"]["bias_update_rate"] == 0.001 and first["experts"]["final_aux_loss"] is None
+    )
+    folder = Path(first["checkpoint"]["folder"])
+    straight, early = _biases(folder, "step00000004", zero), _biases(folder, "step00000002", zero)
+    assert len(straight) == 3 and all(
+        b.dtype == torch.float32 and b.any() for b in straight.values()
+    )
+    assert all(not torch.equal(straight[k], early[k]) for k in straight)
+    truncate(folder / "step00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    proc = launch(
+        data, tmp_path, world=2, layout=layout, model_config=config, config_changes=every2
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["resumed_from_step"] == 2 and again["losses"] == first["losses"]
+    resumed = _biases(folder, "step00000004", zero)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight), (resumed, straight)
+    if zero < 3:
+        assert again["param_checksum_per_rank"][0] == again["param_checksum_per_rank"][1]
+    (tmp_path / "run-summary.json").write_text(json.dumps(again))
+    manifest = consolidate(stage="pretrain", summary_path=str(tmp_path / "run-summary.json"),
+                           tokenizer_dir=data["tokenizer"], model_config_path=config, meta_path=data["meta"],
+                           out=str(tmp_path / "hf"), cfg=ConsolidateSettings(dtype="bf16", max_shard_size="2GB",
+                                                                             verify="loss"))  # fmt: skip
+    assert manifest["verification"]["method"] == "loss"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    for name, value in straight.items():
+        assert model.get_buffer(name).dtype == torch.float32 and torch.equal(
+            model.get_buffer(name), value
+        ), name
+    generated = model.generate(torch.tensor([[5, 9, 13]]), max_new_tokens=6, do_sample=False)
+    assert generated.shape == (1, 9)
+
+
 def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:
-    from harness.configs import model_settings, named_config
-
-    from stagetrain.errors import StageError
-    from stagetrain.model.config import build_config
-
     model = {**named_config("tiny")["model"], "router_aux_loss_coef": 0.01}
     with pytest.raises(
         StageError, match=r"^model\.router_aux_loss_coef: not used by architecture 'llama'"

@@ -44,7 +44,9 @@ GIB = 2**30
 MOE = {
     "mixtral": {"num_experts": 4, "experts_per_token": 2},
     "qwen2_moe": {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64},
-}
+    "deepseek_v3": {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64, "num_shared_experts": 1,
+                    "first_dense_layers": 1, "num_kv_heads": 4},
+}  # fmt: skip
 
 
 def _model(architecture: str = "llama", **changes: Any) -> dict[str, Any]:
@@ -89,6 +91,72 @@ def test_moe_active_parameters_count_only_routed_experts() -> None:
     shape = model_shape(config)
     experts = 3 * 4 * 3 * 128 * 512  # layers * experts * (gate, up, down) * hidden * intermediate
     assert shape.params - shape.active_params == experts // 2  # 2 of 4 experts unused per token
+
+
+def test_moe_mlp_width_counts_the_routed_and_shared_experts_a_token_passes() -> None:
+    """The width the activations are counted from: top-k routed experts plus the shared one
+    (qwen2_moe's shared expert is intermediate_size wide; deepseek_v3's n_shared_experts are
+    moe_intermediate_size wide), deepseek_v3's dense first layers averaged in."""
+    mixtral = build_config(model_settings(_model("mixtral")), 512)
+    qwen = build_config(model_settings(_model("qwen2_moe")), 512)
+    deepseek = build_config(model_settings(_model("deepseek_v3")), 512)
+    assert model_shape(mixtral).intermediate_size == 2 * 512
+    assert model_shape(qwen).intermediate_size == 2 * 64 + 512
+    assert (
+        model_shape(deepseek).intermediate_size == (512 + 3 * (2 * 64 + 64)) // 4
+    )  # one dense of four
+    assert model_shape(build_config(model_settings(_model()), 512)).intermediate_size == 512
+
+
+def test_a_deepseek_v3_shape_is_counted_whole_with_its_latent_attention() -> None:
+    """Its first layer is dense, so the model is built whole; a query/key head is hidden / heads
+    = 32 wide (16 unrotated, 16 rotary: transformers' config says head_dim 16, the rotary part
+    alone), and a token's latent cache kv_lora_rank + qk_rope_head_dim (128 + 16), not
+    2 x kv_heads x head_dim."""
+    config = build_config(model_settings(_model("deepseek_v3", num_layers=5)), 576)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = model_shape(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert routed == 4 * 4 * 3 * 128 * 64 and shape.params - shape.active_params == routed // 2
+    assert (shape.head_dim, shape.num_kv_heads, shape.kv_cache_width) == (32, 4, 128 + 16)
+    llama = model_shape(build_config(model_settings(_model()), 576))
+    assert llama.kv_cache_width == 2 * 2 * 32  # keys and values of 2 KV heads of 32
+
+
+def test_the_deepseek_preset_plans_the_hand_counted_parameters() -> None:
+    """config/presets/deepseek-moe-h100.yaml against the count written out in docs/benchmarks.md
+    (2026-12-02); one H100 cannot hold its optimizer, so the plan offloads it, and without
+    host memory the refusal says that is what is short."""
+    hidden, inter, vocab, layers, experts, heads = 2048, 5632, 32768, 16, 8, 32
+    embeddings = 2 * vocab * hidden  # untied input embedding and output projection
+    head = hidden // heads  # 64: q/k heads 32 unrotated + 32 rotary, v heads 64
+    q_rank, kv_rank, rope = 12 * head, 4 * head, head // 2  # 768, 256, 32
+    attention = (hidden * q_rank + q_rank + q_rank * heads * head  # q_a_proj, q_a_layernorm, q_b_proj
+                 + hidden * (kv_rank + rope) + kv_rank  # kv_a_proj_with_mqa, kv_a_layernorm
+                 + kv_rank * heads * (head // 2 + head)  # kv_b_proj: unrotated keys and values
+                 + heads * head * hidden)  # o_proj  # fmt: skip
+    assert attention == 8_717_312
+    mlp = 3 * hidden * inter  # gate, up, down
+    moe = experts * mlp + 1 * mlp + experts * hidden  # routed, shared, router
+    norms = 2 * hidden
+    total = embeddings + layers * (attention + norms) + mlp + (layers - 1) * moe + hidden
+    assert total == 4_980_017_152
+    plan = plan_for(preset_config("deepseek-moe-h100"))
+    assert plan["model"]["params"] == total
+    assert (
+        plan["model"]["active_params"]
+        == total - (layers - 1) * experts * mlp * 6 // 8
+        == 1_865_746_432
+    )
+    assert (plan["model"]["head_dim"], plan["model"]["kv_cache_width"], plan["model"]["intermediate_size"]) == (
+        64, 256 + 32, (inter + 15 * 3 * inter) // 16)  # fmt: skip
+    pretrain = plan["stages"]["pretrain"]
+    assert pretrain["layout"]["offload"] == "optimizer" and pretrain["memory"]["fits"]
+    assert 16 * total > pretrain["memory"]["usable"]  # why: AdamW's states alone do not fit
+    with pytest.raises(StageError, match=r"^pretrain: nothing fits; .* GiB of host memory per node for its offload, of none described \(hardware\.host_memory_gib\): use more or larger devices, more host memory"):  # fmt: skip
+        plan_for(preset_config("deepseek-moe-h100", hardware={"host_memory_gib": None}))
 
 
 def test_vocab_is_padded_to_multiple_times_tp() -> None:
@@ -242,7 +310,7 @@ def test_cpu_plan_uses_cpu_ranks_with_tp_1() -> None:
     )
 
 
-@pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100"])
+@pytest.mark.parametrize("preset", ["llama-1b-h200", "mistral-7b-8xh100", "deepseek-moe-h100"])
 def test_presets_plan_within_memory(preset: str) -> None:
     plan = plan_for(preset_config(preset))
     for stage in plan["stages"].values():

@@ -106,6 +106,10 @@ ALONE = re.compile(
     r"grpo\.(prompts_per_step|group_size|max_prompt_len|max_new_tokens|kl_coef|steps|passes)|"
     r"parallelism\.table_path|model\.init_from|tokenizer\.path|data\.files|tasks\.families|run\..*"
 )
+DEEPSEEK = {"model.architecture": "deepseek_v3", "model.num_experts": 4, "model.experts_per_token": 2,
+            "model.moe_intermediate_size": 64, "model.num_shared_experts": 1, "model.first_dense_layers": 1,
+            "model.num_kv_heads": 4}  # fmt: skip
+"""The default model as a deepseek_v3 (its latent attention has as many key/value heads as heads)."""
 # Changed values the generic rule below cannot find: other keys that must change with them.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "run.name": {"run.name": "other"},
@@ -116,6 +120,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                    "model.router_aux_loss_coef": 0.01},
     "model.moe_intermediate_size": {"model.architecture": "qwen2_moe", "model.num_experts": 4,
                                     "model.experts_per_token": 2, "model.moe_intermediate_size": 64},
+    "model.num_shared_experts": DEEPSEEK,
+    "model.first_dense_layers": DEEPSEEK,
+    "model.router_bias_update_rate": {**DEEPSEEK, "model.router_bias_update_rate": 0.01},
     "tokenizer.source": {"tokenizer.source": "pretrained", "tokenizer.path": "gpt2"},
     "tokenizer.pad_token": {"tokenizer.pad_token": "<|pad|>"},
     "hardware.source": {"hardware.source": "describe", "hardware.gpu": "H100", "hardware.gpus_per_node": 2},

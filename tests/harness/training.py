@@ -223,6 +223,19 @@ MOE = {
 }
 """The tiny model as a Mixtral: its sparse blocks are ZeRO-3 leaf modules."""
 
+DEEPSEEK = {
+    "architecture": "deepseek_v3",
+    "num_experts": 4,
+    "experts_per_token": 2,
+    "moe_intermediate_size": 64,
+    "num_shared_experts": 1,
+    "first_dense_layers": 1,
+    "num_kv_heads": 4,
+    "intermediate_size": 128,
+}
+"""The tiny model as a DeepSeek-V3 (latent attention, one dense layer, then three MoE layers of
+four routed experts and one shared): its router is balanced by a bias, not an aux loss."""
+
 SHARED = {
     "zero0": (dp2(0), None), "zero1": (dp2(1), None), "zero2": (dp2(2), None), "zero3": (dp2(3), None),
     "tp2": ({"dp": 1, "tp": 2, "micro_batch_size": 4, "zero_stage": 1}, None), "moe": (dp2(3), MOE),

@@ -95,7 +95,7 @@ class ModelSettings(_Section):
     """The model: a shape from scratch, or `init_from` (then the shape keys are absent: None)."""
 
     init_from: str | None
-    architecture: Literal["llama", "mixtral", "qwen2_moe"] | None
+    architecture: Literal["llama", "mixtral", "qwen2_moe", "deepseek_v3"] | None
     resize_embeddings: bool
     vocab_multiple: int
     hidden_size: int | None = None
@@ -109,7 +109,10 @@ class ModelSettings(_Section):
     num_experts: int | None = None
     experts_per_token: int | None = None
     moe_intermediate_size: int | None = None
+    num_shared_experts: int | None = None
+    first_dense_layers: int | None = None
     router_aux_loss_coef: float | None = None
+    router_bias_update_rate: float | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,11 @@ Verification (`consolidate.verify`):
 Tolerances (relative): 1e-4 when the output dtype is the training precision
 (the same weights, the same kernels); 2e-2 when it is not (bf16 output of an
 fp32 run, or fp32 master weights of a bf16 run, evaluated in another precision).
+
+A bf16 folder holds in fp32 what transformers keeps in fp32 whatever the dtype
+(the model's `_keep_in_fp32_modules_strict`: DeepseekV3's routing bias and router
+weights), as its own save_pretrained writes them: a routing bias trained in
+steps of 0.001 would otherwise be rounded to bf16 before transformers upcasts it.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import hashlib
 import json
 import logging
 import math
+import re
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,6 +70,24 @@ MANIFEST = "MANIFEST.json"
 def tolerance(output: str, trained: str) -> float:
     """Relative tolerance of the reload check (see the module docstring)."""
     return 1e-4 if output == trained else 2e-2
+
+
+def kept_in_fp32(names: Collection[str], patterns: Collection[str]) -> set[str]:
+    """The `names` transformers keeps in fp32 in a 16-bit model: those that one of `patterns`
+    (a model's `_keep_in_fp32_modules_strict`, '*' for any characters) matches anywhere, as
+    transformers matches them when it loads."""
+    if not patterns:
+        return set()
+    rule = re.compile("|".join(p.replace("*", ".*") for p in sorted(patterns)))
+    return {name for name in names if rule.search(name)}
+
+
+def output_dtypes(
+    names: Collection[str], dtype: torch.dtype, keep: Collection[str]
+) -> dict[str, torch.dtype]:
+    """Each weight's dtype in the folder: `dtype`, but fp32 for what `keep` names under a 16-bit one."""
+    kept = kept_in_fp32(names, keep) if dtype != torch.float32 else set()
+    return {name: torch.float32 if name in kept else dtype for name in names}
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:
@@ -114,6 +138,9 @@ def consolidate(
     names = sorted(set(shapes) - _tied_names(skeleton))
     _check_weights(names, shapes, weights, source)
     dtype = DTYPES[cfg.dtype]
+    dtypes = output_dtypes(
+        names, dtype, getattr(skeleton, "_keep_in_fp32_modules_strict", None) or ()
+    )
     phase = on_phase or (lambda name: None)
     target = Path(out)
     tmp = target.with_name(f".{target.name}.tmp")
@@ -121,7 +148,7 @@ def consolidate(
     tmp.mkdir(parents=True)
     try:
         start = time.perf_counter()
-        _write(tmp, config, dtype, tokenizer_dir, names, shapes, weights, cfg, source)
+        _write(tmp, config, dtype, dtypes, tokenizer_dir, names, shapes, weights, cfg, source)
         log.info(
             "wrote %d tensors from %s in %.1f s", len(names), source, time.perf_counter() - start
         )
@@ -131,7 +158,7 @@ def consolidate(
                 tmp, stage, summary, meta, cfg, dtype
             )
         else:
-            verification = _verify_finite(tmp, stage, summary, names, shapes, dtype)
+            verification = _verify_finite(tmp, stage, summary, names, shapes, dtypes)
         phase("verify")
         manifest = _describe(tmp, stage, summary, meta, cfg, verification)
         phase("describe")
@@ -167,9 +194,9 @@ def _check_weights(names: list[str], shapes: Mapping[str, tuple[int, ...]],
             )
 
 
-def _write(tmp: Path, config: PretrainedConfig, dtype: torch.dtype, tokenizer_dir: str, names: list[str],
-           shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, Stored], cfg: ConsolidateSettings,
-           source: str) -> None:  # fmt: skip
+def _write(tmp: Path, config: PretrainedConfig, dtype: torch.dtype, dtypes: Mapping[str, torch.dtype],
+           tokenizer_dir: str, names: list[str], shapes: Mapping[str, tuple[int, ...]],
+           weights: Mapping[str, Stored], cfg: ConsolidateSettings, source: str) -> None:  # fmt: skip
     config.dtype = dtype
     config.save_pretrained(tmp)
     GenerationConfig(
@@ -184,15 +211,15 @@ def _write(tmp: Path, config: PretrainedConfig, dtype: torch.dtype, tokenizer_di
 
         def converted(name: str) -> Iterator[torch.Tensor]:
             for chunk in reader.chunks(weights[name]):
-                # shards are written in name order: the first non-finite tensor is the one named
-                if not finite_as(chunk, dtype):
+                # shards are written in data order: the first non-finite tensor is the one named
+                if not finite_as(chunk, dtypes[name]):
                     raise StageError(
                         f"{source}: {name} holds non-finite values (NaN or inf) as {cfg.dtype}; "
                         "the checkpoint is damaged or training diverged; nothing was written"
                     )
-                yield chunk.to(dtype)
+                yield chunk.to(dtypes[name])
 
-        write_shards(names, shapes, dtype, converted, tmp, parse_size(cfg.max_shard_size))
+        write_shards(names, shapes, dtypes, converted, tmp, parse_size(cfg.max_shard_size))
 
 
 def finite_as(chunk: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -281,15 +308,15 @@ def _verify_loss(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMe
 
 
 def _verify_finite(tmp: Path, stage: str, summary: StageSummary, names: list[str],
-                   shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> FiniteCheck:  # fmt: skip
+                   shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]) -> FiniteCheck:  # fmt: skip
     """Read the shards back from disk, a chunk at a time: the model's weights, each finite."""
     files = sorted(set(read_json(tmp / INDEX)["weight_map"].values()))
     seen: dict[str, tuple[int, ...]] = {}
     with Reader() as reader, _one_thread():
         for filename in files:
-            for name, stored in _shard_tensors(tmp / filename, stage, dtype).items():
+            for name, stored in _shard_tensors(tmp / filename, stage, dtypes).items():
                 seen[name] = stored.shape
-                if not all(finite_as(chunk, dtype) for chunk in reader.chunks(stored)):
+                if not all(finite_as(chunk, stored.dtype) for chunk in reader.chunks(stored)):
                     raise StageError(f"{stage}: {name} reads back from {filename} with non-finite "
                                      "values; nothing was written")  # fmt: skip
     if seen != {name: tuple(shapes[name]) for name in names}:
@@ -304,26 +331,29 @@ def _verify_finite(tmp: Path, stage: str, summary: StageSummary, names: list[str
     }
 
 
-def _shard_tensors(path: Path, stage: str, dtype: torch.dtype) -> dict[str, Stored]:
+def _shard_tensors(path: Path, stage: str, dtypes: Mapping[str, torch.dtype]) -> dict[str, Stored]:
     """Where each tensor of a written shard lies, as safetensors itself parses the file (it refuses
-    a header whose offsets do not fit the file), with the offsets from the header."""
+    a header whose offsets do not fit the file), with the offsets from the header; each in the
+    dtype it was meant to be written in (`dtypes`)."""
     try:
         with safe_open(path, framework="pt") as shard:
             names = list(shard.keys())
-            dtypes = {shard.get_slice(name).get_dtype() for name in names}
+            found = {name: shard.get_slice(name).get_dtype() for name in names}
     except SafetensorError as err:
         raise StageError(f"{stage}: {path.name} does not read back as safetensors ({err}); "
                          "nothing was written") from None  # fmt: skip
-    if dtypes - {SAFETENSORS_DTYPES[dtype]}:
-        raise StageError(f"{stage}: {path.name} holds {sorted(dtypes)}, not only "
-                         f"{SAFETENSORS_DTYPES[dtype]}; nothing was written")  # fmt: skip
+    for name, kind in found.items():
+        meant = dtypes.get(name)
+        if meant is None or kind != SAFETENSORS_DTYPES[meant]:
+            raise StageError(f"{stage}: {path.name} holds {name} as {kind}, not "
+                             f"{SAFETENSORS_DTYPES[meant] if meant else 'a weight of the model'}; nothing was written")  # fmt: skip
     with open(path, "rb") as handle:
         size = int.from_bytes(handle.read(8), "little")
         entries = json.loads(handle.read(size))
     return {
         name: Stored(tuple(entries[name]["shape"]), (Region(path, 8 + size + entries[name]["data_offsets"][0],
-                     dtype, math.prod(entries[name]["shape"])),))
-        for name in names
+                     dtypes[name], math.prod(entries[name]["shape"])),))
+        for name in found
     }  # fmt: skip
 
 

@@ -7,7 +7,8 @@ and no whole tensor is ever held in memory. Tensors are written in sorted name
 order with fixed metadata, so the same weights always give the same bytes; the
 bytes are those of `safetensors.torch.save_file` (which sorts by dtype, then
 name, and pads the JSON header with spaces to 8 bytes), as tests/test_consolidate_unit.py
-checks.
+checks. A shard may mix dtypes (the few tensors transformers keeps in fp32 in a
+16-bit model): its fp32 tensors come first, as save_file orders them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypedDict
 
@@ -26,6 +27,20 @@ UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
 INDEX = "model.safetensors.index.json"
 METADATA = {"format": "pt"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DTYPE_ORDER = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+"""The dtypes' order in safetensors (its `Dtype`), whose save_file writes the larger first."""
+Dtypes = torch.dtype | Mapping[str, torch.dtype]
+"""One dtype for every tensor, or each tensor's own by name."""
+
+
+def dtype_of(dtypes: Dtypes, name: str) -> torch.dtype:
+    """The dtype `name` is written in."""
+    return dtypes if isinstance(dtypes, torch.dtype) else dtypes[name]
+
+
+def data_order(names: Sequence[str], dtypes: Dtypes) -> list[str]:
+    """`names` in the order a shard holds their data: by dtype, larger first, then by name."""
+    return sorted(names, key=lambda n: (-DTYPE_ORDER[dtype_of(dtypes, n)], n))
 
 
 class TensorEntry(TypedDict):
@@ -68,11 +83,12 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def header(names: list[str], shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> bytes:
-    """The safetensors header of a shard of `names` (one dtype, so data order is name order)."""
+def header(names: list[str], shapes: Mapping[str, tuple[int, ...]], dtypes: Dtypes) -> bytes:
+    """The safetensors header of a shard of `names`, in `data_order`."""
     entries: dict[str, TensorEntry | dict[str, str]] = {"__metadata__": METADATA}
     start = 0
-    for name in sorted(names):
+    for name in data_order(names, dtypes):
+        dtype = dtype_of(dtypes, name)
         end = start + math.prod(shapes[name]) * dtype.itemsize
         entries[name] = {
             "dtype": SAFETENSORS_DTYPES[dtype],
@@ -88,21 +104,21 @@ def header(names: list[str], shapes: Mapping[str, tuple[int, ...]], dtype: torch
 def write_shards(
     names: list[str],
     shapes: Mapping[str, tuple[int, ...]],
-    dtype: torch.dtype,
+    dtypes: Dtypes,
     chunks: Callable[[str], Iterator[torch.Tensor]],
     folder: Path,
     max_bytes: int,
 ) -> ShardIndex:
-    """Write the tensors, each from `chunks(name)` (its values in row-major order, in `dtype`,
+    """Write the tensors, each from `chunks(name)` (its values in row-major order, in its dtype,
     any number of pieces); return the index (also written to `folder`)."""
-    sizes = {n: math.prod(shapes[n]) * dtype.itemsize for n in names}
+    sizes = {n: math.prod(shapes[n]) * dtype_of(dtypes, n).itemsize for n in names}
     groups = plan_shards(sizes, max_bytes)
     weight_map = {}
     for i, group in enumerate(groups, 1):
         filename = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         with open(folder / filename, "wb") as out:
-            out.write(header(group, shapes, dtype))
-            for name in group:
+            out.write(header(group, shapes, dtypes))
+            for name in data_order(group, dtypes):
                 written = 0
                 for chunk in chunks(name):
                     data = chunk.contiguous().view(torch.uint8).numpy()

@@ -3,6 +3,13 @@
 Shared by the planner (which counts parameters from it) and the tokenizer stage
 (which writes it as model_config.json with the padded vocabulary), so both see
 the same architecture.
+
+The DeepSeek-style MoE is transformers' `deepseek_v3`, not `deepseek_v2`: V3's router holds
+the routing bias (`e_score_correction_bias`, added to the sigmoid scores for the choice of
+experts only) that its auxiliary-loss-free balancing trains (`training.experts`), and V2's has
+none. Neither class has DeepSeek's "MoE every other layer" option; both have
+`first_k_dense_replace`, leading dense layers (`model.first_dense_layers`), which is what the
+DeepSeek preset uses.
 """
 
 from __future__ import annotations
@@ -10,7 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from transformers import AutoConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig
+from transformers import (
+    AutoConfig,
+    DeepseekV3Config,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from stagetrain.config.settings import ModelSettings
@@ -24,12 +38,25 @@ MOE_KEYS = {
     "llama": (),
     "mixtral": ("num_experts", "experts_per_token"),
     "qwen2_moe": ("num_experts", "experts_per_token", "moe_intermediate_size"),
-}
-ALL_MOE_KEYS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+    "deepseek_v3": ("num_experts", "experts_per_token", "moe_intermediate_size",
+                    "num_shared_experts", "first_dense_layers"),
+}  # fmt: skip
+ALL_MOE_KEYS = ("num_experts", "experts_per_token", "moe_intermediate_size", "num_shared_experts",
+                "first_dense_layers")  # fmt: skip
+ARCHITECTURES = tuple(MOE_KEYS)
+AUX_LOSS = ("mixtral", "qwen2_moe")
+"""The architectures whose transformers class defines a load-balancing loss (`router_aux_loss_coef`)."""
+BIAS_BALANCED = ("deepseek_v3",)
+"""The architectures balanced by a routing bias instead (`router_bias_update_rate`)."""
+ROUTER_BIAS_UPDATE_RATE = 1e-3
+"""DeepSeek-V3's bias update speed for most of its pretraining: the default of
+`model.router_bias_update_rate`."""
 DECODER_FIELDS = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
 )  # fmt: skip
-SUPPORTED = "llama, mistral, qwen2, mixtral, qwen2_moe and others with the same config fields"
+SUPPORTED = (
+    "llama, mistral, qwen2, mixtral, qwen2_moe, deepseek_v3 and others with the same config fields"
+)
 
 
 def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
@@ -47,7 +74,7 @@ def _check_shape(model: ModelSettings) -> str:
     arch = model.architecture
     if arch is None:
         raise StageError(
-            "model.architecture: required for a from-scratch model (llama, mixtral, qwen2_moe)"
+            f"model.architecture: required for a from-scratch model ({', '.join(ARCHITECTURES)})"
         )
     needed = SHAPE_KEYS + MOE_KEYS[arch]
     missing = [k for k in needed if getattr(model, k) is None]
@@ -57,8 +84,15 @@ def _check_shape(model: ModelSettings) -> str:
             f"(expected all of: {', '.join(needed)})"
         )
     stray = [k for k in ALL_MOE_KEYS if getattr(model, k) is not None and k not in MOE_KEYS[arch]]
-    if arch == "llama" and model.router_aux_loss_coef is not None:
+    if arch == "deepseek_v3" and model.router_aux_loss_coef is not None:
+        raise StageError(
+            "model.router_aux_loss_coef: transformers defines no load-balancing loss for deepseek_v3 "
+            "(its router is balanced by a bias: model.router_bias_update_rate); remove it"
+        )
+    if arch not in AUX_LOSS and model.router_aux_loss_coef is not None:
         stray.append("router_aux_loss_coef")
+    if arch not in BIAS_BALANCED and model.router_bias_update_rate is not None:
+        stray.append("router_bias_update_rate")
     if stray:
         raise StageError(f"model.{stray[0]}: not used by architecture {arch!r}; remove it")
     heads, kv_heads, hidden = model.num_heads, model.num_kv_heads, model.hidden_size
@@ -71,7 +105,55 @@ def _check_shape(model: ModelSettings) -> str:
             f"model.experts_per_token: {model.experts_per_token} exceeds "
             f"model.num_experts {model.num_experts}"
         )
+    if arch == "deepseek_v3":
+        _check_deepseek(model)
     return arch
+
+
+def _check_deepseek(model: ModelSettings) -> None:
+    """What deepseek_v3's latent attention and leading dense layers need of the shape keys."""
+    heads, hidden = model.num_heads, model.hidden_size
+    if model.num_kv_heads != heads:
+        raise StageError(
+            f"model.num_kv_heads: deepseek_v3's latent attention has one key and value per query "
+            f"head: expected model.num_heads ({heads}), got {model.num_kv_heads}"
+        )
+    if (hidden // heads) % 4:
+        raise StageError(
+            f"model.num_heads: deepseek_v3 gives half of each head's hidden_size / num_heads = "
+            f"{hidden // heads} dimensions to the rotary embedding, in pairs: it must be a multiple of 4"
+        )
+    if model.first_dense_layers >= model.num_layers:
+        raise StageError(
+            f"model.first_dense_layers: {model.first_dense_layers} leaves no MoE layer of "
+            f"model.num_layers {model.num_layers}"
+        )
+
+
+def latent_attention(hidden_size: int, num_heads: int) -> dict[str, int | None]:
+    """deepseek_v3's multi-head latent attention dimensions, from head_dim = hidden / heads.
+
+    DeepSeek-V3's own proportions (query/key heads of 128 unrotated and 64 rotary
+    dimensions, values of 128, a key-value latent of 512 = 4 x 128, a query latent of
+    1536 = 3 x 512), scaled so that a query/key head and a value head are each head_dim
+    wide, as in the Llama of the same width and heads: half of each query/key head is
+    rotary, half not; values are head_dim; the key-value latent is 4 x head_dim. The
+    attention then does the FLOPs the planner's 12 L h s counts for it, and its output
+    projection is a Llama's. The query latent is 3 x the key-value latent where that
+    compresses the query (below hidden_size); otherwise the query is projected directly
+    (`q_lora_rank` None), as DeepSeek-V2-Lite does, since a low-rank step wider than the
+    residual stream only adds parameters. Derived, not config keys: one rule keeps the
+    shape keys those of every other architecture.
+    """
+    head_dim = hidden_size // num_heads
+    kv_rank = 4 * head_dim
+    return {
+        "qk_rope_head_dim": head_dim // 2,
+        "qk_nope_head_dim": head_dim - head_dim // 2,
+        "v_head_dim": head_dim,
+        "kv_lora_rank": kv_rank,
+        "q_lora_rank": 3 * kv_rank if 3 * kv_rank < hidden_size else None,
+    }
 
 
 def build_config(model: ModelSettings, vocab_size: int) -> PretrainedConfig:
@@ -107,6 +189,25 @@ def build_config(model: ModelSettings, vocab_size: int) -> PretrainedConfig:
         if model.router_aux_loss_coef is None
         else {"router_aux_loss_coef": model.router_aux_loss_coef}
     )
+    if arch == "deepseek_v3":
+        return DeepseekV3Config(
+            **common,
+            **latent_attention(hidden, heads),
+            n_routed_experts=model.num_experts,
+            num_experts_per_tok=model.experts_per_token,
+            moe_intermediate_size=model.moe_intermediate_size,
+            n_shared_experts=model.num_shared_experts,
+            first_k_dense_replace=model.first_dense_layers,
+            n_group=1,  # no device-limited routing: every expert is one group's
+            topk_group=1,
+            routed_scaling_factor=1.0,  # the router's weights as they are (V3's 2.5 is for 256 experts)
+            num_mtp_layers=0,  # no multi-token prediction module is trained
+            router_bias_update_rate=(
+                ROUTER_BIAS_UPDATE_RATE
+                if model.router_bias_update_rate is None
+                else model.router_bias_update_rate
+            ),
+        )
     if arch == "mixtral":
         return MixtralConfig(
             **common,
@@ -150,12 +251,26 @@ def _load_pretrained(model: ModelSettings, vocab_size: int) -> PretrainedConfig:
             f"{config.model_type!r} model"
         )
     if model.router_aux_loss_coef is not None:
+        if config.model_type in BIAS_BALANCED:
+            raise StageError(
+                f"model.router_aux_loss_coef: {model.init_from!r} is a {config.model_type!r} model, "
+                "for which transformers defines no load-balancing loss (its router is balanced by a "
+                "bias: model.router_bias_update_rate); remove it"
+            )
         if not hasattr(config, "router_aux_loss_coef"):
             raise StageError(
                 f"model.router_aux_loss_coef: {model.init_from!r} is a {config.model_type!r} model "
                 "without a router (the coefficient is for mixture-of-experts models); remove it"
             )
         config.router_aux_loss_coef = model.router_aux_loss_coef
+    if config.model_type in BIAS_BALANCED:
+        rate = model.router_bias_update_rate
+        config.router_bias_update_rate = ROUTER_BIAS_UPDATE_RATE if rate is None else rate
+    elif model.router_bias_update_rate is not None:
+        raise StageError(
+            f"model.router_bias_update_rate: {model.init_from!r} is a {config.model_type!r} model, "
+            f"whose router has no balancing bias ({', '.join(BIAS_BALANCED)} only); remove it"
+        )
     config.vocab_size = max(config.vocab_size, vocab_size)
     return config
 

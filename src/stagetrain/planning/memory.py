@@ -113,7 +113,7 @@ def layer_activations(shape: ModelShape, layout: Layout, micro_batch: int | None
     s, b = layout.seq_len, micro_batch or layout.micro_batch_size
     h, tp = shape.hidden_size, layout.tp
     h_kv = shape.num_kv_heads * shape.head_dim
-    f = shape.intermediate_size * shape.experts_per_token
+    f = shape.intermediate_size  # an MoE token's routed experts and shared expert together
     w = 2 if layout.precision != "fp32" else 4
     per_token = 4 * h + (10 * h + 6 * h_kv + 8 * f) / tp
     return int(s * b * per_token * w / 2)

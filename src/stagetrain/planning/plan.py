@@ -153,6 +153,7 @@ class ModelRecord(TypedDict):
     intermediate_size: int
     experts_per_token: int
     vocab_size: int
+    kv_cache_width: int
     vocab_multiple: int
 
 

@@ -248,10 +248,11 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
         shard = n // layout.dp if layout.zero_stage == 3 else n
         reference = w * shard if grpo.kl_coef > 0 else 0
         gathered = w * (n - shard)
-        kv_width = shape.num_kv_heads * shape.head_dim // layout.tp
-        kv = (
-            2 * shape.num_layers * generation_batch(grpo, layout.dp) * layout.seq_len * kv_width * w
-        )
+        # tp splits the heads' keys and values. A latent cache (deepseek_v3) is counted split
+        # too, which undercounts it by tp where tp > 1: neither AutoTP on latent attention nor
+        # GRPO on an MoE model is tried yet (docs/limits.md).
+        kv_width = shape.kv_cache_width // layout.tp
+        kv = shape.num_layers * generation_batch(grpo, layout.dp) * layout.seq_len * kv_width * w
         return reference + gathered + kv
 
     return [

@@ -329,8 +329,23 @@ def _evaluate_all(
     return evaluated
 
 
+def _need(ev: Evaluated, host_bytes: int | None) -> str:
+    """What a layout that does not fit needs: device memory, and for an offload whose device
+    memory fits, the host memory it lacks (so the line names what is short)."""
+    gib = mem.GIB
+    need = f"{ev.memory.total / gib:.2f} GiB per device of {ev.usable / gib:.2f} usable"
+    if ev.layout.offload != "none" and ev.memory.total <= ev.usable:
+        have = (
+            "none described (hardware.host_memory_gib)"
+            if host_bytes is None
+            else f"{host_bytes / gib:.2f}"
+        )
+        need += f" and {ev.memory.host_per_node / gib:.2f} GiB of host memory per node for its offload, of {have}"
+    return need
+
+
 def _choose(
-    demand: Demand, evaluated: list[Evaluated], fixed: Fixed
+    demand: Demand, evaluated: list[Evaluated], fixed: Fixed, host_bytes: int | None = None
 ) -> tuple[Evaluated, list[Evaluated], list[str]]:
     """The best layout, the fitting ones best first, and warnings. When none fits, the smallest
     is kept with a warning if the config fixed something, else it is an error.
@@ -344,11 +359,12 @@ def _choose(
         best = fitting[0]
     else:
         best = min(evaluated, key=lambda e: e.memory.total)
-        need = f"{best.memory.total / mem.GIB:.2f} GiB per device of {best.usable / mem.GIB:.2f} usable"
+        need = _need(best, host_bytes)
         if not fixed.given():
             raise StageError(
                 f"{demand.stage}: nothing fits; the smallest layout ({best.summary()}) needs {need}: "
-                "use more or larger devices, a shorter sequence or a smaller model"
+                f"use more or larger devices{', more host memory' if 'host memory' in need else ''}, "
+                "a shorter sequence or a smaller model"
             )
         warnings.append(
             f"{demand.stage}: the requested layout is predicted not to fit ({best.summary()} needs "
@@ -384,7 +400,7 @@ def search(
         StageError: no layout is possible, or none fits and nothing was fixed.
     """
     evaluated = _evaluate_all(demand, devices, fixed, shape, precision, knobs, rates)
-    best, fitting, warnings = _choose(demand, evaluated, fixed)
+    best, fitting, warnings = _choose(demand, evaluated, fixed, devices.host_bytes_per_node)
     others = [e for e in fitting[1:] if e.summary() != best.summary()]
     rejected = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
     return {

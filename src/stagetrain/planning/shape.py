@@ -4,9 +4,19 @@ Building a 70B model on the meta device takes about a second, too slow for a
 planner asked to answer in under one. Decoder layers of the architectures here
 are identical, so the model is built on the meta device with one and with two
 layers, and the count is extrapolated exactly: total = P(1) + (L - 1) * (P(2) - P(1)).
-Configs with per-layer differences are built whole.
+Configs with per-layer differences (deepseek_v3's leading dense layers) are built whole.
 
-Importing torch and transformers for that costs seconds, and the planner runs in Snakemake's own
+The memory model's shape facts are a Llama block's; for the others, what they stand for:
+- `intermediate_size` is the MLP width one token passes through (its routed experts and
+  any shared expert), averaged over the layers where dense and MoE layers differ: the
+  activations are linear in it, so their sum over the layers is exact.
+- `head_dim` is a query/key head's width (deepseek_v3's latent attention: the unrotated
+  and rotary parts together), and `kv_cache_width` the elements one token adds to one
+  layer's KV cache: keys and values, 2 x kv_heads x head_dim; under latent attention the
+  compressed latent and the shared rotary key, kv_lora_rank + qk_rope_head_dim, which is
+  what transformers' cache holds for it.
+
+Importing torch and transformers to count costs seconds, and the planner runs in Snakemake's own
 process whenever an edit it reads changes (planning/ahead.py), so a dry run after a learning-rate
 or batch edit paid them although the model had not changed. A shape depends only on the model
 section, the vocabulary and the code that counts it, so it is kept on disk by a digest of those
@@ -54,9 +64,13 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    """Width of the MLP a token passes through (for MoE: one expert, plus any shared expert)."""
+    """Width of the MLP a token passes through (for MoE: its experts_per_token routed experts
+    plus any shared expert), averaged over the layers where they differ."""
     experts_per_token: int
     vocab_size: int
+    kv_cache_width: int
+    """Elements one token adds to one layer's KV cache (2 x kv_heads x head_dim; latent
+    attention: kv_lora_rank + qk_rope_head_dim)."""
 
 
 def _homogeneous(config: PretrainedConfig) -> bool:
@@ -111,11 +125,14 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
     )
     top_k = getattr(config, "num_experts_per_tok", 1) if num_experts else 1
     inactive = full["experts"] * (num_experts - top_k) // num_experts if num_experts else 0
-    width = getattr(config, "moe_intermediate_size", None) if num_experts else None
-    width = (width or config.intermediate_size) + getattr(
-        config, "shared_expert_intermediate_size", 0
-    )
     heads = config.num_attention_heads
+    head_dim = (
+        getattr(config, "qk_head_dim", None)
+        or getattr(config, "head_dim", None)
+        or config.hidden_size // heads
+    )
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    latent = getattr(config, "kv_lora_rank", None)
     return ModelShape(
         params=full["total"],
         active_params=full["total"] - inactive,
@@ -125,12 +142,29 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         num_layers=layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate_size=width,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=mlp_width(config, top_k if num_experts else 0),
         experts_per_token=top_k,
         vocab_size=config.vocab_size,
+        kv_cache_width=latent + config.qk_rope_head_dim if latent else 2 * kv_heads * head_dim,
     )
+
+
+def mlp_width(config: PretrainedConfig, top_k: int) -> int:
+    """The MLP width a token passes through, averaged over the layers (`ModelShape.intermediate_size`):
+    a dense model's intermediate_size; an MoE layer's top_k routed experts plus its shared
+    expert (qwen2_moe: shared_expert_intermediate_size; deepseek_v3: n_shared_experts of
+    moe_intermediate_size); deepseek_v3's first_k_dense_replace layers the dense width."""
+    if not top_k:
+        return config.intermediate_size
+    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or (
+        getattr(config, "n_shared_experts", 0) * expert
+    )
+    layers, dense = config.num_hidden_layers, getattr(config, "first_k_dense_replace", 0) or 0
+    moe = top_k * expert + shared
+    return (dense * config.intermediate_size + (layers - dense) * moe) // layers
 
 
 def shape_key(model: ModelSettings, vocab_size: int, tp: int) -> str | None:

@@ -18,12 +18,12 @@ METRICS: dict[str, str] = {
     "memory/max_reserved(GiB)": "peak GPU memory held by torch's caching allocator on rank 0 since the previous record (allocated plus cached blocks: what the device must have); GPU only",
     "memory/max_rss(GiB)": "peak resident memory of rank 0's process; CPU only",
     "eval/loss": "mean loss on the fixed validation batches; every eval_every steps and at the end",
-    "train/aux_loss": "the router's load-balancing loss (unweighted), mean over ranks; MoE models only (train/loss stays the language-model loss)",
+    "train/aux_loss": "the router's load-balancing loss (unweighted), mean over ranks; MoE models whose architecture defines one (mixtral, qwen2_moe; not deepseek_v3) only (train/loss stays the language-model loss)",
     "moe/load_entropy": "entropy of the experts' shares of routed tokens over log(experts), mean over MoE layers: 1 evenly loaded, 0 collapsed; MoE only",
     "moe/load_max_over_mean": "the busiest expert's share over the mean share, mean over MoE layers: 1 balanced, `experts` collapsed; MoE only",
     "moe/load_entropy_by_layer": "moe/load_entropy of each MoE layer, by its index among the MoE layers; MoE only",
     "moe/load_max_over_mean_by_layer": "moe/load_max_over_mean of each MoE layer, by its index among the MoE layers; MoE only",
-    "moe/load_by_layer": "per MoE layer, each expert's share of the step's routed tokens (all ranks); MoE only",
+    "moe/load_by_layer": "per MoE layer, each expert's share of the step's routed tokens (all ranks; the experts the router chose, a routing bias included); MoE only",
     "time/elapsed_s": "seconds since this process started training; every record",
 }
 

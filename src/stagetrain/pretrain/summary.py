@@ -10,12 +10,15 @@ from stagetrain.training.summary import StageSummary
 
 class ExpertsSummary(TypedDict):
     """An MoE run's routing in summary.json: its settings, the aux loss and expert load at the
-    last record, and the load imbalance at each record (`train.experts_summary`)."""
+    last record, and the load imbalance at each record (`train.experts_summary`). A router
+    balanced by a bias (deepseek_v3) has no aux loss (`aux_loss_coef`, `final_aux_loss` None)
+    and a `bias_update_rate`; one balanced by an aux loss, the other way round."""
 
     experts: int
     top_k: int
-    aux_loss_coef: float
-    final_aux_loss: float
+    aux_loss_coef: float | None
+    bias_update_rate: float | None
+    final_aux_loss: float | None
     final_load_entropy: float
     final_load_max_over_mean: float
     final_load_by_layer: list[list[float]]

@@ -41,7 +41,10 @@ from stagetrain.training.evaluation import validation_loss, window_loss
 from stagetrain.training.experts import (
     Routing,
     RoutingStep,
+    balance_routers,
+    expert_shares,
     load_stats,
+    router_biases,
     routing_of,
     training_loss,
 )
@@ -100,7 +103,7 @@ class Run:
     predicted_tokens_per_s: float | None
     """The planner's (`predicted_tokens_per_s`)."""
     routing: Routing | None
-    """An MoE model's routing (its load-balancing loss and expert load); None when dense."""
+    """An MoE model's routing (its load balancing and expert load); None when dense."""
     zero3_config: HfDeepSpeedConfig | None
     """Held for the run's life under ZeRO-3: transformers keeps only a weak reference to it."""
 
@@ -191,19 +194,21 @@ def train_step(
 ) -> tuple[float, RoutingStep | None]:
     """One optimizer step over this rank's micro batches: the language-model loss averaged over
     all ranks, and for an MoE model the aux loss and expert load (`training.experts`; None for
-    a dense one).
+    a dense one). A router balanced by a bias has it moved once the optimizer has stepped, from
+    the step's tokens per expert summed over all ranks (`experts.balance_routers`).
 
     With the window log on (`window_log_on`), the windows every rank read are
     gathered and rank 0 appends them to `windows`.
     """
-    losses, read = [], []
+    losses, counts, read = [], [], []
+    routing = run.routing
     for micro in run.sampler.rank_micro_batches(step, run.dp_rank):
-        if run.routing:
-            loss, lm, aux, shares = training_loss(run.engine, run.device, run.train, micro,
-                                                  run.layout.seq_len, run.routing)  # fmt: skip
-            losses.append(
-                torch.cat([lm.detach().reshape(1), aux.detach().reshape(1), shares.flatten()])
-            )
+        if routing:
+            loss, lm, aux, routed = training_loss(run.engine, run.device, run.train, micro,
+                                                  run.layout.seq_len, routing)  # fmt: skip
+            kept = [lm] if aux is None else [lm, aux]  # an aux loss where the architecture has one
+            losses.append(torch.stack([t.detach().float() for t in kept]))
+            counts.append(routed)
         else:
             loss = loss_on(run, micro, run.train)
             losses.append(loss.detach().float().reshape(1))
@@ -219,10 +224,16 @@ def train_step(
             by_dp = dict(every)
             windows.write({"step": step + 1, "windows": [by_dp[r] for r in sorted(by_dp)]})
     world = dist.get_world_size()
-    if not run.routing:
+    if not routing:
         return mean[0].item() / world, None
-    shares = mean[2:].reshape(-1, run.routing.experts).double().numpy() / world
-    return mean[0].item() / world, RoutingStep(mean[1].item() / world, load_stats(shares))
+    # Whole counts, so the bias update's signs are exact; a tp group counts its tokens tp
+    # times, which leaves the shares and the signs as they are.
+    load = torch.stack(counts).sum(0)
+    dist.all_reduce(load, op=dist.ReduceOp.SUM)
+    if routing.bias_rate:
+        balance_routers(run.engine.module, load, routing.bias_rate)
+    aux = mean[1].item() / world if routing.coef is not None else None
+    return mean[0].item() / world, RoutingStep(aux, load_stats(expert_shares(load)))
 
 
 def record(
@@ -269,7 +280,9 @@ def loop(run: Run) -> None:
             entry = record(run, step, loss, window_s, window_steps * tokens_per_step,
                            time.monotonic() - began)  # fmt: skip
             if routed:
-                entry |= {"train/aux_loss": routed.aux_loss, **routed.load}
+                entry |= routed.load
+                if routed.aux_loss is not None:
+                    entry["train/aux_loss"] = routed.aux_loss
             window_s, window_steps = 0.0, 0
             if evaluating:
                 entry["eval/loss"] = last_eval = evaluate(run)
@@ -281,14 +294,16 @@ def loop(run: Run) -> None:
 
 
 def checksum(module: torch.nn.Module) -> list[float]:
-    """(sum, sum of squares) of the parameters this rank holds, in float64.
+    """(sum, sum of squares) of the parameters this rank holds and of its routing biases
+    (`experts.router_biases`: state no gradient keeps equal, held whole on every rank), in
+    float64.
 
     Data-parallel ranks under ZeRO 0-2 hold full copies that must stay equal;
     comparing these across ranks catches copies that drifted apart. Under ZeRO-3
     and AutoTP each rank holds a different shard, and the numbers differ by design.
     """
     total, squares = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for param in module.parameters():
+    for param in [*module.parameters(), *router_biases(module)]:
         values = param.detach().double().cpu()
         total += values.sum()
         squares += values.pow(2).sum()
@@ -341,7 +356,8 @@ def experts_summary(run: Run, records: list[PretrainRecord]) -> ExpertsSummary |
         return None
     last = records[-1]
     return {"experts": run.routing.experts, "top_k": run.routing.top_k, "aux_loss_coef": run.routing.coef,
-            "final_aux_loss": last["train/aux_loss"], "final_load_entropy": last["moe/load_entropy"],
+            "bias_update_rate": run.routing.bias_rate,
+            "final_aux_loss": last.get("train/aux_loss"), "final_load_entropy": last["moe/load_entropy"],
             "final_load_max_over_mean": last["moe/load_max_over_mean"], "final_load_by_layer": last["moe/load_by_layer"],
             "load_max_over_mean": {r["step"]: r["moe/load_max_over_mean"] for r in records}}  # fmt: skip
 
