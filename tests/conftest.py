@@ -1,4 +1,4 @@
-"""Fixtures: a workflow copy, a finished small run, the multi-rank tests' comm op, data and runs.
+"""Fixtures: a workflow copy, a finished small run, the multi-rank tests' data and runs.
 
 Helpers are imported from the harness package (tests/harness/), not from here.
 """
@@ -101,16 +101,7 @@ def finished_copy(finished_small_run: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def comm_op(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """DeepSpeed's CPU shared-memory comm op, built once in a process of its own before any
-    ranks start (as the stage's launcher does); every multi-rank test asks for it."""
-    from harness.training import build_comm_op
-
-    made_once(shared_root(tmp_path_factory) / "comm-op", lambda _: build_comm_op())
-
-
-@pytest.fixture(scope="session")
-def data(comm_op: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The small corpus, tokenizer and model config the multi-rank tests share, prepared once
     per session (read only)."""
     from harness.training import prepare_data

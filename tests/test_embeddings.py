@@ -240,7 +240,7 @@ def run_ranks(out: Path, tied: bool) -> list[tuple[dict[str, Any], dict[str, tor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_resize_under_zero3_on_two_ranks(comm_op: None, tmp_path: Path, tied: bool) -> None:
+def test_resize_under_zero3_on_two_ranks(tmp_path: Path, tied: bool) -> None:
     """A model built partitioned under zero.Init resizes correctly on both ranks and trains.
 
     Proves: each rank held half of the embedding after construction; the gathered old rows

@@ -704,7 +704,7 @@ def test_replay_puts_its_share_of_other_families_in_each_step_and_leaves_the_cur
 
 @pytest.mark.slow
 def test_train_on_makes_the_global_batchs_update_however_dp_and_accumulation_cut_it(
-    tmp_path: Path, comm_op: None
+    tmp_path: Path,
 ) -> None:
     """The stage's own `train_on` through DeepSpeed (tests/dist/grpo_normaliser.py): 2 ranks x 2
     micro batches and 1 rank x 3 of one global batch give the same weights, under SGD, whose

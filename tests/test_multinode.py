@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from harness.compare import same_losses, same_params
 from harness.configs import edit_config, small_grpo, small_run
-from harness.training import build_comm_op, run, write_job
+from harness.training import run, write_job
 from harness.workflow import CLUSTER_SNAKEMAKE, REPO, snakemake
 
 from stagetrain.training.launch import node_torchrun, rank_environment
@@ -97,7 +97,6 @@ def test_two_hosts_train_what_one_host_trains(
     data: dict[str, str], hosts: dict[str, str], one_host: dict[str, Any], tmp_path: Path,
     per_node: int,
 ) -> None:  # fmt: skip
-    build_comm_op()
     world = len(HOSTS) * per_node
     job = write_job(data, tmp_path, world=world, nodes=len(HOSTS),
                     layout={"dp": world, "tp": 1, "micro_batch_size": 2, "zero_stage": 0})  # fmt: skip

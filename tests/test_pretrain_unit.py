@@ -339,3 +339,24 @@ def test_a_damaged_or_unsafe_init_from_weight_file_is_one_line_naming_it(
     with pytest.raises(StageError, match=expected) as err:
         load_pretrained(str(tmp_path))
     assert "\n" not in str(err.value) and "this ran" not in capsys.readouterr().out
+
+
+def test_a_rank_joins_without_building_deepspeeds_inference_comm_op(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSpeed's torch backend compiles its CPU shared-memory all-reduce (minutes, with g++)
+    as a rank joins, for inference alone; the stages' join tells it the op is not there. The op
+    is made available first, so that the test holds on a machine without a compiler too."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    from stagetrain.training.engine import skip_inference_comm_op
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        pytest.skip("this accelerator has no shared-memory comm op")
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, True)
+    monkeypatch.setattr(type(builder), "load", lambda *_, **__: pytest.fail("the op was built"))
+    skip_inference_comm_op()
+    assert build_shm_op() is None

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stagetrain.config.settings import GrpoSettings
 from stagetrain.grpo.rollouts import Group
 from stagetrain.grpo.steps import train_on
+from stagetrain.training.engine import skip_inference_comm_op
 
 GROUPS = 6
 """Groups of two completions in the global batch (3 per rank at dp 2)."""
@@ -44,6 +45,7 @@ def groups() -> list[Group]:
 
 
 def main(out: Path, grad_accum: int) -> None:
+    skip_inference_comm_op()  # as the stages do
     deepspeed.init_distributed(dist_backend="gloo")
     dp, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)

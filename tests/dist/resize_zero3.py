@@ -30,6 +30,7 @@ from stagetrain.config.validation import load
 from stagetrain.errors import StageError
 from stagetrain.model.config import build_config
 from stagetrain.model.embeddings import embedding_rows, resize_embeddings
+from stagetrain.training.engine import skip_inference_comm_op
 
 OLD_ROWS, NEW_ROWS, SEED = 300, 320, 4321
 # Ids below and above 300: the step must run through old and new rows.
@@ -79,6 +80,7 @@ def partition(param: torch.nn.Parameter) -> dict[str, Any]:
 
 
 def main(out: Path, tied: bool) -> None:
+    skip_inference_comm_op()  # as the stages do
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     config = ds_config()

@@ -16,7 +16,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,18 +61,9 @@ def prepare_data(out: Path) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
-@functools.cache
-def build_comm_op() -> None:
-    """Compile DeepSpeed's shared-memory comm op once, before any ranks start, as the
-    stage's launcher does: ranks compiling it at once have crashed at teardown."""
-    code = "from stagetrain.training.launch import prebuild_cpu_ops; prebuild_cpu_ops()"
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=900)
-
-
 def torchrun(module: str, spec: Path, world: int, *, popen: bool = False) -> Any:
     """`module --spec spec` on `world` CPU ranks of one thread each: a CompletedProcess (not
     checked), or a Popen if `popen`."""
-    build_comm_op()
     cmd = torchrun_command(nodes=1, procs_per_node=world, module=module, args=["--spec", str(spec)],
                            allocation=None)  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

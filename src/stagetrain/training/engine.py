@@ -94,6 +94,21 @@ def bound_every_group(timeout: timedelta) -> None:
         distributed_c10d.default_pg_nccl_timeout = timeout
 
 
+def skip_inference_comm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce when a rank joins.
+
+    DeepSpeed's torch backend builds that op (a JIT C++ compile: 1-5 minutes on a 2-core CPU,
+    cached per environment, and it needs g++) as it starts, for `inference_all_reduce` alone:
+    DeepSpeed-Inference's layers, and AutoTP's forward in eval mode. Training never calls it,
+    and without the op that all-reduce falls back to the process group's, the same sum.
+    DeepSpeed reads the op's availability from `deepspeed.ops.__compatible_ops__`, a dict it
+    probes once and keeps so that edits to it hold.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def join_world(spec: JobSpec) -> tuple[PlanPart, TokenizerMeta, DeepSpeedJson, torch.device]:
     """Start this rank's process group and check the world against the plan.
 
@@ -105,6 +120,7 @@ def join_world(spec: JobSpec) -> tuple[PlanPart, TokenizerMeta, DeepSpeedJson, t
     ds_config: DeepSpeedJson = read_json(spec["deepspeed_config"])
     timeout = collective_timeout(os.environ)
     bound_every_group(timeout)
+    skip_inference_comm_op()
     deepspeed.init_distributed(dist_backend=plan["backend"], timeout=timeout)
     world = torch.distributed.get_world_size()
     if world != plan["world"]:

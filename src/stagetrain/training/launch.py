@@ -170,17 +170,6 @@ def rank_environment(env: Mapping[str, str], *, cores: int, ranks_per_node: int)
     return {**env, **dict.fromkeys(THREAD_VARIABLES, share)}
 
 
-def prebuild_cpu_ops() -> None:
-    """Compile DeepSpeed's CPU shared-memory op once, before ranks start compiling it at once.
-
-    Two ranks building the op together have crashed at teardown (seen on a 2-core CPU machine);
-    once built it is cached, and the ranks load it.
-    """
-    from deepspeed.comm.torch import build_shm_op
-
-    build_shm_op()
-
-
 def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
     """Run the ranks, passing every output line to the log; a failure becomes one line.
 
@@ -364,8 +353,6 @@ def launch_stage(
     # Inside Slurm the job's CPUs on a node, not the node's (nothing may pin this process).
     cores = alloc.cpus_per_node if alloc and alloc.cpus_per_node else len(os.sched_getaffinity(0))
     env = rank_environment(os.environ, cores=cores, ranks_per_node=plan["ranks_per_node"])
-    if plan["backend"] == "gloo":
-        prebuild_cpu_ops()
     cmd = torchrun_command(nodes=plan["nodes"], procs_per_node=plan["ranks_per_node"], module=module,
                            args=["--spec", str(root / "job.json")], allocation=alloc,
                            gpus=plan["device"] != "cpu")  # fmt: skip
