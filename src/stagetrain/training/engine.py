@@ -97,8 +97,8 @@ def bound_every_group(timeout: timedelta) -> None:
 def skip_inference_comm_op() -> None:
     """Keep DeepSpeed from compiling its CPU shared-memory all-reduce when a rank joins.
 
-    DeepSpeed's torch backend builds that op (a JIT C++ compile: 1-5 minutes on a 2-core CPU,
-    cached per environment, and it needs g++) as it starts, for `inference_all_reduce` alone:
+    DeepSpeed's torch backend builds that op (a JIT C++ compile with g++: 43 s on a quiet 2-core
+    CPU, minutes under load, cached per environment) as it starts, for `inference_all_reduce` alone:
     DeepSpeed-Inference's layers, and AutoTP's forward in eval mode. Training never calls it,
     and without the op that all-reduce falls back to the process group's, the same sum.
     DeepSpeed reads the op's availability from `deepspeed.ops.__compatible_ops__`, a dict it
