@@ -373,6 +373,22 @@ def test_init_from_a_folder_without_weights_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ([3, 1, 1], "data.generated.level_weights: expected one weight per level 1..max_level 2, got 3"),
+        ([0, 0], "data.generated.level_weights: expected at least one weight above 0, got [0, 0]"),
+    ],
+    ids=["one-per-level", "all-zero"],
+)  # fmt: skip
+def test_level_weights_that_disagree_with_max_level_fail_with_the_config(
+    weights: list[float], message: str
+) -> None:
+    with pytest.raises(StageError) as err:
+        stconfig.validate({"data": {"generated": {"max_level": 2, "level_weights": weights}}})
+    assert str(err.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize(
     ("grpo", "message"),
     [
         ({"curriculum": {"demote_below": 0.8, "promote_at": 0.7}}, "grpo.curriculum.demote_below: must be < promote_at 0.7 (got 0.8)"),

@@ -588,6 +588,43 @@ def test_task_families_join_the_corpus_in_their_split(tmp_path: Path) -> None:
     assert sum(record["problems"]["1"].values()) == 400
 
 
+def test_level_weights_set_the_levels_shares_in_the_corpus(tmp_path: Path) -> None:
+    """data.generated.level_weights draws levels in its proportions (the default run's lever for
+    how much of level 2 pretraining sees), and a family whose levels here all weigh 0 is one
+    line."""
+    from stagetrain.tasks.families import load_tasks
+
+    rows = [{"prompt": f"capital of country {i}?", "answer": f"city {i}", "level": 1 + i % 2}
+            for i in range(400)]  # fmt: skip
+    (tmp_path / "capitals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pattern = re.compile(re.escape(PROBLEM_TOKEN) + "capital of country (\\d+)\\?")
+
+    def levels(weights: list[float] | None, max_level: int = 2) -> list[int]:
+        config = default_config()
+        config["tasks"] = {
+            "families": [{"name": "capitals", "files": [str(tmp_path / "capitals.jsonl")]}]
+        }
+        config["data"]["generated"].update(families=["capitals"], prose_share=0.0,
+                                           max_level=max_level, level_weights=weights)  # fmt: skip
+        config = stconfig.validate(config)
+        tasks = load_tasks(TasksSettings.from_config(config["tasks"], "tasks"))
+        source = corpus_sources.build(_data(config["data"]), seed=3, tasks=tasks)[0]
+        assert source.record["level_weights"] == weights
+        docs = itertools.islice(source.documents("train"), 2000)
+        return [1 + int(m.group(1)) % 2 for d in docs if (m := pattern.search(d))]
+
+    drawn = levels([3, 1])
+    assert 2.6 < drawn.count(1) / drawn.count(2) < 3.4, (drawn.count(1), drawn.count(2))
+    assert set(levels([0, 1])) == {2}
+    equal = levels(None)
+    assert 0.85 < equal.count(1) / equal.count(2) < 1.15
+    with pytest.raises(StageError) as err:  # capitals has levels 1 and 2 only
+        levels([0, 0, 1], max_level=3)
+    assert str(err.value) == (
+        "data.generated.level_weights: family 'capitals' has levels 1..2 here, and their weights [0, 0] are all 0"
+    )
+
+
 # --- failures leave nothing behind ----------------------------------------------
 
 

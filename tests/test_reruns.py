@@ -132,6 +132,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "parallelism.table_revision": {"parallelism.table_revision": "v2"},
     "data.hub": {"data.hub": [{"repo": "org/corpus", "files": ["train.jsonl"]}]},
     "data.generated.families": {"data.generated.families": ["arithmetic"]},
+    "data.generated.level_weights": {"data.generated.level_weights": [3, 1]},
     "grpo.curriculum.families": {"grpo.curriculum.families": ["comparison"]},
     "grpo.replay.families": {"grpo.replay.families": ["arithmetic"]},
     "grpo.sampler_correction.cap": {"grpo.sampler_correction": {"cap": 2.0}},

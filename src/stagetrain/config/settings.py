@@ -132,6 +132,22 @@ class GeneratedData(_Section):
     families: tuple[str, ...]
     max_level: int
     prose_share: float
+    level_weights: tuple[float, ...] | None
+    """Relative shares of levels 1..max_level; None draws them equally."""
+
+    def __post_init__(self) -> None:
+        key = "data.generated.level_weights"
+        if self.level_weights is None:
+            return
+        if len(self.level_weights) != self.max_level:
+            raise StageError(
+                f"{key}: expected one weight per level 1..max_level {self.max_level}, "
+                f"got {len(self.level_weights)}"
+            )
+        if not any(w > 0 for w in self.level_weights):
+            raise StageError(
+                f"{key}: expected at least one weight above 0, got {list(self.level_weights)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class GeneratedRecord(TypedDict):
     families: list[str]
     max_level: int
     prose_share: float
+    level_weights: list[float] | None
     tasks: dict[str, FamilyRecord]
 
 

@@ -54,15 +54,17 @@ def text_split(text: str, val_share: float) -> Split:
 def generated(cfg: GeneratedData, seed: int, tasks: TaskSet) -> Source:
     """Task problems with worked answers, mixed with templated prose: each document a family
     of `cfg.families` (built-in, or of the tasks section) drawn uniformly, then a level up
-    to max_level, then a problem of the split."""
+    to max_level (by `level_weights`, or uniformly), then a problem of the split."""
     unknown = [f for f in cfg.families if f not in tasks.families]
     if unknown:  # the config check names them first; a stage run on a section alone lands here
         raise StageError(
             f"data.generated.families: unknown family {unknown[0]!r} (known: {', '.join(tasks.families)})"
         )
     families = {name: tasks.families[name].family for name in cfg.families}
+    levels = {name: _level_weights(cfg, name, fam.max_level) for name, fam in families.items()}
     record = GeneratedRecord(kind="generated", weight=cfg.weight, families=list(cfg.families),
                              max_level=cfg.max_level, prose_share=cfg.prose_share,
+                             level_weights=None if cfg.level_weights is None else list(cfg.level_weights),
                              tasks=tasks.record())  # fmt: skip
 
     def documents(split: Split) -> Iterator[str]:
@@ -73,11 +75,29 @@ def generated(cfg: GeneratedData, seed: int, tasks: TaskSet) -> Source:
                 yield paragraph(rng)
                 continue
             family = families[rng.choice(names)]
-            level = rng.randint(1, min(cfg.max_level, family.max_level))
+            top, weights = levels[family.name]
+            if weights is None:  # randint, as before the key: an unweighted corpus is unchanged
+                level = rng.randint(1, top)
+            else:
+                level = rng.choices(range(1, top + 1), weights)[0]
             yield training_text(sample(family.name, level, split, rng))
 
     return Source(name="generated", weight=cfg.weight, documents=documents, record=record,
                   controls=True)  # fmt: skip
+
+
+def _level_weights(
+    cfg: GeneratedData, family: str, family_top: int
+) -> tuple[int, tuple[float, ...] | None]:
+    """A family's highest corpus level and the weights of levels 1..that (None: equal)."""
+    top = min(cfg.max_level, family_top)
+    if cfg.level_weights is None:
+        return top, None
+    weights = cfg.level_weights[:top]
+    if not any(w > 0 for w in weights):
+        raise StageError(f"data.generated.level_weights: family {family!r} has levels 1..{top} here, "
+                         f"and their weights {list(weights)} are all 0")  # fmt: skip
+    return top, weights
 
 
 def _read_documents(path: Path, text_field: str, shown: str) -> Iterator[str]:
