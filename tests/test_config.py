@@ -388,6 +388,20 @@ def test_level_weights_that_disagree_with_max_level_fail_with_the_config(
     assert str(err.value) == f"config: {message}"
 
 
+def test_a_grpo_aux_loss_on_a_model_without_one_fails_with_the_config() -> None:
+    """Refused where the Snakefile validates (not after pretraining, in the GRPO ranks)."""
+    with pytest.raises(StageError) as err:
+        stconfig.validate(
+            {"model": {"architecture": "llama"}, "grpo": {"router_aux_loss_coef": 0.01}}
+        )
+    assert str(err.value) == (
+        "config: grpo.router_aux_loss_coef: model.architecture llama defines no load-balancing loss "
+        "(only mixtral and qwen2_moe do); expected 0"
+    )
+    moe = {"architecture": "mixtral", "num_experts": 4, "experts_per_token": 2}
+    stconfig.validate({"model": moe, "grpo": {"router_aux_loss_coef": 0.01}})
+
+
 @pytest.mark.parametrize(
     ("grpo", "message"),
     [

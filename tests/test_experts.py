@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,13 +22,16 @@ import pytest
 import torch
 from harness.checkpoints import truncate
 from harness.configs import model_settings, named_config
-from harness.training import DEEPSEEK, MOE, dp2, launch, model_config, run
+from harness.models import tiny_moe
+from harness.training import DEEPSEEK, MOE, dp2, grpo_config, launch, model_config, run, run_grpo
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.consolidate.folder import consolidate
 from stagetrain.errors import StageError
+from stagetrain.grpo import steps as grpo_steps
+from stagetrain.grpo.rollouts import flat_groups
 from stagetrain.model.config import build_config
 from stagetrain.training.batches import read_windows
 from stagetrain.training.experts import (
@@ -187,6 +191,58 @@ def test_the_training_loss_adds_the_architectures_aux_loss(moe: dict[str, Any]) 
     assert gate.grad is not None and gate.grad.abs().sum() > 0
 
 
+class _Engine:
+    """What `grpo.steps.train_on` asks of DeepSpeed's engine, on one process: the module's
+    forward, backward into its gradients, and a step that leaves them for the test to read."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.module = model
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.module(**kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        pass
+
+    def named_modules(self) -> Any:
+        return self.module.named_modules()
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.05])
+def test_grpo_trains_an_moe_policy_on_its_aux_loss_only_when_asked(
+    coef: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GRPO stage's own `train_on` on a tiny Mixtral's flat rollouts whose rewards are all
+    equal, so the policy gradient is zero: the router learns only from
+    `grpo.router_aux_loss_coef` (off by default, as verl and OpenRLHF keep it), whose loss is
+    logged; the routing-flip share of the step is measured, and 0 in fp32."""
+    monkeypatch.setattr(grpo_steps, "_dp_sums", lambda run, values: list(values))  # one rank
+    monkeypatch.setattr(grpo_steps, "_dp_max", lambda value: value)
+    model = tiny_moe("mixtral")
+    routing = routing_of(model.config)
+    prompts = [[3, 4], [5, 6, 7, 8, 9], [8], [9, 10, 11]]
+    with torch.no_grad():
+        groups = flat_groups(model, prompts, lambda i, c: 1.0, keys=[("run", i) for i in range(4)], group_size=4,
+                             max_new_tokens=6, temperature=0.7, top_p=1.0, eos_id=1, pad_id=0, max_batch=16,
+                             routing=routing)  # fmt: skip
+    grpo = {"temperature": 0.7, "top_p": 1.0, "passes": 1, "kl_coef": 0.0, "loss_type": "dapo", "clip_eps_low": 0.2,
+            "clip_eps_high": 0.28, "max_new_tokens": 6, "sampler_correction": None, "router_aux_loss_coef": coef}  # fmt: skip
+    run = SimpleNamespace(cfg=SimpleNamespace(**grpo), engine=_Engine(model), reference=None, routing=routing,
+                          tokenizer=SimpleNamespace(pad_token_id=0), device=torch.device("cpu"),
+                          layout=SimpleNamespace(grad_accum=2, dp=1, tp=1))  # fmt: skip
+    _, logged = grpo_steps.train_on(run, groups)
+    router = model.model.layers[0].mlp.gate.weight.grad
+    assert logged["moe/routing_flip_share"] == 0.0
+    if coef:
+        assert router.abs().sum() > 0 and logged["train/aux_loss"] > 0
+    else:
+        assert router is None or router.abs().sum() == 0
+        assert "train/aux_loss" not in logged
+
+
 def test_a_deepseek_v3_trains_on_the_language_model_loss_and_counts_its_biased_choice() -> None:
     """No aux loss (transformers defines none for it): the loss trained on is the cross-entropy;
     the three MoE layers' counts follow the routing bias (a large one on expert 0 sends every
@@ -280,7 +336,8 @@ def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict
     A run resumed from step 2 ends with the bias of the uninterrupted run (one restarted at zero
     would be two updates behind) and, under ZeRO-2, the same checksum, biases included, on both
     ranks. The bf16 folder consolidated from it holds the bias exactly (written in fp32, as
-    transformers keeps it), and loads and generates in transformers."""
+    transformers keeps it), and loads and generates in transformers; under ZeRO-3 GRPO trains
+    from it and measures how often its trainer routes a sampled token otherwise."""
     config = model_config(tmp_path / "model", **DEEPSEEK)
     layout, every2 = dp2(zero), {"pretrain": {"checkpoint_every": 2}}
     first = run(data, tmp_path, world=2, layout=layout, model_config=config, config_changes=every2)
@@ -318,6 +375,15 @@ def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict
         ), name
     generated = model.generate(torch.tensor([[5, 9, 13]]), max_new_tokens=6, do_sample=False)
     assert generated.shape == (1, 9)
+    if zero == 3:  # GRPO from the folder, partitioned as its pretraining was
+        cfg = grpo_config()
+        grpo = run_grpo({**data, "model_config": config}, str(tmp_path / "hf"), tmp_path / "grpo",
+                        world=2, layout=layout, cfg=cfg)  # fmt: skip
+        assert grpo["optimizer_steps"] == cfg["grpo"]["steps"]
+        flips = grpo["sampler"][
+            "routing_flip_share_max"
+        ]  # fp32: the sampler and trainer route alike
+        assert flips is not None and flips <= 0.01, grpo["sampler"]
 
 
 def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:

@@ -8,13 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from harness.models import tiny_llama
+from harness.models import tiny_llama, tiny_moe
 from transformers import LlamaForCausalLM
 
 from stagetrain.grpo.rollouts import flat_groups, tree_groups
 from stagetrain.grpo.sampling import RowSampler, stream_seed
-from stagetrain.grpo.steps import token_logprobs
+from stagetrain.grpo.steps import routing_flip_sums, token_logprobs
 from stagetrain.grpo.tree import TreeConfig
+from stagetrain.training.experts import routing_of
 
 PROMPTS = [[3, 4], [5, 6, 7, 8, 9], [8], [9, 10, 11]]
 
@@ -69,8 +70,8 @@ def test_the_trainer_scores_the_tokens_as_the_sampler_drew_them(rollout: str) ->
         drawn = [lp for g in groups for lp in g.sampler_logprobs]
         gaps = {}
         for name, policy in {"sampler's": (0.7, 0.9), "raw": (1.0, 1.0)}.items():
-            logprobs, mask = token_logprobs(model, items, torch.device("cpu"), 0,
-                                            temperature=policy[0], top_p=policy[1])  # fmt: skip
+            logprobs, mask, *_ = token_logprobs(model, items, torch.device("cpu"), 0,
+                                                temperature=policy[0], top_p=policy[1])  # fmt: skip
             trainer = [row[m.bool()].tolist() for row, m in zip(logprobs, mask, strict=True)]
             gaps[name] = max(abs(a - b) for t, d in zip(trainer, drawn, strict=True)
                              for a, b in zip(t, d, strict=True))  # fmt: skip
@@ -78,6 +79,30 @@ def test_the_trainer_scores_the_tokens_as_the_sampler_drew_them(rollout: str) ->
     assert all(len(d) == len(c) for (_, c), d in zip(items, drawn, strict=True))
     assert gaps["sampler's"] < 1e-5, gaps
     assert gaps["raw"] > 0.05, gaps
+
+
+@pytest.mark.parametrize("architecture", ["mixtral", "deepseek_v3"])
+def test_the_trainer_routes_the_sampled_tokens_as_the_sampler_did(architecture: str) -> None:
+    """In fp32 the KV-cached sampler and the full-sequence trainer choose the same experts for
+    every sampled token's position in every MoE layer (DeepSeek's routing bias included), so
+    the stage's routing-flip share is the kernels' and precision's, not a misaligned position:
+    the same routings one position apart differ for most tokens."""
+    model = tiny_moe(architecture)
+    routing = routing_of(model.config)
+    with torch.no_grad():
+        groups = flat_groups(model, PROMPTS, lambda i, c: 0.0, keys=[("run", i) for i in range(len(PROMPTS))],
+                             group_size=4, max_new_tokens=8, temperature=0.7, top_p=0.9, eos_id=1, pad_id=0,
+                             max_batch=8, routing=routing)  # fmt: skip
+        items = [(g.prompt, c) for g in groups for c in g.completions]
+        routed = [r for g in groups for r in g.sampler_routing]
+        scored = token_logprobs(model, items, torch.device("cpu"), 0, temperature=0.7, top_p=0.9,
+                                routing=routing)  # fmt: skip
+    tokens = sum(len(c) for _, c in items)
+    assert tokens > 40 and [r.shape for r in routed] == [(len(c), 2, 2) for _, c in items]
+    assert routing_flip_sums(scored.experts, routed, items) == (0, tokens * 2)
+    late = torch.roll(scored.experts, 1, dims=1)
+    assert routing_flip_sums(late, routed, items)[0] > 0.3 * tokens * 2
+    assert (scored.aux_loss is None) == (architecture == "deepseek_v3")
 
 
 def _flat(

@@ -58,10 +58,10 @@ def main(out: Path, grad_accum: int) -> None:
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds
     )
     grpo = {"temperature": 0.7, "top_p": 1.0, "passes": 1, "kl_coef": 0.0, "loss_type": "dapo",
-            "clip_eps_low": 0.2, "clip_eps_high": 0.28, "max_new_tokens": 8, "sampler_correction": None}  # fmt: skip
+            "clip_eps_low": 0.2, "clip_eps_high": 0.28, "max_new_tokens": 8, "sampler_correction": None, "router_aux_loss_coef": 0.0}  # fmt: skip
     cfg = SimpleNamespace(**grpo)
     assert set(grpo) <= {f for f in GrpoSettings.__dataclass_fields__}
-    run = SimpleNamespace(cfg=cfg, engine=engine, reference=None, tokenizer=SimpleNamespace(pad_token_id=0),
+    run = SimpleNamespace(cfg=cfg, engine=engine, reference=None, routing=None, tokenizer=SimpleNamespace(pad_token_id=0),
                           device=torch.device("cpu"), layout=SimpleNamespace(grad_accum=grad_accum, dp=dp, tp=1))  # fmt: skip
     share = GROUPS // dp
     train_on(run, groups()[rank * share : (rank + 1) * share])

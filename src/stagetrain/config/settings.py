@@ -404,6 +404,7 @@ class GrpoSettings(_Section):
     max_prompt_len: int
     max_new_tokens: int
     kl_coef: float
+    router_aux_loss_coef: float
     steps: int
     optimizer: OptimizerSettings
     rollout: Literal["flat", "tree"]
@@ -524,6 +525,19 @@ class Settings(_Section):
         for name, stage in (("pretrain", self.pretrain), ("grpo", self.grpo)):
             _check_warmup(name, stage)
         self._check_positions()
+        self._check_grpo_aux_loss()
+
+    def _check_grpo_aux_loss(self) -> None:
+        """grpo.router_aux_loss_coef needs an architecture with an aux loss; a model continued
+        with `init_from` may name none here, and the GRPO stage checks its config then."""
+        from stagetrain.model.config import AUX_LOSS
+
+        arch = self.model.architecture
+        if self.grpo.router_aux_loss_coef and arch is not None and arch not in AUX_LOSS:
+            raise StageError(
+                f"grpo.router_aux_loss_coef: model.architecture {arch} defines no load-balancing "
+                f"loss (only {' and '.join(AUX_LOSS)} do); expected 0"
+            )
 
     def _check_family_names(self) -> None:
         """The families the corpus, the curriculum and replay name exist (built-in, or of the

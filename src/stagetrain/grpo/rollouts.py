@@ -37,6 +37,7 @@ from stagetrain.grpo.tree import (
     segments,
     through_eos,
 )
+from stagetrain.training.experts import Routing
 
 
 @dataclass(kw_only=True)
@@ -55,6 +56,9 @@ class Group:
     sampler_logprobs: list[list[float]] = field(default_factory=list)
     """Per completion, the sampler's log-prob of each token (`sampling.Sampled`; NaN for a
     token it did not draw), which the step compares with the trainer's."""
+    sampler_routing: list[torch.Tensor] = field(default_factory=list)
+    """Per completion of an MoE policy's flat rollouts, the experts chosen where each token was
+    drawn (`sampling.Sampled.routing`), which the step compares with the trainer's; else empty."""
 
     @property
     def varies(self) -> bool:
@@ -73,13 +77,14 @@ def sample(
     top_p: float,
     eos_id: int,
     pad_id: int,
+    routing: Routing | None = None,
 ) -> Sampled:
     """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order,
-    with their tokens' log-probs; continuation j of the prefix with key k is drawn from the
-    generator `stream_seed(k, j)`."""
+    with their tokens' log-probs (and with `routing`, their experts); continuation j of the
+    prefix with key k is drawn from the generator `stream_seed(k, j)`."""
     generation = generation_kwargs(temperature, top_p, eos_id, pad_id)
     seeds = [stream_seed(key, j) for key in keys for j in range(n)]
-    return generate(model, prefixes, n, max_new_tokens, generation, seeds=seeds)
+    return generate(model, prefixes, n, max_new_tokens, generation, seeds=seeds, routing=routing)
 
 
 def flat_groups(
@@ -95,18 +100,22 @@ def flat_groups(
     eos_id: int,
     pad_id: int,
     max_batch: int,
+    routing: Routing | None = None,
 ) -> list[Group]:
     """group_size samples per prompt, at most `max_batch` sequences per `generate` call (the
     plan's generation batch, whose KV cache it counted); group advantages on every token.
-    `keys` name the prompts' sampling streams (`sample`): the same key, the same completions."""
+    `keys` name the prompts' sampling streams (`sample`): the same key, the same completions.
+    With `routing` (an MoE policy's) each group holds the sampler's routing too."""
     per_call = max(1, max_batch // group_size)
     completions: list[list[int]] = []
     logprobs: list[list[float]] = []
+    routed: list[torch.Tensor] = []
     for at in range(0, len(prompts), per_call):
         out = sample(model, prompts[at : at + per_call], keys[at : at + per_call], group_size, max_new_tokens,
-                     temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)  # fmt: skip
+                     temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id, routing=routing)  # fmt: skip
         completions += out.tokens
         logprobs += out.logprobs
+        routed += out.routing or []
     groups = []
     for i, prompt in enumerate(prompts):
         mine = completions[i * group_size : (i + 1) * group_size]
@@ -116,7 +125,8 @@ def flat_groups(
         groups.append(
             Group(prompt=prompt, completions=mine, rewards=rewards, generated_tokens=tokens, flat_tokens=tokens, nodes=len(mine),
                   advantages=[torch.full((len(c),), float(a)) for c, a in zip(mine, adv[0], strict=True)],
-                  sampler_logprobs=logprobs[i * group_size : (i + 1) * group_size])
+                  sampler_logprobs=logprobs[i * group_size : (i + 1) * group_size],
+                  sampler_routing=routed[i * group_size : (i + 1) * group_size])
         )  # fmt: skip
     return groups
 
@@ -165,7 +175,7 @@ def tree_groups(
         else:
             out = store.sample(sequences, n, k, [r.limit for r in requests], generation,
                                cfg.branch_entropy, seeds)  # fmt: skip
-        for j, (tokens, logprobs) in enumerate(zip(*out, strict=True)):
+        for j, (tokens, logprobs) in enumerate(zip(out.tokens, out.logprobs, strict=True)):
             r = requests[j // n]
             node = through_eos(tokens, cfg.eos_id)[: r.limit]  # the child `search_trees` adds
             if node:

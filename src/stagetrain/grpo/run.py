@@ -21,6 +21,7 @@ from stagetrain.planning.plan import Layout
 from stagetrain.tasks import Problem
 from stagetrain.tasks.judge import Judge
 from stagetrain.training.checkpoints import ClientState
+from stagetrain.training.experts import Routing
 from stagetrain.training.loop import StageLoop
 from stagetrain.training.spec import GrpoJob
 
@@ -65,6 +66,8 @@ class Run:
     eval_windows: np.ndarray
     generation_batch: int
     """Most sequences one `generate` call makes: the plan counted their KV cache."""
+    routing: Routing | None = None
+    """An MoE policy's routing (`training.experts.routing_of`); None for a dense one."""
     replay: Replay | None = None
     zero3_config: HfDeepSpeedConfig | None = None
     """Held for the run's life under ZeRO-3: transformers keeps only a weak reference to it."""

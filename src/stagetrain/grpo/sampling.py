@@ -21,12 +21,15 @@ each token it drew, so the step can measure what is left of the gap (kernels, KV
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.generation.logits_process import TopPLogitsWarper
+
+from stagetrain.training.experts import Routing, chosen_by_position, router_biases
 
 
 def generation_kwargs(
@@ -112,6 +115,46 @@ class Sampled(NamedTuple):
     tokens: list[list[int]]
     logprobs: list[list[float]]
     """Under the scores the token was drawn from (`policy_scores`); NaN when decoding greedy."""
+    routing: list[torch.Tensor] | None = None
+    """For an MoE policy asked to record it, per row: (tokens, MoE layers, top_k), the experts
+    the position whose logits drew each token chose (`RoutingRecorder`)."""
+
+
+class RoutingRecorder:
+    """Forward hooks on an MoE policy's routers while it generates: per forward call, the
+    experts that each row's last position chose in each MoE layer. The prefill's last position
+    is the prompt's last token and each later call's the token just drawn, so call t holds the
+    routing of the position whose logits drew token t: the same position the trainer's forward
+    scores it at (`grpo.steps.token_logprobs`), which the routing-flip share compares.
+
+    The routers are the modules transformers records router logits from (the model class's
+    `_can_record_outputs`): asking `generate` for `output_router_logits` instead makes Mixtral
+    compute its aux loss at every decoding step, where the attention mask no longer matches
+    the one token's logits, and fail."""
+
+    def __init__(self, model: torch.nn.Module, routing: Routing, rows: int) -> None:
+        recorded = model._can_record_outputs["router_logits"]
+        self.routers = [m for m in model.modules() if isinstance(m, recorded.target_class)]
+        self.index, self.routing, self.rows = recorded.index, routing, rows
+        self.biases = router_biases(model) if routing.bias_rate is not None else None
+        self.layers: list[torch.Tensor] = []
+        self.calls: list[torch.Tensor] = []
+
+    def __call__(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.layers.append(output[self.index] if isinstance(output, tuple) else output)
+        if len(self.layers) == len(self.routers):  # the forward's last MoE layer
+            chosen = chosen_by_position(self.layers, self.rows, self.routing, self.biases)
+            self.calls.append(chosen[:, -1].to(torch.int16).cpu())
+            self.layers = []
+
+    @contextmanager
+    def attached(self) -> Iterator[None]:
+        hooks = [router.register_forward_hook(self) for router in self.routers]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def generate(
@@ -124,17 +167,18 @@ def generate(
     branch_entropy: float = 0.0,
     cache: Cache | None = None,
     seeds: Sequence[int] = (),
+    routing: Routing | None = None,
 ) -> Sampled:
     """n continuations of each sequence, in sequence order, each cut by `cut` and, when
     `branch_entropy` > 0, by `branch_cut`, with the sampler's log-prob of each token. `cache`,
     if given, holds every row's keys and values of all its tokens but the last, left-padded
     like the rows (`PrefixCache`). When `generation` samples, `seeds` has one generator seed
-    per continuation, in the same order."""
+    per continuation, in the same order. With `routing` (an MoE policy's), the experts each
+    drawn token's position chose too."""
     width = max(len(s) for s in sequences)
     pad = generation["pad_token_id"]
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
-    device = next(model.parameters()).device
     extra = {} if cache is None else {"cache": cache}
     generation = dict(generation)
     sampler = None
@@ -146,7 +190,36 @@ def generate(
         extra["logits_processor"] = LogitsProcessorList([sampler])
     if branch_entropy:
         extra |= {"return_dict_in_generate": True, "output_scores": True}
-    out = model.generate(
+    recorder = None if routing is None else RoutingRecorder(model, routing, len(sequences) * n)
+    with recorder.attached() if recorder else nullcontext():
+        out = _generate(model, ids, mask, n, max_new_tokens, generation, extra)
+    tokens = out.sequences if branch_entropy else out
+    rows = [cut(row[width:].tolist(), generation["eos_token_id"], pad) for row in tokens]
+    if branch_entropy:
+        rows = branch_cut(rows, sampler.warped if sampler else out.scores, branch_entropy)
+    routed = None
+    if recorder is not None:
+        calls = torch.stack(recorder.calls, 1)  # [rows, calls, layers, top_k]
+        routed = [calls[i, : len(row)] for i, row in enumerate(rows)]
+    if sampler is None or not sampler.logprobs:
+        return Sampled(rows, [[float("nan")] * len(row) for row in rows], routed)
+    drawn = torch.stack(sampler.logprobs, 1).tolist()  # [rows, steps]
+    return Sampled(rows, [lp[: len(row)] for row, lp in zip(rows, drawn, strict=True)], routed)
+
+
+def _generate(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    n: int,
+    max_new_tokens: int,
+    generation: dict,
+    extra: dict,
+) -> torch.Tensor:
+    """`model.generate` on the left-padded rows, each repeated n times, greedy on the processed
+    scores (the sampler's noise is in them)."""
+    device = next(model.parameters()).device
+    return model.generate(
         # Rows repeated here, as num_return_sequences would (greedy refuses it), so n = B works greedy.
         input_ids=ids.repeat_interleave(n, 0).to(device), attention_mask=mask.repeat_interleave(n, 0).to(device),
         max_new_tokens=max_new_tokens, use_cache=True, do_sample=False, **generation, **extra,
@@ -155,14 +228,6 @@ def generate(
         # which deadlocks when ranks make different numbers of generate calls (tree search).
         synced_gpus=False,
     )  # fmt: skip
-    tokens = out.sequences if branch_entropy else out
-    rows = [cut(row[width:].tolist(), generation["eos_token_id"], pad) for row in tokens]
-    if branch_entropy:
-        rows = branch_cut(rows, sampler.warped if sampler else out.scores, branch_entropy)
-    if sampler is None or not sampler.logprobs:
-        return Sampled(rows, [[float("nan")] * len(row) for row in rows])
-    drawn = torch.stack(sampler.logprobs, 1).tolist()  # [rows, steps]
-    return Sampled(rows, [lp[: len(row)] for row, lp in zip(rows, drawn, strict=True)])
 
 
 def cut(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:

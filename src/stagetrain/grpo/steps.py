@@ -25,6 +25,7 @@ from stagetrain.grpo.run import Replay, Run
 from stagetrain.grpo.sampling import policy_scores
 from stagetrain.tasks import Problem, sample
 from stagetrain.training.engine import gathered
+from stagetrain.training.experts import Routing, chosen_by_position, router_biases, routing_flips
 
 if TYPE_CHECKING:  # reward_plot's annotation
     from stagetrain.grpo.summary import GrpoSummary
@@ -66,6 +67,17 @@ def draw_problems(run: Run, curriculum: Curriculum, step_no: int) -> tuple[list[
     return every[run.dp_rank * n : (run.dp_rank + 1) * n], run.dp_rank * n
 
 
+class Scored(NamedTuple):
+    """`token_logprobs`' result: per completion token its log-prob and mask, (B, T) rows; with
+    a routing asked for, the experts each column's position chose, (B, T, MoE layers, top_k),
+    and the forward's load-balancing loss where the architecture defines one."""
+
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    experts: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
 def token_logprobs(
     model: Any,
     items: Sequence[tuple[list[int], list[int]]],
@@ -74,19 +86,43 @@ def token_logprobs(
     *,
     temperature: float,
     top_p: float,
-):  # noqa: ANN201
-    """(logprobs, mask) of each completion's tokens given its prompt: (B, T) with T = longest
-    sequence - 1. The log-probs are the sampling policy's (`sampling.policy_scores`: the
-    rollouts' temperature and top-p), so the loss scores the distribution that sampled."""
+    routing: Routing | None = None,
+) -> Scored:
+    """The log-probs and mask of each completion's tokens given its prompt: (B, T) with T =
+    longest sequence - 1. The log-probs are the sampling policy's (`sampling.policy_scores`: the
+    rollouts' temperature and top-p), so the loss scores the distribution that sampled. With
+    `routing` (an MoE policy's) the forward returns its router logits too."""
     seqs = [p + c for p, c in items]
     width = _width(items)
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
     targets = ids[:, 1:]
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-    scores = policy_scores(logits, temperature, top_p, keep=targets)
+    forward = {} if routing is None else {"output_router_logits": True}
+    out = model(input_ids=ids, attention_mask=attention, **forward)
+    scores = policy_scores(out.logits[:, :-1], temperature, top_p, keep=targets)
     logprobs = scores.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs, completion_mask(items, logprobs.device)
+    mask = completion_mask(items, logprobs.device)
+    if routing is None:
+        return Scored(logprobs, mask)
+    biases = router_biases(model) if routing.bias_rate is not None else None
+    experts = chosen_by_position(out.router_logits, len(items), routing, biases)[:, :-1]
+    aux = out.aux_loss.float() if routing.coef is not None else None
+    return Scored(logprobs, mask, experts, aux)
+
+
+def routing_flip_sums(
+    trainer: torch.Tensor,
+    sampled: Sequence[torch.Tensor],
+    items: Sequence[tuple[list[int], list[int]]],
+) -> tuple[int, int]:
+    """(pairs whose experts differ, pairs) over the completion tokens and MoE layers of `items`:
+    the trainer's routing (`Scored.experts`) at each token's column against the sampler's
+    (`sampling.RoutingRecorder`, one (tokens, layers, top_k) per completion)."""
+    flips = pairs = 0
+    for row, ((p, c), mine) in enumerate(zip(items, sampled, strict=True)):
+        flips += routing_flips(trainer[row, len(p) - 1 : len(p) - 1 + len(c)].cpu(), mine)
+        pairs += len(c) * mine.shape[1]
+    return flips, pairs
 
 
 def _width(items: Sequence[tuple[list[int], list[int]]]) -> int:
@@ -122,11 +158,16 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     logged loss (the last pass's, over the global batch) do not depend on dp or grad_accum.
     Before any update, the trainer's log-probs of the sampled tokens are compared with the
     sampler's (`sampler_gap`), and with `grpo.sampler_correction` the policy-gradient term of
-    each token is weighted by the truncated importance ratio trainer / sampler."""
+    each token is weighted by the truncated importance ratio trainer / sampler. An MoE policy's
+    routing is compared alike (`routing_flip_sums`), and `grpo.router_aux_loss_coef` adds its
+    load-balancing loss."""
     cfg, engine = run.cfg, run.engine
     items = [(g.prompt, c) for g in groups for c in g.completions]
     keep = [g.varies for g in groups for _ in g.completions]  # groups without signal are dropped
     drawn = [lp for g in groups for lp in g.sampler_logprobs]
+    routed = [r for g in groups for r in g.sampler_routing]
+    measure = run.routing is not None and len(routed) == len(items)
+    moe = [0.0, 0.0, 0.0]  # routing flips, (token, layer) pairs, aux loss summed over micro batches
     pad, ga = run.tokenizer.pad_token_id, run.layout.grad_accum
     policy = {"temperature": cfg.temperature, "top_p": cfg.top_p}
     chunks = np.array_split(np.arange(len(items)), ga)
@@ -145,14 +186,19 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     weights = _shares(sizes, normaliser)
     kl_weights = _shares(kl_sizes, kl_normaliser) if ref else None
     loss_value, stats, kl_mean, gap = 0.0, None, None, None
-    for _ in range(cfg.passes):
-        loss_value, kl_sum = 0.0, 0.0
+    for n in range(cfg.passes):
+        loss_value, kl_sum, moe[2] = 0.0, 0.0, 0.0
         for k, chunk in enumerate(chunks):
-            logprobs, mask = token_logprobs(
-                engine, [items[i] for i in chunk], run.device, pad, **policy
-            )
+            mine = [items[i] for i in chunk]
+            routing = run.routing if cfg.router_aux_loss_coef or (measure and not n) else None
+            scored = token_logprobs(engine, mine, run.device, pad, **policy, routing=routing)
+            logprobs, mask = scored.logprobs, scored.mask
             if old[k] is None:  # the first pass runs at the weights the rollouts sampled with
                 old[k] = logprobs.detach()
+            if measure and not n:
+                flipped, pairs = routing_flip_sums(scored.experts, [routed[i] for i in chunk], mine)
+                moe[0] += flipped
+                moe[1] += pairs
             kept = mask * torch.tensor(
                 [float(keep[i]) for i in chunk], device=mask.device
             ).unsqueeze(1)
@@ -184,6 +230,9 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
                 )
                 total = total + kl * kl_weights[k]
                 kl_sum += kl_stats.kl_mean * kl_stats.tokens
+            if cfg.router_aux_loss_coef:  # the mean over every micro batch of every rank
+                total = total + cfg.router_aux_loss_coef * scored.aux_loss / (ga * run.layout.dp)
+                moe[2] += float(scored.aux_loss.detach())
             # DeepSpeed divides by grad_accum and averages over dp: both undone, so the
             # gradient is that of the global batch's loss.
             engine.backward(total * ga * run.layout.dp)
@@ -192,13 +241,17 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
         if gap is None:
             gap = [gap_sums(t, s, m) for t, s, m in zip(old, sampler, masks, strict=True)]
     # One all-reduce for every sum the step logs: each collective waits for the slower rank.
-    loss_value, kl_sum, *sums = _dp_sums(
-        run, [loss_value, kl_sum, *(sum(p[i] for p in gap) for i in (0, 2, 3))]
+    loss_value, kl_sum, flipped, pairs, aux, *sums = _dp_sums(
+        run, [loss_value, kl_sum, *moe, *(sum(p[i] for p in gap) for i in (0, 2, 3))]
     )
     kl_mean = kl_sum / max(completion_tokens, 1.0) if kl_weights is not None else None
-    return loss_value, {"clip_ratio/low_mean": stats.clip_ratio_low,
-                        "clip_ratio/high_mean": stats.clip_ratio_high, "kl": kl_mean,
-                        **sampler_gap(run, gap, sums)}  # fmt: skip
+    out = {"clip_ratio/low_mean": stats.clip_ratio_low, "clip_ratio/high_mean": stats.clip_ratio_high,
+           "kl": kl_mean, **sampler_gap(run, gap, sums)}  # fmt: skip
+    if measure:
+        out["moe/routing_flip_share"] = flipped / pairs if pairs else 0.0
+    if cfg.router_aux_loss_coef:
+        out["train/aux_loss"] = aux / (ga * run.layout.dp)
+    return loss_value, out
 
 
 def _before_update(
@@ -345,7 +398,7 @@ def _rollouts(
         else:
             groups = flat_groups(model, prompts, reward, group_size=cfg.group_size,
                                  max_new_tokens=cfg.max_new_tokens, eos_id=tok.eos_token_id,
-                                 max_batch=run.generation_batch, **common)  # fmt: skip
+                                 max_batch=run.generation_batch, routing=run.routing, **common)  # fmt: skip
     run.engine.train()
     return groups, model.largest
 
@@ -420,7 +473,7 @@ def step(
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
-        **{k: v for k, v in clip.items() if k.startswith("train/sampler_")},
+        **{k: v for k, v in clip.items() if k.startswith(("train/sampler_", "moe/", "train/aux"))},
     }  # fmt: skip
     record["reward/by_level"] = {
         str(level): float(np.mean([r for row in rows if row.level == level for r in row.rewards]))

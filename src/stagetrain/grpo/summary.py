@@ -24,12 +24,18 @@ class Accuracy(TypedDict):
 
 class SamplerSummary(TypedDict):
     """summary.json's `sampler`: the sampler-trainer gap over the logged steps (None when none
-    logged it) and the truncated importance correction applied (`grpo.sampler_correction`)."""
+    logged it), the truncated importance correction applied (`grpo.sampler_correction`) and an
+    MoE policy's routing stability."""
 
     logprob_gap_mean: float | None
     logprob_gap_max: float | None
     kl_mean: float | None
     correction: dict[str, float] | None
+    routing_flip_share_mean: float | None
+    """An MoE policy's flat rollouts: the share of (token, MoE layer) pairs whose experts the
+    trainer's forward chose differently from the sampler's, mean over the logged steps; None
+    for a dense policy or tree rollouts."""
+    routing_flip_share_max: float | None
 
 
 class GrpoSummary(StageSummary):

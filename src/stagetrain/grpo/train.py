@@ -54,6 +54,7 @@ from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.deepspeed_config import DeepSpeedJson
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, validation_loss
+from stagetrain.training.experts import routing_of
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
 from stagetrain.training.metrics import check_finite
 from stagetrain.training.rank import rank_main
@@ -158,6 +159,10 @@ def setup(spec: GrpoJob) -> Run:
            for f in [*evaluated, *sorted(replay.levels if replay else ())]}  # fmt: skip
     check_families(judge, top)  # before the engines are built
     config = engines.load_model_config(spec["model_config"])
+    routing = routing_of(config)
+    if cfg.router_aux_loss_coef and (routing is None or routing.coef is None):
+        raise StageError(f"grpo.router_aux_loss_coef: the policy is a {config.model_type} model, which defines no "
+                         "load-balancing loss (mixtral and qwen2_moe do); expected 0")  # fmt: skip
     engine, _, zero3_config = engines.build(
         config=config, ds_config=ds_config, init_from=spec["model"],
         activation_checkpointing=layout.activation_checkpointing, seed=spec["seed"],
@@ -184,7 +189,7 @@ def setup(spec: GrpoJob) -> Run:
         loop=StageLoop(stage="grpo", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
         generation_batch=plan["stages"]["grpo"]["generation"]["batch"], replay=replay,
-        zero3_config=zero3_config,
+        zero3_config=zero3_config, routing=routing,
     )  # fmt: skip
 
 
@@ -368,15 +373,19 @@ def summarise(
 
 
 def sampler_summary(records: list[GrpoRecord], cfg: GrpoSettings) -> SamplerSummary:
-    """What the sampler-trainer gap was over the run (the steps logged) and whether the
-    truncated importance correction was applied (`grpo.sampler_correction`)."""
+    """What the sampler-trainer gap was over the run (the steps logged), whether the truncated
+    importance correction was applied (`grpo.sampler_correction`), and how often an MoE
+    policy's trainer routed a sampled token to other experts than its sampler did."""
     logged = [r for r in records if "train/sampler_logprob_gap_mean" in r]
+    flips = [r["moe/routing_flip_share"] for r in records if "moe/routing_flip_share" in r]
     correction = cfg.sampler_correction
     return {
         "logprob_gap_mean": float(np.mean([r["train/sampler_logprob_gap_mean"] for r in logged])) if logged else None,
         "logprob_gap_max": max((r["train/sampler_logprob_gap_max"] for r in logged), default=None),
         "kl_mean": float(np.mean([r["train/sampler_kl"] for r in logged])) if logged else None,
         "correction": None if correction is None else {"cap": correction.cap},
+        "routing_flip_share_mean": float(np.mean(flips)) if flips else None,
+        "routing_flip_share_max": max(flips, default=None),
     }  # fmt: skip
 
 

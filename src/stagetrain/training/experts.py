@@ -107,6 +107,29 @@ def expert_counts(
     return torch.stack(rows)
 
 
+def chosen_by_position(
+    router_logits: Sequence[torch.Tensor],
+    rows: int,
+    routing: Routing,
+    biases: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """(rows, positions, MoE layers, top_k): the experts each position of a forward's `rows`
+    sequences chose in each layer (`chosen_experts`), from the router logits transformers
+    returns, one (rows x positions, experts) tensor per MoE layer."""
+    layers = []
+    for i, logits in enumerate(router_logits):
+        bias = biases[i] if biases is not None else None
+        chosen = chosen_experts(logits, routing.top_k, bias, routing.groups, routing.top_groups)
+        layers.append(chosen.view(rows, -1, routing.top_k))
+    return torch.stack(layers, 2)
+
+
+def routing_flips(first: torch.Tensor, second: torch.Tensor) -> int:
+    """How many (token, MoE layer) pairs chose a different set of experts in two routings of the
+    same tokens, each (..., layers, top_k): the order within a token's top-k does not count."""
+    return int((first.sort(-1).values != second.sort(-1).values).any(-1).sum())
+
+
 def expert_shares(counts: torch.Tensor) -> np.ndarray:
     """(MoE layers, experts): each expert's share of its layer's routed tokens."""
     counts = counts.double().cpu()
