@@ -19,7 +19,9 @@ config here (planning.ahead, the path the DAG takes). So a row fails when a
 replan reruns a stage whose part did not change, and
 test_a_replan_runs_what_its_dry_run_listed holds dry runs against real runs. A
 changed hardware key detects again, and what the new plan holds is unknown until
-then: that dry run lists every part.
+then: that dry run lists every part. Each dry run also lists what it imported: only one
+whose edit changes a model's counted shape may import torch or transformers (a `snakemake`
+that does pays seconds for it, in every command a user types).
 """
 
 from __future__ import annotations
@@ -258,6 +260,22 @@ def dry_run(workdir: Path, config: dict[str, Any] | None, *, env: dict[str, str]
     return proc
 
 
+IMPORTS_LISTED = {"PYTHONPROFILEIMPORTTIME": "1"}
+"""Python lists every module it imports, and the time it took, on stderr."""
+HEAVY = ("torch", "transformers", "deepspeed")
+"""What a DAG build must not import unless it counts a model's shape: seconds of every `snakemake`."""
+
+
+def heavy_imports(stderr: str) -> set[str]:
+    """Which of HEAVY a process run with IMPORTS_LISTED imported."""
+    return set(re.findall(rf"^import time:.*\|\s+({'|'.join(HEAVY)})$", stderr, flags=re.M))
+
+
+def shape_changes(group: dict[str, Any]) -> bool:
+    """Whether a group changes what a model's counted shape follows from (planning.shape.shape_key)."""
+    return any(k.startswith("model.") or k == "tokenizer.vocab_size" for k in group["changes"])
+
+
 def scheduled(out: str) -> dict[str, dict[str, str]]:
     """Jobs of a dry run's output, named rule[stage], each with its reason and input line."""
     jobs = {}
@@ -299,7 +317,8 @@ def finished_config(workdir: Path) -> dict[str, Any]:
 def test_rerun_matrix_over_every_config_key(finished_small_run: Path, tmp_path: Path) -> None:
     workdir = finished_small_run
     base = finished_config(workdir)
-    assert "Nothing to be done" in dry_run(workdir, base).stdout  # the no-op
+    noop = dry_run(workdir, base, env=IMPORTS_LISTED)
+    assert "Nothing to be done" in noop.stdout and not heavy_imports(noop.stderr)
     files = local_files(tmp_path)
     shutil.copytree(workdir / RUN / "model/pretrain", tmp_path / "model")
     groups: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -321,12 +340,18 @@ def test_rerun_matrix_over_every_config_key(finished_small_run: Path, tmp_path: 
             group["expected"] |= downstream(replanned(workdir, base, config_of(group)))
 
     def jobs_after(index: int, group: dict[str, Any]) -> set[str]:
-        return set(scheduled(dry_run(workdir, config_of(group), tag=f"-{index}").stdout))
+        proc = dry_run(workdir, config_of(group), tag=f"-{index}", env=IMPORTS_LISTED)
+        group["imported"] = heavy_imports(proc.stderr)
+        return set(scheduled(proc.stdout))
 
     # Two dry runs at a time: each is a mostly single-threaded Snakemake process, and a dry
     # run neither locks the folder nor writes to it.
     with ThreadPoolExecutor(2) as pool:
         found = list(pool.map(jobs_after, range(len(groups)), groups.values()))
+    # Snakemake's own process plans with a kept model shape (planning.shape.cached_shape) and
+    # checks the config with plain data: only a changed shape imports the model libraries.
+    counted = [g["keys"] for g in groups.values() if g["imported"] and not shape_changes(g)]
+    assert not counted, f"these dry runs imported torch or transformers: {counted}"
     lines, wrong = [], []
     for group, got in zip(groups.values(), found, strict=True):
         mark = "ok" if got == group["expected"] else "WRONG"

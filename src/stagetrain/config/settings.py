@@ -22,6 +22,7 @@ from functools import cache
 from typing import Any, Literal, NotRequired, Self, TypedDict
 
 from stagetrain.errors import StageError
+from stagetrain.model.architectures import AUX_LOSS
 
 
 @dataclass(frozen=True)
@@ -530,8 +531,6 @@ class Settings(_Section):
     def _check_grpo_aux_loss(self) -> None:
         """grpo.router_aux_loss_coef needs an architecture with an aux loss; a model continued
         with `init_from` may name none here, and the GRPO stage checks its config then."""
-        from stagetrain.model.config import AUX_LOSS
-
         arch = self.model.architecture
         if self.grpo.router_aux_loss_coef and arch is not None and arch not in AUX_LOSS:
             raise StageError(

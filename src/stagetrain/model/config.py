@@ -29,28 +29,19 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from stagetrain.config.settings import ModelSettings
 from stagetrain.errors import StageError
+from stagetrain.model.architectures import (
+    ALL_MOE_KEYS,
+    ARCHITECTURES,
+    AUX_LOSS,
+    BIAS_BALANCED,
+    MOE_KEYS,
+    ROUTER_BIAS_UPDATE_RATE,
+)
 
 SHAPE_KEYS = (
     "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
     "max_position_embeddings", "rope_theta", "tie_word_embeddings",
 )  # fmt: skip
-MOE_KEYS = {
-    "llama": (),
-    "mixtral": ("num_experts", "experts_per_token"),
-    "qwen2_moe": ("num_experts", "experts_per_token", "moe_intermediate_size"),
-    "deepseek_v3": ("num_experts", "experts_per_token", "moe_intermediate_size",
-                    "num_shared_experts", "first_dense_layers"),
-}  # fmt: skip
-ALL_MOE_KEYS = ("num_experts", "experts_per_token", "moe_intermediate_size", "num_shared_experts",
-                "first_dense_layers")  # fmt: skip
-ARCHITECTURES = tuple(MOE_KEYS)
-AUX_LOSS = ("mixtral", "qwen2_moe")
-"""The architectures whose transformers class defines a load-balancing loss (`router_aux_loss_coef`)."""
-BIAS_BALANCED = ("deepseek_v3",)
-"""The architectures balanced by a routing bias instead (`router_bias_update_rate`)."""
-ROUTER_BIAS_UPDATE_RATE = 1e-3
-"""DeepSeek-V3's bias update speed for most of its pretraining: the default of
-`model.router_bias_update_rate`."""
 DECODER_FIELDS = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
 )  # fmt: skip

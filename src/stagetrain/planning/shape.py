@@ -40,8 +40,12 @@ from stagetrain.io import atomic_write_json
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-COUNTING_CODE = (Path(__file__), Path(__file__).parents[1] / "model" / "config.py")
-"""The modules a shape is worked out by: a change to either is a new cache key."""
+COUNTING_CODE = (
+    Path(__file__),
+    Path(__file__).parents[1] / "model" / "config.py",
+    Path(__file__).parents[1] / "model" / "architectures.py",
+)
+"""The modules a shape is worked out by: a change to any is a new cache key."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

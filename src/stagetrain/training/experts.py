@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stagetrain.errors import StageError
-from stagetrain.model.config import BIAS_BALANCED, ROUTER_BIAS_UPDATE_RATE
+from stagetrain.model.architectures import BIAS_BALANCED, ROUTER_BIAS_UPDATE_RATE
 from stagetrain.training.evaluation import forward_loss
 
 BIAS = "e_score_correction_bias"

@@ -1,0 +1,26 @@
+"""What the `model` section's architectures differ in, as plain data.
+
+Kept apart from `model.config` (which imports transformers, and with it torch) because the
+config checks that every DAG build runs read it: a `snakemake -n` must not pay torch's import.
+"""
+
+from __future__ import annotations
+
+MOE_KEYS = {
+    "llama": (),
+    "mixtral": ("num_experts", "experts_per_token"),
+    "qwen2_moe": ("num_experts", "experts_per_token", "moe_intermediate_size"),
+    "deepseek_v3": ("num_experts", "experts_per_token", "moe_intermediate_size",
+                    "num_shared_experts", "first_dense_layers"),
+}  # fmt: skip
+"""The MoE keys each architecture reads (llama: none)."""
+ALL_MOE_KEYS = ("num_experts", "experts_per_token", "moe_intermediate_size", "num_shared_experts",
+                "first_dense_layers")  # fmt: skip
+ARCHITECTURES = tuple(MOE_KEYS)
+AUX_LOSS = ("mixtral", "qwen2_moe")
+"""The architectures whose transformers class defines a load-balancing loss (`router_aux_loss_coef`)."""
+BIAS_BALANCED = ("deepseek_v3",)
+"""The architectures balanced by a routing bias instead (`router_bias_update_rate`)."""
+ROUTER_BIAS_UPDATE_RATE = 1e-3
+"""DeepSeek-V3's bias update speed for most of its pretraining: the default of
+`model.router_bias_update_rate`."""
