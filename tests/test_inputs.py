@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from stagetrain.consolidate.folder import weights_sha256
 from stagetrain.consolidate.writer import write_shards
 from stagetrain.errors import StageError
 from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
+from stagetrain.workflow import codedeps
 from stagetrain.workflow.codedeps import code_digest, modules_of
 
 
@@ -135,6 +137,39 @@ def test_a_scripts_modules_are_found_by_reading_the_sources(tmp_path: Path) -> N
     assert code_digest(script, tmp_path) == before
     (pkg / "a/three.py").write_text("thing = 2\n")
     assert code_digest(script, tmp_path) != before
+
+
+def test_kept_import_names_serve_only_the_bytes_they_were_parsed_from(tmp_path: Path) -> None:
+    """Each `snakemake` keeps what every source imports (codedeps, `kept`) for the next; an
+    edited source is parsed again, so a new import is followed, and a torn file is ignored."""
+    pkg = tmp_path / "stagetrain"
+    for name, text in {
+        "__init__.py": "",
+        "one.py": "from . import two\n",
+        "two.py": "",
+        "three.py": "",
+    }.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    script, kept = tmp_path / "script.py", tmp_path / "kept.json"
+    script.write_text("import stagetrain.one\n")
+
+    def reached(kept: Path | None) -> list[str]:
+        """What a fresh Snakemake process finds: nothing known but the kept file, if any."""
+        codedeps._names.clear()
+        codedeps._used.clear()
+        codedeps._direct_modules.cache_clear()
+        codedeps._read_kept.cache_clear()
+        code_digest(script, tmp_path, kept)
+        return [p.name for p in modules_of(script, tmp_path)]
+
+    assert reached(None) == reached(kept) == ["__init__.py", "one.py", "two.py"]
+    assert len(json.loads(kept.read_text())) == 4  # the script and the three sources it reached
+    assert reached(kept) == ["__init__.py", "one.py", "two.py"]
+    (pkg / "two.py").write_text("from . import three\n")
+    assert reached(kept) == ["__init__.py", "one.py", "three.py", "two.py"]
+    kept.write_text("{")
+    assert reached(kept) == ["__init__.py", "one.py", "three.py", "two.py"]
 
 
 def test_the_weights_hash_does_not_depend_on_the_sharding(tmp_path: Path) -> None:

@@ -102,7 +102,8 @@ def code_of(script):
     """A digest of scripts/<script>.py and every stagetrain module it reaches: a rule param,
     so an edited library module reruns exactly the stages that run it."""
     root = Path(stagetrain.__file__).resolve().parent.parent
-    return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root)
+    kept = Path(".snakemake") / "stagetrain-codedeps.json"  # Snakemake's own state folder
+    return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root, kept)
 
 
 def after_detection(wildcards):

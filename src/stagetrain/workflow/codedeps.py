@@ -10,16 +10,29 @@ name a stagetrain module (the training stages start their ranks with
 `python -m stagetrain.<stage>.train`). Importing a module runs its packages'
 `__init__.py`, so those count too. Data files the library reads (the schema,
 the hardware catalog) are not followed.
+
+Parsing the ~100 modules is a fifth of a `snakemake -n`, and every command
+builds the DAG, so the names each source imports can be kept in a file
+between commands (`kept`), keyed by the source's path and bytes: an edited
+source is parsed again, an unchanged one is not.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
+import json
 from pathlib import Path
 
+from stagetrain.io import atomic_write_json
+
 PACKAGE = "stagetrain"
+_names: dict[str, list[str]] = {}
+"""Imported names by source key (`_source_key`): parsed by this process, or read from a kept file."""
+_used: set[str] = set()
+"""The keys this process parsed or looked up: what a kept file is rewritten with."""
 
 
 def _module_file(root: Path, name: str) -> Path | None:
@@ -40,9 +53,25 @@ def _package_inits(root: Path, name: str) -> list[Path]:
     return [p for p in inits if p.is_file()]
 
 
+def _source_key(path: Path, root: Path, data: bytes) -> str:
+    """What a source's imported names follow from: its place (for relative imports) and bytes."""
+    name = path.relative_to(root) if path.is_relative_to(root) else path.name
+    return hashlib.sha256(f"{name}\0".encode() + data).hexdigest()
+
+
 def _imported_names(path: Path, root: Path) -> set[str]:
     """Dotted names a source file imports or names in a string (candidates; not all are modules)."""
-    tree = ast.parse(path.read_bytes(), filename=str(path))
+    data = path.read_bytes()
+    key = _source_key(path, root, data)
+    if key not in _names:
+        _names[key] = sorted(_parsed_names(path, root, data))
+    _used.add(key)
+    return set(_names[key])
+
+
+def _parsed_names(path: Path, root: Path, data: bytes) -> set[str]:
+    """`_imported_names`, read from the syntax tree."""
+    tree = ast.parse(data, filename=str(path))
     inside = path.is_relative_to(root)  # a script outside the package has no relative imports
     package = ".".join(path.relative_to(root).with_suffix("").parts) if inside else ""
     if inside and path.name != "__init__.py":
@@ -87,11 +116,27 @@ def modules_of(script: Path, root: Path) -> list[Path]:
     return sorted(seen)
 
 
-def code_digest(script: str | Path, root: str | Path) -> str:
-    """sha256 over the script and every module it reaches (relative path and bytes of each)."""
+@functools.cache
+def _read_kept(kept: Path) -> None:
+    """The names a kept file holds, added to this process's once (a missing or torn file adds none)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        _names.update({k: v for k, v in json.loads(kept.read_text()).items() if k not in _names})
+
+
+def code_digest(script: str | Path, root: str | Path, kept: Path | None = None) -> str:
+    """sha256 over the script and every module it reaches (relative path and bytes of each).
+
+    `kept`: a file that keeps the sources' imported names between processes (read first,
+    rewritten with the names this process used when it had to parse a source)."""
     root = Path(root).resolve()
+    if kept is not None:
+        _read_kept(kept)
+    before = len(_names)
+    modules = modules_of(Path(script), root)
+    if kept is not None and len(_names) > before:
+        atomic_write_json(kept, {k: _names[k] for k in sorted(_used)})
     digest = hashlib.sha256()
-    for path in [Path(script).resolve(), *modules_of(Path(script), root)]:
+    for path in [Path(script).resolve(), *modules]:
         name = path.relative_to(root) if path.is_relative_to(root) else path.name
         digest.update(f"{name}\0".encode())
         digest.update(path.read_bytes())
