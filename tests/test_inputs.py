@@ -115,9 +115,17 @@ def test_each_reader_gets_only_its_part_of_the_plan() -> None:
     assert grpo == {**{key: key for key in SHARED_KEYS}, "stages": {"grpo": {"layout": {"tp": 4}}}}
 
 
+def _package(root: Path, sources: dict[str, str]) -> Path:
+    """A `stagetrain` package of `sources` (relative path -> text) under `root`; its folder."""
+    pkg = root / "stagetrain"
+    for name, text in sources.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    return pkg
+
+
 def test_a_scripts_modules_are_found_by_reading_the_sources(tmp_path: Path) -> None:
-    pkg = tmp_path / "stagetrain"
-    for name, text in {
+    pkg = _package(tmp_path, {
         "__init__.py": "",
         "a/__init__.py": "",
         "a/one.py": "from . import two\nfrom .three import thing\n",
@@ -125,9 +133,7 @@ def test_a_scripts_modules_are_found_by_reading_the_sources(tmp_path: Path) -> N
         "a/three.py": "thing = 1\n",
         "b.py": "",
         "c.py": "",
-    }.items():
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(text)
+    })  # fmt: skip
     script = tmp_path / "script.py"
     script.write_text('from stagetrain.a.one import x\nMODULE = "stagetrain.b"\n')
     found = [str(p.relative_to(pkg)) for p in modules_of(script, tmp_path)]
@@ -142,15 +148,9 @@ def test_a_scripts_modules_are_found_by_reading_the_sources(tmp_path: Path) -> N
 def test_kept_import_names_serve_only_the_bytes_they_were_parsed_from(tmp_path: Path) -> None:
     """Each `snakemake` keeps what every source imports (codedeps, `kept`) for the next; an
     edited source is parsed again, so a new import is followed, and a torn file is ignored."""
-    pkg = tmp_path / "stagetrain"
-    for name, text in {
-        "__init__.py": "",
-        "one.py": "from . import two\n",
-        "two.py": "",
-        "three.py": "",
-    }.items():
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(text)
+    pkg = _package(
+        tmp_path, {"__init__.py": "", "one.py": "from . import two\n", "two.py": "", "three.py": ""}
+    )
     script, kept = tmp_path / "script.py", tmp_path / "kept.json"
     script.write_text("import stagetrain.one\n")
 
