@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,6 @@ from stagetrain.consolidate.folder import weights_sha256
 from stagetrain.consolidate.writer import write_shards
 from stagetrain.errors import StageError
 from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
-from stagetrain.workflow import codedeps
 from stagetrain.workflow.codedeps import code_digest, modules_of
 
 
@@ -151,24 +151,26 @@ def test_kept_import_names_serve_only_the_bytes_they_were_parsed_from(tmp_path: 
     pkg = _package(
         tmp_path, {"__init__.py": "", "one.py": "from . import two\n", "two.py": "", "three.py": ""}
     )
-    script, kept = tmp_path / "script.py", tmp_path / "kept.json"
+    script, kept = tmp_path / "script.py", tmp_path / "kept"
     script.write_text("import stagetrain.one\n")
 
     def reached(kept: Path | None) -> list[str]:
-        """What a fresh Snakemake process finds: nothing known but the kept file, if any."""
-        codedeps._names.clear()
-        codedeps._used.clear()
-        codedeps._direct_modules.cache_clear()
-        codedeps._read_kept.cache_clear()
-        code_digest(script, tmp_path, kept)
-        return [p.name for p in modules_of(script, tmp_path)]
+        """What a fresh process (as each Snakemake command is) finds, given only the kept folder."""
+        find = "import sys; from pathlib import Path; from stagetrain.workflow.codedeps import modules_of; "
+        find += "print(*(p.name for p in modules_of(*map(Path, sys.argv[1:]))))"
+        args = [str(script), str(tmp_path), *([str(kept)] if kept else [])]
+        out = subprocess.run(
+            [sys.executable, "-c", find, *args], capture_output=True, text=True, check=True
+        )
+        return out.stdout.split()
 
     assert reached(None) == reached(kept) == ["__init__.py", "one.py", "two.py"]
-    assert len(json.loads(kept.read_text())) == 4  # the script and the three sources it reached
+    assert len(list(kept.glob("*.json"))) == 4  # the script and the three sources it reached
     assert reached(kept) == ["__init__.py", "one.py", "two.py"]
     (pkg / "two.py").write_text("from . import three\n")
     assert reached(kept) == ["__init__.py", "one.py", "three.py", "two.py"]
-    kept.write_text("{")
+    for torn in kept.glob("*.json"):
+        torn.write_text("[")
     assert reached(kept) == ["__init__.py", "one.py", "three.py", "two.py"]
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stagetrain.errors import StageError
 
@@ -58,6 +58,26 @@ def json_bytes(obj: Any) -> bytes:
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     """Write `obj` as indented, key-sorted JSON atomically, so reruns give identical bytes."""
     atomic_write_bytes(path, json_bytes(obj))
+
+
+T = TypeVar("T")
+
+
+def kept_json(
+    path: Path, compute: Callable[[], T], load: Callable[[Any], T], dump: Callable[[T], Any]
+) -> T:
+    """What `path` keeps (read back by `load`), else `compute()`, kept there for the next process.
+
+    For what Snakemake's own process works out on every command and can key by everything it
+    follows from (a model's counted shape, a source's imports): a missing, torn or unreadable
+    file, or one `load` refuses with ValueError or TypeError, is computed again and rewritten."""
+    try:
+        return load(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    value = compute()
+    atomic_write_json(path, dump(value))
+    return value
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

@@ -43,6 +43,7 @@ HARDWARE = f"{RUN}/hardware.json"
 # The workflow's own folder (this file is workflow/rules/common.smk in it): workflow.basedir
 # is the using workflow's when another one uses this as a module.
 WORKFLOW_ROOT = Path(workflow.current_basedir).parents[1]
+STATE = Path(".snakemake")  # Snakemake's own state folder: what the DAG keeps between commands
 TRAINING_STAGES = ["pretrain", "grpo"]
 
 
@@ -102,8 +103,7 @@ def code_of(script):
     """A digest of scripts/<script>.py and every stagetrain module it reaches: a rule param,
     so an edited library module reruns exactly the stages that run it."""
     root = Path(stagetrain.__file__).resolve().parent.parent
-    kept = Path(".snakemake") / "stagetrain-codedeps.json"  # Snakemake's own state folder
-    return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root, kept)
+    return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root, STATE / "stagetrain-imports")
 
 
 def after_detection(wildcards):
@@ -144,9 +144,8 @@ def planned():
 
 @functools.lru_cache(maxsize=4)
 def _planned(key):
-    state = Path(".snakemake")  # Snakemake's own state folder
     return plan_ahead(Path(RUN) / "plan.json", key, Path(HARDWARE), planner_sections(config),
-                      cache=state / "stagetrain-plans", shapes=state / "stagetrain-shapes")
+                      cache=STATE / "stagetrain-plans", shapes=STATE / "stagetrain-shapes")
 
 
 def get_plan(wildcards, input):

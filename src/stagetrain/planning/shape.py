@@ -35,15 +35,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagetrain.config.settings import ModelSettings
-from stagetrain.io import atomic_write_json
+from stagetrain.io import kept_json
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 COUNTING_CODE = (
     Path(__file__),
-    Path(__file__).parents[1] / "model" / "config.py",
-    Path(__file__).parents[1] / "model" / "architectures.py",
+    *(Path(__file__).parents[1] / "model" / name for name in ("config.py", "architectures.py")),
 )
 """The modules a shape is worked out by: a change to any is a new cache key."""
 
@@ -196,11 +195,4 @@ def cached_shape(folder: Path, key: str | None, count: Callable[[], ModelShape])
     """The shape kept in `folder` under `key`, else `count()`, kept there for the next run."""
     if key is None:
         return count()
-    path = folder / f"{key}.json"
-    try:
-        return ModelShape(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
-    shape = count()
-    atomic_write_json(path, asdict(shape))
-    return shape
+    return kept_json(folder / f"{key}.json", count, lambda kept: ModelShape(**kept), asdict)

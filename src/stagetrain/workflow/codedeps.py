@@ -12,27 +12,21 @@ name a stagetrain module (the training stages start their ranks with
 the hardware catalog) are not followed.
 
 Parsing the ~100 modules is a fifth of a `snakemake -n`, and every command
-builds the DAG, so the names each source imports can be kept in a file
-between commands (`kept`), keyed by the source's path and bytes: an edited
+builds the DAG, so what each source imports can be kept in a folder between
+commands (`kept`), one file per source keyed by its path and bytes: an edited
 source is parsed again, an unchanged one is not.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import hashlib
-import json
 from pathlib import Path
 
-from stagetrain.io import atomic_write_json
+from stagetrain.io import kept_json
 
 PACKAGE = "stagetrain"
-_names: dict[str, list[str]] = {}
-"""Imported names by source key (`_source_key`): parsed by this process, or read from a kept file."""
-_used: set[str] = set()
-"""The keys this process parsed or looked up: what a kept file is rewritten with."""
 
 
 def _module_file(root: Path, name: str) -> Path | None:
@@ -53,20 +47,21 @@ def _package_inits(root: Path, name: str) -> list[Path]:
     return [p for p in inits if p.is_file()]
 
 
-def _source_key(path: Path, root: Path, data: bytes) -> str:
-    """What a source's imported names follow from: its place (for relative imports) and bytes."""
-    name = path.relative_to(root) if path.is_relative_to(root) else path.name
-    return hashlib.sha256(f"{name}\0".encode() + data).hexdigest()
+def _name(path: Path, root: Path) -> str:
+    """A source's name in a digest: its path in the package, or a script's file name."""
+    return str(path.relative_to(root) if path.is_relative_to(root) else path.name)
 
 
-def _imported_names(path: Path, root: Path) -> set[str]:
-    """Dotted names a source file imports or names in a string (candidates; not all are modules)."""
+def _imported_names(path: Path, root: Path, kept: Path | None) -> set[str]:
+    """Dotted names a source file imports or names in a string (candidates; not all are modules),
+    kept in the folder `kept` when given, by the source's name and bytes."""
     data = path.read_bytes()
-    key = _source_key(path, root, data)
-    if key not in _names:
-        _names[key] = sorted(_parsed_names(path, root, data))
-    _used.add(key)
-    return set(_names[key])
+    if kept is None:
+        return _parsed_names(path, root, data)
+    key = hashlib.sha256(f"{_name(path, root)}\0".encode() + data).hexdigest()
+    return kept_json(
+        kept / f"{key}.json", functools.partial(_parsed_names, path, root, data), set, sorted
+    )
 
 
 def _parsed_names(path: Path, root: Path, data: bytes) -> set[str]:
@@ -93,10 +88,10 @@ def _parsed_names(path: Path, root: Path, data: bytes) -> set[str]:
 
 
 @functools.cache
-def _direct_modules(path: Path, root: Path) -> frozenset[Path]:
+def _direct_modules(path: Path, root: Path, kept: Path | None) -> frozenset[Path]:
     """The stagetrain module files one source file reaches directly."""
     found: set[Path] = set()
-    for name in _imported_names(path, root):
+    for name in _imported_names(path, root, kept):
         module = _module_file(root, name)
         if module:
             found.add(module)
@@ -104,41 +99,26 @@ def _direct_modules(path: Path, root: Path) -> frozenset[Path]:
     return frozenset(found)
 
 
-def modules_of(script: Path, root: Path) -> list[Path]:
-    """Every stagetrain module file `script` reaches, transitively, sorted."""
+def modules_of(script: Path, root: Path, kept: Path | None = None) -> list[Path]:
+    """Every stagetrain module file `script` reaches, transitively, sorted (`kept`: see
+    `_imported_names`)."""
     seen: set[Path] = set()
     queue = [Path(script).resolve()]
     while queue:
-        for module in _direct_modules(queue.pop(), root):
+        for module in _direct_modules(queue.pop(), root, kept):
             if module not in seen:
                 seen.add(module)
                 queue.append(module)
     return sorted(seen)
 
 
-@functools.cache
-def _read_kept(kept: Path) -> None:
-    """The names a kept file holds, added to this process's once (a missing or torn file adds none)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        _names.update({k: v for k, v in json.loads(kept.read_text()).items() if k not in _names})
-
-
 def code_digest(script: str | Path, root: str | Path, kept: Path | None = None) -> str:
     """sha256 over the script and every module it reaches (relative path and bytes of each).
-
-    `kept`: a file that keeps the sources' imported names between processes (read first,
-    rewritten with the names this process used when it had to parse a source)."""
+    `kept`: a folder that keeps what each source imports between processes."""
     root = Path(root).resolve()
-    if kept is not None:
-        _read_kept(kept)
-    before = len(_names)
-    modules = modules_of(Path(script), root)
-    if kept is not None and len(_names) > before:
-        atomic_write_json(kept, {k: _names[k] for k in sorted(_used)})
     digest = hashlib.sha256()
-    for path in [Path(script).resolve(), *modules]:
-        name = path.relative_to(root) if path.is_relative_to(root) else path.name
-        digest.update(f"{name}\0".encode())
+    for path in [Path(script).resolve(), *modules_of(Path(script), root, kept)]:
+        digest.update(f"{_name(path, root)}\0".encode())
         digest.update(path.read_bytes())
         digest.update(b"\0")
     return digest.hexdigest()
