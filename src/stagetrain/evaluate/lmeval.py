@@ -237,10 +237,13 @@ def evaluate(run: Run, folder: Path, extra: Sequence[str], batch_size: int) -> L
         raise StageError(MISSING) from err
     ours = write_tasks(folder, run)
     files = {task: _task_file_name(Path(task)) for task in extra if Path(task).is_file()}
-    manager = TaskManager(
-        include_path=[str(folder), *{str(Path(t).resolve().parent) for t in files}]
-    )
     theirs = [files.get(task, task) for task in extra]
+    # lm-eval's own catalogue (thousands of task files, about 6 s to index) only when a task
+    # is named from it rather than given as a file.
+    manager = TaskManager(
+        include_path=[str(folder), *{str(Path(t).resolve().parent) for t in files}],
+        include_defaults=len(files) < len(extra),
+    )
     unknown = [task for task in theirs if task not in manager.all_tasks]
     if unknown:
         raise StageError(
