@@ -19,7 +19,7 @@ METRICS: dict[str, str] = {
     "train/sampler_logprob_gap_mean": "mean |sampler - trainer| log-prob of the step's sampled completion tokens, all ranks, the trainer scoring before the step's update; every record",
     "train/sampler_logprob_gap_max": "largest such |sampler - trainer| log-prob difference of the step; every record",
     "train/sampler_kl": "mean k3 estimate of KL(sampler || trainer) per sampled token, from the same log-probs; every record",
-    "moe/routing_flip_share": "share of (completion token, MoE layer) pairs whose top-k experts the trainer's forward, before the step's update, chose differently from the sampler's, all ranks; an MoE policy's flat rollouts only, every record",
+    "moe/routing_flip_share": "share of (completion token, MoE layer) pairs whose top-k experts the trainer's forward, before the step's update, chose differently from the sampler's, all ranks; an MoE policy's rollouts, flat or tree, every record",
     "train/aux_loss": "the MoE policy's load-balancing loss (unweighted), mean over micro batches and ranks of the last pass; only when router_aux_loss_coef > 0",
     "kl": "mean k3 estimate of KL(policy || reference) per sampled token, every completion of every rank (groups without reward variance too); only when kl_coef > 0",
     "completions/mean_length": "mean completion length in tokens; every record",

@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from stagetrain.grpo.sampling import Sampled, generate
+from stagetrain.training.experts import Routing
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, keys and values of one sequence: [kv_heads, length, head_dim] each."""
@@ -49,10 +50,12 @@ class PrefixCache:
         generation: dict,
         branch_entropy: float = 0.0,
         seeds: Sequence[int] = (),
+        routing: Routing | None = None,
     ) -> Sampled:
-        """n continuations of each sequence in one `generate` call (`sampling.generate`), and
-        the cache of each sequence plus its first `keep[i]` continuation tokens kept for later
-        (none for a continuation that ends with eos: it will not be extended)."""
+        """n continuations of each sequence in one `generate` call (`sampling.generate`, which
+        records an MoE policy's `routing`), and the cache of each sequence plus its first
+        `keep[i]` continuation tokens kept for later (none for a continuation that ends with
+        eos: it will not be extended)."""
         width = max(len(s) for s in sequences)
         cached = self._lookup(sequences)
         layers = [
@@ -69,6 +72,7 @@ class PrefixCache:
             branch_entropy=branch_entropy,
             cache=cache,
             seeds=seeds,
+            routing=routing,
         )
         for j, row in enumerate(sampled.tokens):
             sequence, kept = sequences[j // n], row[: keep[j // n]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -57,8 +58,9 @@ class Group:
     """Per completion, the sampler's log-prob of each token (`sampling.Sampled`; NaN for a
     token it did not draw), which the step compares with the trainer's."""
     sampler_routing: list[torch.Tensor] = field(default_factory=list)
-    """Per completion of an MoE policy's flat rollouts, the experts chosen where each token was
-    drawn (`sampling.Sampled.routing`), which the step compares with the trainer's; else empty."""
+    """Per completion of an MoE policy's rollouts, the experts chosen where each token was drawn
+    (`sampling.Sampled.routing`; -1 for a tree's stand-in eos, which was not drawn), which the
+    step compares with the trainer's; else empty."""
 
     @property
     def varies(self) -> bool:
@@ -144,6 +146,7 @@ def tree_groups(
     max_batch: int,
     budgets: Sequence[int] | None = None,
     greedy: bool = False,
+    routing: Routing | None = None,
 ) -> list[Group]:
     """A search tree per prompt, all grown together (`tree.search_trees`): each round's
     selected nodes of every tree are expanded in one `generate` call of at most `max_batch`
@@ -152,7 +155,8 @@ def tree_groups(
     `cfg.prefix_cache` keeps the KV cache of each open node between rounds (`PrefixCache`).
     `keys` name the prompts' sampling streams: a tree's e-th expansion samples continuation j
     from `stream_seed(key, e, j)`, so a tree grows the same whatever shares its batch.
-    `greedy` is for tests."""
+    With `routing` (an MoE policy's) each group holds the sampler's routing of its leaves' tokens
+    too. `greedy` is for tests."""
     if budgets is None:
         cfgs = [cfg] * len(prompts)
     else:
@@ -160,8 +164,9 @@ def tree_groups(
     generation = generation_kwargs(temperature, top_p, cfg.eos_id, pad_id, greedy)
     store = PrefixCache(model) if cfg.prefix_cache else None
     expansions = [0] * len(prompts)
-    # (tree, a node's completion) -> the sampler's log-probs of the node's own tokens
+    # (tree, a node's completion) -> the sampler's log-probs (and experts) of the node's own tokens
     drawn: dict[tuple[int, tuple[int, ...]], list[float]] = {}
+    routed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
 
     def expand(requests: list[Request], n: int, k: int) -> list[list[int]]:
         sequences = [list(prompts[r.tree]) + r.prefix for r in requests]
@@ -171,32 +176,45 @@ def tree_groups(
             expansions[r.tree] += 1
         if store is None:
             out = generate(model, sequences, n, k, generation, branch_entropy=cfg.branch_entropy,
-                           seeds=seeds)  # fmt: skip
+                           seeds=seeds, routing=routing)  # fmt: skip
         else:
             out = store.sample(sequences, n, k, [r.limit for r in requests], generation,
-                               cfg.branch_entropy, seeds)  # fmt: skip
+                               cfg.branch_entropy, seeds, routing)  # fmt: skip
         for j, (tokens, logprobs) in enumerate(zip(out.tokens, out.logprobs, strict=True)):
             r = requests[j // n]
             node = through_eos(tokens, cfg.eos_id)[: r.limit]  # the child `search_trees` adds
             if node:
                 drawn[r.tree, tuple(r.prefix + node)] = logprobs[: len(node)]
+                if out.routing is not None:
+                    routed[r.tree, tuple(r.prefix + node)] = out.routing[j][: len(node)]
         # A sampled pad token ends a completion as flat sampling's cut does; a segment needs a
         # token, so one that starts with pad is an eos (the completion ends there).
         return [c or [cfg.eos_id] for c in out.tokens]
 
     trees = search_trees(cfgs, expand, score, max_batch)
+    like = next(iter(routed.values()), None)  # any drawn segment's (tokens, layers, top_k)
+
+    def routing_of(i: int, path: tuple[int, ...], length: int) -> torch.Tensor:
+        found = routed.get((i, path))
+        return like.new_full((length, *like.shape[1:]), -1) if found is None else found
+
     return [
-        _tree_group(prompt, tree, lambda path, i=i: drawn.get((i, path)))
+        _tree_group(prompt, tree, lambda path, i=i: drawn.get((i, path)),
+                    None if like is None else partial(routing_of, i))
         for i, (prompt, tree) in enumerate(zip(prompts, trees, strict=True))
-    ]
+    ]  # fmt: skip
 
 
 def _tree_group(
-    prompt: list[int], tree: SearchTree, drawn: Callable[[tuple[int, ...]], list[float] | None]
+    prompt: list[int],
+    tree: SearchTree,
+    drawn: Callable[[tuple[int, ...]], list[float] | None],
+    routed: Callable[[tuple[int, ...], int], torch.Tensor] | None = None,
 ) -> Group:
     """A tree's finished leaves as a group, with per-segment token advantages and the
     sampler's log-probs (`drawn` of a node's completion: of its own tokens; None for the eos
-    put in for an empty continuation, which was not sampled)."""
+    put in for an empty continuation, which was not sampled) and, with `routed`, its experts
+    (`routed` of a node's completion and its length: -1 for that eos)."""
     rows, _ = segments(tree)
     per_leaf = tree_token_advantages(rows)
     leaves = tree.leaves()
@@ -209,6 +227,10 @@ def _tree_group(
             out += mine if mine is not None else [float("nan")] * len(node.tokens)
         return out
 
+    def routing(leaf: Node) -> torch.Tensor:
+        nodes = [tree.nodes[i] for i in tree.path(leaf)]
+        return torch.cat([routed(tuple(tree.completion(n)), len(n.tokens)) for n in nodes])
+
     return Group(
         prompt=prompt,
         completions=[tree.completion(leaf) for leaf in leaves],
@@ -217,5 +239,6 @@ def _tree_group(
         generated_tokens=tree.generated_tokens,
         flat_tokens=flat_equivalent_tokens(tree),
         nodes=len(tree.nodes) - 1,
+        sampler_routing=[routing(leaf) for leaf in leaves] if routed else [],
         sampler_logprobs=[logprobs(leaf) for leaf in leaves],
     )

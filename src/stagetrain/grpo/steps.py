@@ -117,11 +117,15 @@ def routing_flip_sums(
 ) -> tuple[int, int]:
     """(pairs whose experts differ, pairs) over the completion tokens and MoE layers of `items`:
     the trainer's routing (`Scored.experts`) at each token's column against the sampler's
-    (`sampling.RoutingRecorder`, one (tokens, layers, top_k) per completion)."""
+    (`sampling.RoutingRecorder`, one (tokens, layers, top_k) per completion; -1 where the
+    sampler drew no token: a tree's stand-in eos)."""
     flips = pairs = 0
     for row, ((p, c), mine) in enumerate(zip(items, sampled, strict=True)):
-        flips += routing_flips(trainer[row, len(p) - 1 : len(p) - 1 + len(c)].cpu(), mine)
-        pairs += len(c) * mine.shape[1]
+        drew = (mine >= 0).all(-1)
+        flips += routing_flips(
+            trainer[row, len(p) - 1 : len(p) - 1 + len(c)].cpu()[drew], mine[drew]
+        )
+        pairs += int(drew.sum())
     return flips, pairs
 
 
@@ -391,6 +395,7 @@ def _rollouts(
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "pad_id": tok.pad_token_id,
+            "routing": run.routing,
         }
         if run.tree:
             groups = tree_groups(model, prompts, reward, run.tree,
@@ -398,7 +403,7 @@ def _rollouts(
         else:
             groups = flat_groups(model, prompts, reward, group_size=cfg.group_size,
                                  max_new_tokens=cfg.max_new_tokens, eos_id=tok.eos_token_id,
-                                 max_batch=run.generation_batch, routing=run.routing, **common)  # fmt: skip
+                                 max_batch=run.generation_batch, **common)  # fmt: skip
     run.engine.train()
     return groups, model.largest
 

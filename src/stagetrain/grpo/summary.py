@@ -32,9 +32,9 @@ class SamplerSummary(TypedDict):
     kl_mean: float | None
     correction: dict[str, float] | None
     routing_flip_share_mean: float | None
-    """An MoE policy's flat rollouts: the share of (token, MoE layer) pairs whose experts the
-    trainer's forward chose differently from the sampler's, mean over the logged steps; None
-    for a dense policy or tree rollouts."""
+    """An MoE policy's: the share of (token, MoE layer) pairs whose experts the trainer's
+    forward chose differently from the sampler's, mean over the logged steps; None for a dense
+    policy."""
     routing_flip_share_max: float | None
 
 
