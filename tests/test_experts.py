@@ -335,7 +335,8 @@ def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict
     """The bias is a buffer: DeepSpeed's model-states file keeps it (ZeRO-2 and ZeRO-3), in fp32.
     A run resumed from step 2 ends with the bias of the uninterrupted run (one restarted at zero
     would be two updates behind) and, under ZeRO-2, the same checksum, biases included, on both
-    ranks. The bf16 folder consolidated from it holds the bias exactly (written in fp32, as
+    ranks; under ZeRO-3 so does a resume from step 2 on one rank, through DeepSpeed's universal
+    checkpoint, which restores parameters alone (the stage copies the buffers back). The bf16 folder consolidated from it holds the bias exactly (written in fp32, as
     transformers keeps it), and loads and generates in transformers; under ZeRO-3 GRPO trains
     from it and measures how often its trainer routes a sampled token otherwise."""
     config = model_config(tmp_path / "model", **DEEPSEEK)
@@ -361,6 +362,17 @@ def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict
     assert all(torch.equal(resumed[k], straight[k]) for k in straight), (resumed, straight)
     if zero < 3:
         assert again["param_checksum_per_rank"][0] == again["param_checksum_per_rank"][1]
+    else:  # and on one rank: DeepSpeed's universal checkpoint restores parameters alone
+        truncate(folder / "step00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        one = launch(data, tmp_path, world=1, layout={**layout, "dp": 1}, model_config=config,
+                     config_changes=every2)  # fmt: skip
+        assert one.returncode == 0, one.stderr[-4000:]
+        again = json.loads((tmp_path / "summary.json").read_text())
+        assert again["resumed_from_step"] == 2 and again["layout"]["world"] == 1
+        assert "converted step 2" in one.stdout + one.stderr
+        resumed = _biases(folder, "step00000004", zero)
+        # A bias restarted at zero would be two updates (0.002) short.
+        assert all(torch.allclose(resumed[k], straight[k], atol=1e-6) for k in straight), resumed
     (tmp_path / "run-summary.json").write_text(json.dumps(again))
     manifest = consolidate(stage="pretrain", summary_path=str(tmp_path / "run-summary.json"),
                            tokenizer_dir=data["tokenizer"], model_config_path=config, meta_path=data["meta"],

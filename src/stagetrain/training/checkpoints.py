@@ -202,6 +202,11 @@ class Checkpoints:
                 )
         finally:
             config.load_universal_checkpoint = before
+        if options.universal:
+            restored = reshard.restore_buffers(engine.module, self.folder / options.tag)
+            if restored:
+                log.info("restored %d buffers from %s's model states (%s, ...)",
+                         len(restored), options.tag, restored[0])  # fmt: skip
         return client
 
     def save(self, engine: "DeepSpeedEngine", step: int, client_state: ClientState) -> None:

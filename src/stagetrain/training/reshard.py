@@ -40,6 +40,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from stagetrain.errors import StageError
 from stagetrain.training.integrity import ResumePoint, load_file, weights_only_loads
 
@@ -300,6 +302,27 @@ class LoadOptions(NamedTuple):
     """Whether it is a universal copy (DeepSpeed's `load_universal_checkpoint`)."""
     module_only: bool
     """Whether only the weights load (`load_module_only`)."""
+
+
+def restore_buffers(module: torch.nn.Module, folder: Path) -> list[str]:
+    """Copy into `module` the buffers the universal copy `folder`'s model-states file holds; the
+    names restored.
+
+    DeepSpeed's universal load rebuilds parameters from zero/ and takes only the
+    step, scheduler and client state from the model-states file, so a persistent
+    buffer (deepseek_v3's routing bias, trained by its own update rule, not the
+    optimizer) would keep its initial value. Buffers are whole on every rank and
+    alike on every tp rank (ZeRO and AutoTP split parameters), so tp rank 0's
+    file serves every rank of the new layout.
+    """
+    saved = load_file(folder / "mp_rank_00_model_states.pt")["module"]
+    restored = []
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in saved:
+                buffer.copy_(saved[name])
+                restored.append(name)
+    return restored
 
 
 def load_options(point: ResumePoint) -> LoadOptions:
