@@ -1,0 +1,126 @@
+"""Probe: does DeepSpeed's AutoEP (expert parallelism) train this environment's MoE models?
+
+    python tools/autoep_probe.py
+
+For a tiny Mixtral and a tiny DeepSeek-V3, 5 AdamW steps on 2 CPU ranks (gloo) with AutoEP
+at ep=2 (ZeRO-1), and the same steps on 1 rank without it, on the same global batch; prints
+both loss curves, their largest relative difference, and whether AutoEP replaced the MoE
+blocks; exits non-zero unless both models pass. Issue 33 waits on this: the planner's `ep`
+axis is worth building once both pass here. With DeepSpeed 0.19.8 (2026-12-04) both pass on
+transformers 5.17 (2 ranks match 1 to 1e-7), and on 5.25 deepseek_v3 passes but Mixtral fails
+at `deepspeed.initialize` (`_CanRecordRegistry.get() takes 2 positional arguments but 3 were
+given`): AutoEP retargets Mixtral's router-logit recorder in transformers' output-capture
+registry as if it were a plain dict, which it was up to transformers 5.22.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+STEPS, BATCH, LENGTH, VOCAB = 5, 8, 16, 128
+
+
+def _model(architecture: str):  # noqa: ANN202 - a transformers model, imported in the rank
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
+
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}  # fmt: skip
+    if architecture == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
+                                                num_experts_per_tok=2, router_aux_loss_coef=0.0))  # fmt: skip
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ))  # fmt: skip
+
+
+def rank(architecture: str, ep: int, out: str) -> None:
+    """One rank's run: the model seeded alike on every rank, its share of each global batch."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.init_distributed("gloo")
+    world, me = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = _model(architecture)
+    config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}}  # fmt: skip
+    if ep > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": architecture,
+                                     "use_grouped_mm": False}  # fmt: skip
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    batches = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        batch = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=batches)
+        mine = batch.chunk(world)[me]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    if me == 0:
+        replaced = any(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules())
+        Path(out).write_text(json.dumps({"losses": losses, "replaced": replaced}))
+
+
+def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--rank":
+        rank(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return
+    import deepspeed
+    import transformers
+
+    print(f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__}")
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for architecture in ("mixtral", "deepseek_v3"):
+            runs = {}
+            for ep in (2, 1):
+                out = Path(tmp) / f"{architecture}-{ep}.json"
+                proc = subprocess.run(
+                    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                     str(ep), __file__, "--rank", architecture, str(ep), str(out)],
+                    capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )  # fmt: skip
+                if proc.returncode or not out.is_file():
+                    error = re.findall(r"^\[rank0\]: (\w+Error: .*)$", proc.stderr, flags=re.M)
+                    print(
+                        f"{architecture} ep={ep}: failed: {error[0] if error else proc.returncode}"
+                    )
+                    break
+                runs[ep] = json.loads(out.read_text())
+            if len(runs) < 2:
+                ok = False
+                continue
+            gap = max(
+                abs(a - b) / abs(b)
+                for a, b in zip(runs[2]["losses"], runs[1]["losses"], strict=True)
+            )
+            same = gap < 1e-4 and runs[2]["replaced"]
+            ok &= same
+            print(f"{architecture}: ep=2 {runs[2]['losses']}\n{architecture}: ep=1 {runs[1]['losses']}\n"
+                  f"{architecture}: AutoEP layers {runs[2]['replaced']}, largest relative gap {gap:.1e}")  # fmt: skip
+    print("AutoEP: usable here" if ok else "AutoEP: not usable here")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
