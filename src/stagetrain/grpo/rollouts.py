@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -194,42 +195,40 @@ def tree_groups(
     trees = search_trees(cfgs, expand, score, max_batch)
     like = next(iter(routed.values()), None)  # any drawn segment's (tokens, layers, top_k)
 
+    # What the sampler recorded of a node's own tokens, given the tree, the node's completion and
+    # its length; for the eos put in for an empty continuation, not drawn: NaN and experts -1.
+    def logprobs_of(i: int, path: tuple[int, ...], length: int) -> list[float]:
+        found = drawn.get((i, path))
+        return [float("nan")] * length if found is None else found
+
     def routing_of(i: int, path: tuple[int, ...], length: int) -> torch.Tensor:
         found = routed.get((i, path))
         return like.new_full((length, *like.shape[1:]), -1) if found is None else found
 
     return [
-        _tree_group(prompt, tree, lambda path, i=i: drawn.get((i, path)),
+        _tree_group(prompt, tree, partial(logprobs_of, i),
                     None if like is None else partial(routing_of, i))
         for i, (prompt, tree) in enumerate(zip(prompts, trees, strict=True))
     ]  # fmt: skip
 
 
+Recorded = Callable[[tuple[int, ...], int], Any]
+"""What the sampler recorded of a tree node's own tokens, by the node's completion and length."""
+
+
 def _tree_group(
-    prompt: list[int],
-    tree: SearchTree,
-    drawn: Callable[[tuple[int, ...]], list[float] | None],
-    routed: Callable[[tuple[int, ...], int], torch.Tensor] | None = None,
+    prompt: list[int], tree: SearchTree, drawn: Recorded, routed: Recorded | None = None
 ) -> Group:
-    """A tree's finished leaves as a group, with per-segment token advantages and the
-    sampler's log-probs (`drawn` of a node's completion: of its own tokens; None for the eos
-    put in for an empty continuation, which was not sampled) and, with `routed`, its experts
-    (`routed` of a node's completion and its length: -1 for that eos)."""
+    """A tree's finished leaves as a group, with per-segment token advantages, the sampler's
+    log-probs of each leaf's tokens (`drawn`) and, with `routed`, their experts."""
     rows, _ = segments(tree)
     per_leaf = tree_token_advantages(rows)
     leaves = tree.leaves()
 
-    def logprobs(leaf: Node) -> list[float]:
-        out: list[float] = []
-        for i in tree.path(leaf):
-            node = tree.nodes[i]
-            mine = drawn(tuple(tree.completion(node)))
-            out += mine if mine is not None else [float("nan")] * len(node.tokens)
-        return out
-
-    def routing(leaf: Node) -> torch.Tensor:
+    def along(leaf: Node, recorded: Recorded) -> list[Any]:
+        """Each node's record from the root's child to `leaf`."""
         nodes = [tree.nodes[i] for i in tree.path(leaf)]
-        return torch.cat([routed(tuple(tree.completion(n)), len(n.tokens)) for n in nodes])
+        return [recorded(tuple(tree.completion(n)), len(n.tokens)) for n in nodes]
 
     return Group(
         prompt=prompt,
@@ -239,6 +238,6 @@ def _tree_group(
         generated_tokens=tree.generated_tokens,
         flat_tokens=flat_equivalent_tokens(tree),
         nodes=len(tree.nodes) - 1,
-        sampler_routing=[routing(leaf) for leaf in leaves] if routed else [],
-        sampler_logprobs=[logprobs(leaf) for leaf in leaves],
+        sampler_routing=[torch.cat(along(leaf, routed)) for leaf in leaves] if routed else [],
+        sampler_logprobs=[sum(along(leaf, drawn), []) for leaf in leaves],
     )
