@@ -2,7 +2,8 @@
 
     python tools/autoep_probe.py
 
-For a tiny Mixtral and a tiny DeepSeek-V3, 5 AdamW steps on 2 CPU ranks (gloo) with AutoEP
+For the tests' tiny Mixtral and DeepSeek-V3 (`tests/harness/models.py:tiny_moe`; DeepSeek's
+routing bias random, so that it moves the choice), 5 AdamW steps on 2 CPU ranks (gloo) with AutoEP
 at ep=2 (ZeRO-1), and the same steps on 1 rank without it, on the same global batch; prints
 both loss curves, their largest relative difference, and whether AutoEP replaced the MoE
 blocks; exits non-zero unless both models pass. Issue 33 waits on this: the planner's `ep`
@@ -23,27 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-STEPS, BATCH, LENGTH, VOCAB = 5, 8, 16, 128
-
-
-def _model(architecture: str):  # noqa: ANN202 - a transformers model, imported in the rank
-    from transformers import (
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-        MixtralConfig,
-        MixtralForCausalLM,
-    )
-
-    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}  # fmt: skip
-    if architecture == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
-                                                num_experts_per_tok=2, router_aux_loss_coef=0.0))  # fmt: skip
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        **common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
-        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-    ))  # fmt: skip
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests")]  # harness.models: the tiny MoE models the tests use
+STEPS, BATCH, LENGTH = 5, 8, 16
 
 
 def rank(architecture: str, ep: int, out: str) -> None:
@@ -54,8 +37,9 @@ def rank(architecture: str, ep: int, out: str) -> None:
 
     deepspeed.init_distributed("gloo")
     world, me = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    model = _model(architecture)
+    from harness.models import tiny_moe
+
+    model = tiny_moe(architecture).train()  # seeded: the same weights on every rank
     config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // world,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_optimization": {"stage": 1}}  # fmt: skip
@@ -68,7 +52,7 @@ def rank(architecture: str, ep: int, out: str) -> None:
     batches = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(STEPS):
-        batch = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=batches)
+        batch = torch.randint(0, model.config.vocab_size, (BATCH, LENGTH), generator=batches)
         mine = batch.chunk(world)[me]
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
@@ -103,7 +87,7 @@ def main() -> None:
                 if proc.returncode or not out.is_file():
                     error = re.findall(r"^\[rank0\]: (\w+Error: .*)$", proc.stderr, flags=re.M)
                     print(
-                        f"{architecture} ep={ep}: failed: {error[0] if error else proc.returncode}"
+                        f"{architecture} ep={ep}: failed: {error[0] if error else f'exit {proc.returncode}: {proc.stderr.strip()[-300:]}'}"
                     )
                     break
                 runs[ep] = json.loads(out.read_text())
