@@ -12,6 +12,7 @@ from harness.training import SCORING_FAMILIES
 from harness.workflow import snakemake
 
 from stagetrain.config import validation as stconfig
+from stagetrain.errors import StageError
 from stagetrain.evaluate.accuracy import accuracy
 from stagetrain.evaluate.lmeval import Run, evaluate
 
@@ -64,3 +65,18 @@ def test_the_evaluate_target_lists_the_evaluations_alone_and_refuses_an_unknown_
     failed = [stage for stage, log in logs.items()
               if log.exists() and log.read_text().strip().splitlines()[-1] == line]  # fmt: skip
     assert failed and not any((out / f"{stage}.json").exists() for stage in failed)
+
+
+def test_a_task_named_from_lm_evals_catalogue_is_found_there(
+    scoring_start: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The held-out tasks and task files need no catalogue, so lm-eval's own is indexed only when
+    a task is named from it: `arc_easy` is found there (and then cannot run: its data is not on
+    this machine), not refused as unknown."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    run = Run(model=scoring_start, tasks=stconfig.validate_section("tasks", {}), families=SCORING_FAMILIES,
+              levels=[1], problems=4, seed=7, max_prompt_len=LENGTHS[0], max_new_tokens=LENGTHS[1],
+              pins={})  # fmt: skip
+    with pytest.raises(StageError, match=r"^evaluate\.tasks: lm-eval could not run them: "):
+        evaluate(run, tmp_path / "tasks", ["arc_easy"], batch_size=16)
