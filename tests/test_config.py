@@ -426,6 +426,34 @@ def test_grpo_settings_that_keys_decide_together_fail_with_the_config(
 
 
 @pytest.mark.parametrize(
+    ("model", "parallelism", "message"),
+    [
+        ({}, {"ep": 2}, "ep > 1 (DeepSpeed AutoEP) splits deepseek_v3 only, not 'llama': a dense model has no experts to split (model.architecture)"),
+        ({"architecture": "mixtral", "num_experts": 4, "experts_per_token": 2}, {"ep": 2},
+         "ep > 1 (DeepSpeed AutoEP) splits deepseek_v3 only, not 'mixtral': DeepSpeed AutoEP's mixtral preset fails with transformers >= 5.23 (model.architecture)"),
+        (DEEPSEEK, {"ep": 2, "tp": 2}, "ep > 1 (DeepSpeed AutoEP) trains with tp 1 only (dp=None, tp=2, ep=2)"),
+        (DEEPSEEK, {"ep": 2, "zero_stage": 0},
+         "ep > 1 needs zero_stage 1-3 (DeepSpeed's universal converter, which reads AutoEP checkpoints, reads no ZeRO-0 one) (dp=None, tp=1, ep=2)"),
+        (DEEPSEEK, {"ep": 2, "dp": 3}, "must divide dp (each group of ep data-parallel ranks shares out the experts) (dp=3, tp=1, ep=2)"),
+    ],
+    ids=["dense", "mixtral", "with-tp", "zero-0", "not-dividing-dp"],
+)  # fmt: skip
+def test_an_ep_that_cannot_run_fails_with_the_config(
+    model: dict[str, Any], parallelism: dict[str, Any], message: str
+) -> None:
+    """What AutoEP would refuse inside the ranks, `snakemake -n` says first, in one line."""
+    config = default_config()
+    config["model"] |= model
+    config["parallelism"] |= parallelism
+    with pytest.raises(StageError) as err:
+        stconfig.validate(config)
+    assert str(err.value) == f"config: parallelism.ep: {message}"
+    config["model"] |= DEEPSEEK
+    config["parallelism"] = {**default_config()["parallelism"], "ep": 2, "dp": 2, "zero_stage": 1}
+    stconfig.validate(config)
+
+
+@pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"pretrain": {"seq_len": 512}}, "pretrain.seq_len: 512 tokens, more than model.max_position_embeddings (256)"),

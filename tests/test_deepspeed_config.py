@@ -64,6 +64,21 @@ def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
         )
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_expert_parallelism_enables_autoep_for_pretraining_alone(zero: int) -> None:
+    """AutoEP finds its preset from the model's model_type; no load_balance_coeff (AutoEP
+    refuses one, and the stage balances the router itself). GRPO's plan keeps ep=1."""
+    hardware = {"gpus_per_node": 8}
+    cfg = preset_config(
+        "deepseek-moe-h100", hardware=hardware, parallelism={"ep": 4, "zero_stage": zero}
+    )
+    assert _render(cfg, "pretrain")["expert_parallel"] == {"enabled": True, "autoep_size": 4}
+    assert "expert_parallel" not in _render(cfg, "grpo")
+    assert "expert_parallel" not in _render(
+        preset_config("deepseek-moe-h100", hardware=hardware), "pretrain"
+    )
+
+
 def test_offload_and_activation_checkpointing_follow_the_plan() -> None:
     fixed = {"zero_stage": 3, "offload": "optimizer_and_params", "activation_checkpointing": True}
     config = _render(preset_config("mistral-7b-8xh100", parallelism=fixed), "pretrain")

@@ -38,7 +38,7 @@ from stagetrain.planning.plan import (
 )
 from stagetrain.planning.resolve import PlannerSettings
 from stagetrain.planning.shape import ModelShape, cached_shape, model_shape, shape_key
-from stagetrain.planning.throughput import Throughput
+from stagetrain.planning.throughput import Rates, Throughput, predict
 
 GIB = 2**30
 MOE = {
@@ -242,6 +242,59 @@ def test_more_sharding_never_needs_more_model_state_memory() -> None:
     totals = [sum(mem.model_states(shape, _layout(zero_stage=z))[:3]) for z in range(4)]
     assert totals == sorted(totals, reverse=True)
     assert totals[0] == 16 * shape.params
+
+
+def test_expert_parallelism_holds_a_share_of_the_experts_and_pays_their_all_to_all() -> None:
+    """ep=2 halves what each rank holds whole of the routed experts (16-bit weights; ZeRO-1's
+    gradients), while ZeRO's partitions still add up to the whole model over dp; the step
+    pays the routed tokens' trip to their experts' ranks and back, forward and backward."""
+    shape = model_shape(build_config(model_settings(_model("deepseek_v3")), 512))
+    assert shape.num_experts == 4 and shape.moe_layers == 3 and shape.model_type == "deepseek_v3"
+    assert 0 < shape.expert_params < shape.params
+    for zero in (1, 2, 3):
+        whole, split = (mem.model_states(shape, _layout(zero_stage=zero, ep=ep)) for ep in (1, 2))
+        half = shape.expert_params // 2
+        if zero == 3:
+            assert split == whole
+            continue
+        assert split[0] == whole[0] - 2 * half and split[2] == whole[2], zero
+        assert split[1] == (whole[1] - 2 * half if zero == 1 else whole[1]), zero
+    rates = Rates(peak_flops=1e12, efficiency=1.0, half_saturation_tokens=0.0, intra_gbps=10.0,
+                  other_s_per_flop=0.0, hides_comm=False, offload_gbps=1.0)  # fmt: skip
+    layout = _layout(zero_stage=1, ep=2)  # 2 x 1024 tokens per micro batch, 4 micro batches
+    speed = predict(shape, layout, rates, nodes=1, inter_node_gbps=10.0, overlap_comm=False)
+    by_hand = 4 * 3 * (1 / 2 * 2 * 1024 * 2 * shape.hidden_size * 2) * 4 / 10e9
+    assert speed.ep_comm_s == pytest.approx(by_hand)
+    one = predict(
+        shape, replace(layout, ep=1), rates, nodes=1, inter_node_gbps=10.0, overlap_comm=False
+    )
+    assert one.ep_comm_s == 0 and one.dp_comm_s > speed.dp_comm_s  # the experts reduce over dp/ep
+
+
+def test_the_planner_splits_experts_where_autoep_can_and_only_pretraining() -> None:
+    """On two H100s without host memory the DeepSeek preset fits at ep=2 as well as under ZeRO-3
+    (ep is searched); its Mixtral twin gets no ep candidate. Fixed, ep=2 holds for pretraining,
+    and GRPO trains at ep=1 with a warning."""
+    two = {"gpus_per_node": 2, "host_memory_gib": None}
+    plan = plan_for(preset_config("deepseek-moe-h100", hardware=two))
+    others = [c["layout"] for c in plan["stages"]["pretrain"]["runners_up"]]
+    assert any(" ep=2 " in layout for layout in others), others
+    twin = {"architecture": "mixtral", "moe_intermediate_size": None, "num_shared_experts": None,
+            "first_dense_layers": None, "router_bias_update_rate": None}  # fmt: skip
+    mixtral = plan_for(
+        preset_config("deepseek-moe-h100", hardware={**two, "host_memory_gib": 256}, model=twin)
+    )
+    stages = mixtral["stages"].values()
+    assert all(" ep=" not in c["layout"] for s in stages for c in s["runners_up"] + s["rejected"])
+    assert mixtral["stages"]["pretrain"]["sources"]["ep"] == "model"
+    fixed = plan_for(preset_config("deepseek-moe-h100", hardware=two, parallelism={"ep": 2}))
+    pretrain, grpo = fixed["stages"]["pretrain"], fixed["stages"]["grpo"]
+    assert pretrain["layout"]["ep"] == 2 and pretrain["throughput"]["ep_comm_s"] > 0
+    assert pretrain["sources"]["ep"] == "config"
+    assert grpo["layout"]["ep"] == 1 and grpo["warnings"] == [
+        "grpo: trains with ep=1, not parallelism.ep=2 (pretraining's): its generation would need "
+        "every rank of an ep group to make the same number of forwards"
+    ]
 
 
 def test_activation_formula_by_hand() -> None:
@@ -454,12 +507,22 @@ def test_table_miss_falls_back_with_the_reason_or_fails(tmp_path: Path) -> None:
         ({"parallelism": {"dp": 8}, "grpo": {"prompts_per_step": 4}}, "grpo: no layout divides the global batch of 32 sequences \\(groups of 8\\)"),
         ({"deepspeed": {"precision": "bf16"}, "hardware": {"gpu": "V100-32GB"}}, "deepspeed.precision: bf16 requested but V100-32GB has no bf16 support"),
         ({"parallelism": {"tp": 2, "zero_stage": 3}}, "parallelism.tp: tp > 1 \\(DeepSpeed AutoTP\\) trains with ZeRO stages 0-2 only, not zero_stage 3 \\(dp=None, tp=2"),
+        ({"parallelism": {"ep": 2}}, "^parallelism.ep: ep > 1 \\(DeepSpeed AutoEP\\) splits deepseek_v3 only, not 'llama': a dense model has no experts to split$"),
     ],
 )  # fmt: skip
 def test_bad_plans_are_one_line_errors(sections: dict[str, dict[str, Any]], message: str) -> None:
     with pytest.raises(StageError, match=message) as err:
         plan_for(preset_config("mistral-7b-8xh100", **sections))
     assert "\n" not in str(err.value)
+
+
+def test_an_ep_that_cannot_split_the_experts_is_one_line() -> None:
+    with pytest.raises(StageError, match=r"^parallelism\.ep: must divide the 8 routed experts of each MoE layer \(dp=None, tp=None, world=16, heads=32, kv_heads=32, ep=16, experts=8\)$"):  # fmt: skip
+        plan_for(
+            preset_config(
+                "deepseek-moe-h100", hardware={"gpus_per_node": 16}, parallelism={"ep": 16}
+            )
+        )
 
 
 def test_unknown_detected_gpu_is_an_error_naming_the_catalog() -> None:
@@ -510,7 +573,11 @@ def test_the_records_that_copy_a_dataclass_name_its_fields() -> None:
     """LayoutRecord, MemoryRecord, ThroughputRecord and ModelRecord are cast from `asdict`:
     they must name exactly the dataclass's fields (and the keys added to them)."""
     names = {cls: {f for f in cls.__dataclass_fields__} for cls in (Layout, Memory, Throughput, ModelShape)}  # fmt: skip
-    assert LayoutRecord.__required_keys__ == names[Layout] - {"num_heads", "num_kv_heads"}
+    assert LayoutRecord.__required_keys__ == names[Layout] - {
+        "num_heads",
+        "num_kv_heads",
+        "num_experts",
+    }
     assert MemoryRecord.__required_keys__ == names[Memory] | {"total", "usable", "device", "fits"}
     assert ThroughputRecord.__required_keys__ == names[Throughput] | {"step_s"}
     assert ModelRecord.__required_keys__ == names[ModelShape] | {"vocab_multiple"}

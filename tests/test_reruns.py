@@ -91,6 +91,8 @@ READERS: list[tuple[str, set[str]]] = [
     ("tasks.families", {"prepare_tokenizer", "grpo"}),  # the problems feed the corpus; the rewards only GRPO
     ("tasks.", {"grpo"}),
     ("hardware.", {"detect_hardware", "plan_parallelism"}),
+    # Only a deepseek_v3 may split its experts, so the matrix changes the model with it.
+    ("parallelism.ep", {"plan_parallelism", "prepare_tokenizer", "pretrain"}),
     ("parallelism.", {"plan_parallelism"}),
     ("deepspeed.", {"plan_parallelism", *RENDER}),
     *((f"pretrain.{k}", {"plan_parallelism", "pretrain"}) for k in ("seq_len", "global_batch_size", "global_batch_unit")),
@@ -134,6 +136,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "hardware.source": {"hardware.source": "describe", "hardware.gpu": "H100", "hardware.gpus_per_node": 2},
     "hardware.gpu": {"hardware.source": "describe", "hardware.gpu": "H100", "hardware.gpus_per_node": 2},
     "hardware.gpus_per_node": {"hardware.source": "describe", "hardware.gpu": "H100", "hardware.gpus_per_node": 2},
+    "parallelism.ep": {**DEEPSEEK, "parallelism.ep": 2},
     "parallelism.table_repo": {"parallelism.table_repo": "org/tables"},
     "parallelism.table_revision": {"parallelism.table_revision": "v2"},
     "data.hub": {"data.hub": [{"repo": "org/corpus", "files": ["train.jsonl"]}]},

@@ -22,7 +22,8 @@ from functools import cache
 from typing import Any, Literal, NotRequired, Self, TypedDict
 
 from stagetrain.errors import StageError
-from stagetrain.model.architectures import AUX_LOSS
+from stagetrain.model.architectures import AUX_LOSS, expert_parallel_refusal
+from stagetrain.planning.plan import factor_misfit, parallelism_error
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,7 @@ class ParallelismSettings(_Section):
 
     dp: int | None
     tp: int | None
+    ep: int | None
     micro_batch_size: int | None
     zero_stage: int | None
     activation_checkpointing: bool | None
@@ -527,6 +529,25 @@ class Settings(_Section):
             _check_warmup(name, stage)
         self._check_positions()
         self._check_grpo_aux_loss()
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """parallelism.ep > 1 needs an architecture AutoEP splits, tp 1 and ZeRO 1-3 (the rest,
+        dividing dp and the experts, the planner checks against the devices and the model; a
+        model continued with `init_from` may name no architecture here, and the planner checks
+        its config then)."""
+        ep, tp = self.parallelism.ep or 1, self.parallelism.tp or 1
+        if ep == 1:
+            return
+        arch, dp = self.model.architecture, self.parallelism.dp
+        refusal = expert_parallel_refusal(arch) if arch is not None else None
+        if refusal:
+            raise parallelism_error("ep", f"{refusal} (model.architecture)")
+        world = (dp or ep) * tp  # the world these fixed values imply, enough to check them
+        problem = factor_misfit(world=world, per_node=world, dp=dp, tp=tp, ep=ep, heads=None,
+                                kv_heads=None, zero_stage=self.parallelism.zero_stage)  # fmt: skip
+        if problem:
+            raise parallelism_error(problem[0], f"{problem[1]} (dp={dp}, tp={tp}, ep={ep})")
 
     def _check_grpo_aux_loss(self) -> None:
         """grpo.router_aux_loss_coef needs an architecture with an aux loss; a model continued

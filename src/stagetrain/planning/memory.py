@@ -8,7 +8,11 @@ fp32 master weights and Adam moments; ZeRO partitions over the dp ranks:
   stage 0: 16 N        stage 1: 4 N + 12 N / dp
   stage 2: 2 N + 18 N / dp (16-bit and fp32 gradient partitions, as DeepSpeed counts them)
   stage 3: 18 N / dp + 4 * largest module (the gathered working copy)
-where N is the parameters one tensor-parallel rank holds.
+where N is the parameters one tensor-parallel rank holds. Under expert parallelism
+(ep > 1, DeepSpeed AutoEP) a rank holds 1/ep of the routed experts, and ZeRO partitions
+them over the dp/ep ranks that hold the same ones: the partitioned terms stay N_all / dp
+(N_all the whole model's parameters), while the whole terms (weights, ZeRO 0-1 gradients)
+count the rank's own N = N_all - (1 - 1/ep) x the routed experts' parameters.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
 in Large Transformer Models", the formulas behind Megatron-LM's
@@ -61,14 +65,17 @@ class Memory:
         )  # fmt: skip
 
 
-def params_per_rank(shape: ModelShape, tp: int) -> int:
-    """Parameters one tp rank holds: decoder layers split by tp, embeddings replicated."""
-    return (shape.params - shape.embedding_params) // tp + shape.embedding_params
+def params_per_rank(shape: ModelShape, tp: int, ep: int = 1) -> int:
+    """Parameters one rank holds: decoder layers split by tp, embeddings replicated, and 1/ep of
+    the routed experts (tp and ep > 1 never meet: AutoEP trains with tp 1)."""
+    split = (shape.params - shape.embedding_params) // tp + shape.embedding_params
+    return split - shape.expert_params + shape.expert_params // ep
 
 
 def model_states(shape: ModelShape, layout: Layout) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, host bytes per node) for the layout's ZeRO stage and offload."""
-    n = params_per_rank(shape, layout.tp)
+    n = params_per_rank(shape, layout.tp, layout.ep)
+    part = params_per_rank(shape, layout.tp)  # what ZeRO's partitions add up to, over dp
     dp, zero = layout.dp, layout.zero_stage
     half = layout.precision != "fp32"
     w = 2 if half else 4  # bytes per weight and per gradient
@@ -77,21 +84,21 @@ def model_states(shape: ModelShape, layout: Layout) -> tuple[int, int, int, int]
     per_node_ranks = layout.gpus_per_node
     nodes = max(1, layout.world // per_node_ranks)
     if layout.offload == "optimizer_and_params":
-        host = int(n * 18 / nodes * ADDITIONAL_BUFFER_FACTOR)
+        host = int(part * 18 / nodes * ADDITIONAL_BUFFER_FACTOR)
         return largest, 0, 0, host
     if layout.offload == "optimizer":
         if zero == 3:
-            host = int(n * 16 / nodes * ADDITIONAL_BUFFER_FACTOR)
-            return largest + w * n // dp, 0, 0, host
-        host = int(n * max(4 * layout.world, 16) * ADDITIONAL_BUFFER_FACTOR)
+            host = int(part * 16 / nodes * ADDITIONAL_BUFFER_FACTOR)
+            return largest + w * part // dp, 0, 0, host
+        host = int(part * max(4 * layout.world, 16) * ADDITIONAL_BUFFER_FACTOR)
         return w * n, 0, 0, host
     if zero == 0:
         return w * n, w * n, opt * n, 0
     if zero == 1:
-        return w * n, w * n, opt * n // dp, 0
+        return w * n, w * n, opt * part // dp, 0
     if zero == 2:
-        return w * n, (w + 4) * n // dp, opt * n // dp, 0
-    return w * n // dp + largest, 4 * n // dp, opt * n // dp, 0
+        return w * n, (w + 4) * part // dp, opt * part // dp, 0
+    return w * part // dp + largest, 4 * part // dp, opt * part // dp, 0
 
 
 def zero_buffers(

@@ -23,8 +23,8 @@ from stagetrain.errors import StageError
 Precision = Literal["bf16", "fp16", "fp32"]
 Offload = Literal["none", "optimizer", "optimizer_and_params"]
 Attention = Literal["sdpa", "eager"]
-MODEL_FACTS = ("num_heads", "num_kv_heads")
-"""Fields the planner checks tp against but plan.json does not store."""
+MODEL_FACTS = ("num_heads", "num_kv_heads", "num_experts")
+"""Fields the planner checks tp and ep against but plan.json does not store."""
 
 
 class LayoutRecord(TypedDict):
@@ -34,6 +34,7 @@ class LayoutRecord(TypedDict):
     gpus_per_node: int
     dp: int
     tp: int
+    ep: int
     micro_batch_size: int
     grad_accum: int
     global_batch: int
@@ -68,6 +69,7 @@ class ThroughputRecord(TypedDict):
     compute_s: float
     dp_comm_s: float
     tp_comm_s: float
+    ep_comm_s: float
     offload_s: float
     tokens_per_s: float
     mfu: float
@@ -128,7 +130,8 @@ class StagePart(StageDecision):
     """`stages.<stage>` of plan/<stage>.json: the decision and where its values came from."""
 
     sources: dict[str, str]
-    """Where each searched value came from: config, a table's source, or planner."""
+    """Where each searched value came from: config, a table's source, planner, or model (the ep
+    of a model AutoEP does not split)."""
     generation: NotRequired[GenerationRecord]
     """GRPO's stage only."""
 
@@ -152,6 +155,10 @@ class ModelRecord(TypedDict):
     head_dim: int
     intermediate_size: int
     experts_per_token: int
+    num_experts: int
+    expert_params: int
+    moe_layers: int
+    model_type: str
     vocab_size: int
     kv_cache_width: int
     vocab_multiple: int
@@ -230,13 +237,21 @@ def factor_misfit(
     zero_stage: int | None,
     heads: int | None,
     kv_heads: int | None,
+    ep: int | None = None,
+    experts: int | None = None,
 ) -> tuple[str, str] | None:
-    """The first of dp and tp that cannot form a layout of `world` ranks, and why; None if both can.
+    """The first of dp, tp and ep that cannot form a layout of `world` ranks, and why; None if all can.
 
     The one check of these factors: the planner runs it on the values a config or
     a table fixes before it searches (None: not fixed), and every `Layout` on itself
-    (heads None: a layout read back from plan.json, which does not store them).
+    (heads and experts None: a layout read back from plan.json, which does not store them).
     The reason starts with its subject ('tp must divide ...'); callers add the factors.
+
+    ep > 1 (DeepSpeed AutoEP) splits each MoE layer's routed experts over groups of ep
+    data-parallel ranks, so ep divides dp and the experts. AutoEP refuses tensor parallelism
+    from outside it, and ZeRO-0 writes expert optimizer files that DeepSpeed's universal
+    converter, which consolidation and elastic resume read AutoEP checkpoints through, does
+    not read; both are refused here.
     """
     if tp and heads is not None and kv_heads is not None and (heads % tp or kv_heads % tp):
         return "tp", "tp must divide the attention and KV heads"
@@ -246,6 +261,26 @@ def factor_misfit(
         return ("dp" if dp else "tp"), "dp * tp must equal the world size"
     if (tp or 1) > 1 and zero_stage == 3:
         return "tp", "tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, not zero_stage 3"
+    if (ep or 1) > 1:
+        if experts is not None and (not experts or experts % ep):
+            what = (
+                f"the {experts} routed experts of each MoE layer"
+                if experts
+                else "a model with routed experts (this one is dense)"
+            )
+            return "ep", f"ep must divide {what}"
+        if (tp or 1) > 1:
+            return "ep", "ep > 1 (DeepSpeed AutoEP) trains with tp 1 only"
+        if dp and dp % ep or world % ep:
+            return (
+                "ep",
+                "ep must divide dp (each group of ep data-parallel ranks shares out the experts)",
+            )
+        if zero_stage == 0:
+            return (
+                "ep",
+                "ep > 1 needs zero_stage 1-3 (DeepSpeed's universal converter, which reads AutoEP checkpoints, reads no ZeRO-0 one)",
+            )
     return None
 
 
@@ -269,6 +304,9 @@ class Layout:
     """Ranks per node (CPU: ranks per machine)."""
     dp: int
     tp: int
+    ep: int = 1
+    """Expert-parallel ranks (DeepSpeed AutoEP): each of a group of ep data-parallel ranks holds
+    1/ep of every MoE layer's routed experts; 1 for a dense model and without AutoEP."""
     micro_batch_size: int
     grad_accum: int
     global_batch: int
@@ -281,18 +319,22 @@ class Layout:
     num_heads: int | None = None
     """Attention heads tp must divide; None in a layout read back from plan.json (not stored)."""
     num_kv_heads: int | None = None
+    num_experts: int | None = None
+    """Routed experts per MoE layer, which ep must divide (0: dense); None as num_heads."""
 
     def __post_init__(self) -> None:
         factors = (
             f"dp={self.dp}, tp={self.tp}, world={self.world}, micro_batch_size={self.micro_batch_size}, "
             f"grad_accum={self.grad_accum}, global_batch={self.global_batch}, "
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}"
+            + (f", ep={self.ep}, experts={self.num_experts}" if self.ep > 1 else "")
         )
-        if min(self.dp, self.tp, self.micro_batch_size, self.grad_accum) < 1:
+        if min(self.dp, self.tp, self.ep, self.micro_batch_size, self.grad_accum) < 1:
             raise StageError(f"parallelism: every factor must be >= 1 ({factors})")
         problem = factor_misfit(
             world=self.world, per_node=self.gpus_per_node, dp=self.dp, tp=self.tp,
             zero_stage=self.zero_stage, heads=self.num_heads, kv_heads=self.num_kv_heads,
+            ep=self.ep, experts=self.num_experts,
         )  # fmt: skip
         if problem:
             raise parallelism_error(problem[0], f"{problem[1]} ({factors})")
@@ -318,7 +360,8 @@ class Layout:
         """The layout as plan.json stores it, without the model facts it was checked against
         (summary.json and the consolidation's manifest repeat it)."""
         out = asdict(self)
-        del out["num_heads"], out["num_kv_heads"]
+        for fact in MODEL_FACTS:
+            del out[fact]
         return cast(LayoutRecord, out)
 
     @classmethod
@@ -351,4 +394,5 @@ class Layout:
     @property
     def checkpoint_layout(self) -> dict[str, int]:
         """What a checkpoint's files depend on: a resume under another one converts it (training.reshard)."""
-        return {"dp": self.dp, "tp": self.tp, "zero_stage": self.zero_stage}
+        split = {"ep": self.ep} if self.ep > 1 else {}  # absent: 1, as before ep existed
+        return {"dp": self.dp, "tp": self.tp, **split, "zero_stage": self.zero_stage}

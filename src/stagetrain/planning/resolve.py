@@ -20,6 +20,7 @@ from stagetrain.config.settings import (
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import CATALOG_PATH, gpu_spec
 from stagetrain.hardware.report import HardwareReport, SpeedReport
+from stagetrain.model.architectures import expert_parallel_refusal
 from stagetrain.planning import attention as attentions
 from stagetrain.planning import precision as precisions
 from stagetrain.planning import table as tables
@@ -141,8 +142,9 @@ def misfit(
     heads: int,
     kv_heads: int,
     stages: Sequence[Demand] = (),
+    experts: int | None = None,
 ) -> tuple[str, str] | None:
-    """The first of dp, tp, micro_batch_size (None: not fixed) that cannot form a layout, and why.
+    """The first of dp, tp, ep, micro_batch_size (None: not fixed) that cannot form a layout, and why.
 
     With `stages`, also whether dp splits each stage's batch into whole groups per rank
     and the micro batch divides that per-rank batch. The reason starts with its subject
@@ -150,11 +152,16 @@ def misfit(
     """
     dp, tp, mbs = fixed.dp, fixed.tp, fixed.micro_batch_size
     world = devices.world
-    problem = factor_misfit(world=world, per_node=devices.per_node, dp=dp, tp=tp,
-                            zero_stage=fixed.zero_stage, heads=heads, kv_heads=kv_heads)  # fmt: skip
+    problem = factor_misfit(world=world, per_node=devices.per_node, dp=dp, tp=tp, ep=fixed.ep,
+                            zero_stage=fixed.zero_stage, heads=heads, kv_heads=kv_heads,
+                            experts=experts)  # fmt: skip
     if problem:
         key, why = problem
-        return key, f"{why} (dp={dp}, tp={tp}, world={world}, heads={heads}, kv_heads={kv_heads})"
+        split = f", ep={fixed.ep}, experts={experts}" if (fixed.ep or 1) > 1 else ""
+        return (
+            key,
+            f"{why} (dp={dp}, tp={tp}, world={world}, heads={heads}, kv_heads={kv_heads}{split})",
+        )
     dp = dp or (world // tp if tp else None)
     for stage in stages if dp else ():
         per_rank, rest = divmod(stage.global_batch, dp)
@@ -171,9 +178,13 @@ def misfit(
     return None
 
 
-def check_fixed(fixed: Fixed, devices: Devices, heads: int, kv_heads: int) -> None:
-    """Fail early, with every factor, on dp and tp values of the config that cannot form a layout."""
-    problem = misfit(fixed, devices, heads, kv_heads)
+def check_fixed(fixed: Fixed, devices: Devices, model: ModelShape) -> None:
+    """Fail early, with every factor, on dp, tp and ep values of the config that cannot form a
+    layout of this model on these devices."""
+    refusal = expert_parallel_refusal(model.model_type) if (fixed.ep or 1) > 1 else None
+    if refusal:
+        raise parallelism_error("ep", refusal)
+    problem = misfit(fixed, devices, model.num_heads, model.num_kv_heads, experts=model.num_experts)
     if problem:
         raise parallelism_error(*problem)
 
@@ -259,6 +270,7 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
         Demand(stage="pretrain", seq_len=seq, global_batch=batch),
         Demand(
             stage="grpo",
+            expert_parallel=False,
             seq_len=grpo.max_prompt_len + grpo.max_new_tokens,
             global_batch=grpo.prompts_per_step * grpo.group_size,
             group=grpo.group_size,
@@ -286,9 +298,9 @@ def _fill_from_table(
 
 
 def _plan_source(sources: Mapping[str, str], table_record: TableRecord) -> str:
-    """plan.json's `source`: config when the config set every searched value, the table's
-    source when it was used, else estimated."""
-    labels = set(sources.values())
+    """plan.json's `source`: config when the config set every searched value (ep aside where
+    the model left nothing to choose), the table's source when it was used, else estimated."""
+    labels = set(sources.values()) - {"model"}
     return (
         "config" if len(sources) == len(SEARCHED) and labels == {"config"}
         else table_record["source"] if table_record.get("status") == "used"
@@ -335,7 +347,7 @@ def resolve(
     shape = _shapes(settings.model, settings.tokenizer.vocab_size, shapes)
     configured = Fixed.of(settings.parallelism)
     heads, kv_heads = shape(1).num_heads, shape(1).num_kv_heads
-    check_fixed(configured, devices, heads, kv_heads)
+    check_fixed(configured, devices, shape(1))
     stage_demands = demands(settings.pretrain, settings.grpo, devices)
     fits = partial(entry_misfit, fixed=configured, devices=devices, heads=heads,
                    kv_heads=kv_heads, stages=stage_demands)  # fmt: skip
@@ -344,6 +356,8 @@ def resolve(
     )
     sources = {k: "config" for k in configured.given()}
     sources |= {k: table_record["source"] for k in fixed.given() if k not in sources}
+    if "ep" not in sources and expert_parallel_refusal(shape(1).model_type):
+        sources["ep"] = "model"  # nothing to choose: the architecture has no expert parallelism
     knobs = Knobs(parallelism=settings.parallelism, deepspeed=settings.deepspeed)
     stages: dict[str, StagePlanRecord] = {}
     for demand in stage_demands:

@@ -1,8 +1,9 @@
 """The analytic planner: enumerate layouts, model each one, keep the fastest that fits.
 
-Searched: tp (dividing the heads, the KV heads and the devices of a node), ZeRO
-stage 0-3, micro batch size (dividing the per-rank batch), activation
-checkpointing; CPU offload only when nothing else fits. Values fixed by the
+Searched: tp (dividing the heads, the KV heads and the devices of a node), ep
+(dividing dp and the routed experts, for an architecture AutoEP splits, with tp 1 and
+ZeRO 1-3; pretraining only), ZeRO stage 0-3, micro batch size (dividing the per-rank
+batch), activation checkpointing; CPU offload only when nothing else fits. Values fixed by the
 config or a parallelism table narrow the search instead of being searched.
 Candidates are ranked by predicted speed (`throughput.predict`, from the catalog
 peak on GPUs and the measured matrix-product rate on CPU ranks); without a
@@ -21,6 +22,7 @@ from typing import cast
 from stagetrain.config.settings import DeepSpeedSettings, ParallelismSettings
 from stagetrain.errors import StageError
 from stagetrain.hardware.catalog import GpuSpec
+from stagetrain.model.architectures import expert_parallel_refusal
 from stagetrain.planning import memory as mem
 from stagetrain.planning.plan import (
     CandidateRecord,
@@ -45,6 +47,7 @@ class Fixed:
 
     dp: int | None = None
     tp: int | None = None
+    ep: int | None = None
     micro_batch_size: int | None = None
     zero_stage: int | None = None
     activation_checkpointing: bool | None = None
@@ -116,6 +119,10 @@ class Demand:
     """Sequences per optimizer step."""
     group: int = 1
     """Sequences that must stay on one rank together (GRPO: one prompt's completions)."""
+    expert_parallel: bool = True
+    """Whether the stage can split experts (ep > 1). GRPO cannot yet: its generation would send
+    tokens between the ranks of an ep group at every forward, so every rank would have to make
+    the same number of forwards, which tree rollouts and held-out chunks do not."""
     extra_bytes: Callable[[ModelShape, Layout], int] = field(default=lambda shape, layout: 0)
 
 
@@ -133,7 +140,7 @@ class Evaluated:
         """A short human-readable form, e.g. 'tp=2 zero=1 mbs=4 ga=2 ac=off offload=none'."""
         lay = self.layout
         return (
-            f"tp={lay.tp} dp={lay.dp} zero={lay.zero_stage} mbs={lay.micro_batch_size} "
+            f"tp={lay.tp} dp={lay.dp}{f' ep={lay.ep}' if lay.ep > 1 else ''} zero={lay.zero_stage} mbs={lay.micro_batch_size} "
             f"ga={lay.grad_accum} ac={'on' if lay.activation_checkpointing else 'off'} "
             f"offload={lay.offload}"
         )
@@ -141,6 +148,19 @@ class Evaluated:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _eps(demand: Demand, fixed: Fixed, model: ModelShape, tp: int, dp: int) -> list[int]:
+    """The ep values to try at this tp and dp: the fixed one where it can split the experts here
+    (none where it cannot: AutoEP trains with tp 1, in groups of ep of the dp ranks), or every
+    one that can."""
+    if not demand.expert_parallel:
+        return [1]
+    if fixed.ep:
+        return [fixed.ep] if fixed.ep == 1 or tp == 1 and dp % fixed.ep == 0 else []
+    if tp > 1 or expert_parallel_refusal(model.model_type):
+        return [1]
+    return [e for e in _divisors(dp) if model.num_experts % e == 0]
 
 
 def _candidates(
@@ -180,16 +200,18 @@ def _candidates(
             if fixed.activation_checkpointing is not None
             else [False, True]
         )
-        for mbs, zero, ac, offload in product(mbs_options, zeros, acs, offloads):
+        eps = _eps(demand, fixed, heads, tp, dp)
+        for ep, mbs, zero, ac, offload in product(eps, mbs_options, zeros, acs, offloads):
             if offload != "none" and zero < 2 or offload == "optimizer_and_params" and zero != 3:
                 continue
-            if tp > 1 and zero == 3:
+            if tp > 1 and zero == 3 or ep > 1 and zero == 0:
                 continue
             yield Layout(
                 world=devices.world,
                 gpus_per_node=devices.per_node,
                 dp=dp,
                 tp=tp,
+                ep=ep,
                 micro_batch_size=mbs,
                 grad_accum=max(1, per_rank // mbs),
                 global_batch=demand.global_batch,
@@ -200,6 +222,7 @@ def _candidates(
                 precision=precision,
                 num_heads=shape(tp).num_heads,
                 num_kv_heads=shape(tp).num_kv_heads,
+                num_experts=heads.num_experts,
             )
 
 
@@ -247,7 +270,8 @@ def _rank(ev: Evaluated) -> tuple:
     lay = ev.layout
     speed = -round(ev.throughput.tokens_per_s, 6) if ev.throughput else lay.grad_accum
     offload = ("none", "optimizer", "optimizer_and_params").index(lay.offload)
-    return (speed, offload, lay.zero_stage, lay.activation_checkpointing, lay.tp, ev.memory.total)
+    return (speed, offload, lay.zero_stage, lay.activation_checkpointing, lay.tp, lay.ep,
+            ev.memory.total)  # fmt: skip
 
 
 def _why_lost(loser: Evaluated, winner: Evaluated) -> str:
@@ -274,6 +298,8 @@ def _why_lost(loser: Evaluated, winner: Evaluated) -> str:
         return "no faster, and recomputes activations"
     if ll.tp != lw.tp:
         return f"no faster, with tp={ll.tp} vs {lw.tp}"
+    if ll.ep != lw.ep:
+        return f"no faster, with ep={ll.ep} vs {lw.ep}"
     return f"no faster, and needs more memory ({loser.memory.total / mem.GIB:.2f} GiB)"
 
 
@@ -401,6 +427,11 @@ def search(
     """
     evaluated = _evaluate_all(demand, devices, fixed, shape, precision, knobs, rates)
     best, fitting, warnings = _choose(demand, evaluated, fixed, devices.host_bytes_per_node)
+    if (fixed.ep or 1) > 1 and not demand.expert_parallel:
+        warnings.append(
+            f"{demand.stage}: trains with ep=1, not parallelism.ep={fixed.ep} (pretraining's): its "
+            "generation would need every rank of an ep group to make the same number of forwards"
+        )
     others = [e for e in fitting[1:] if e.summary() != best.summary()]
     rejected = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)
     return {

@@ -70,6 +70,14 @@ class ModelShape:
     """Width of the MLP a token passes through (for MoE: its experts_per_token routed experts
     plus any shared expert), averaged over the layers where they differ."""
     experts_per_token: int
+    num_experts: int
+    """Routed experts per MoE layer (0: a dense model)."""
+    expert_params: int
+    """Parameters of every MoE layer's routed experts, all layers: what ep splits."""
+    moe_layers: int
+    """Layers whose MLP is routed experts (their tokens cross ranks twice each way under ep)."""
+    model_type: str
+    """transformers' model_type (the architecture), which says whether AutoEP has a preset."""
     vocab_size: int
     kv_cache_width: int
     """Elements one token adds to one layer's KV cache (2 x kv_heads x head_dim; latent
@@ -106,6 +114,7 @@ def _counts(config: PretrainedConfig, layers: int) -> dict[str, int]:
     return {
         "total": total,
         "experts": experts,
+        "moe_layers": sum(name.endswith(".experts") for name, _ in model.named_modules()),
         "embedding": embed + (head.weight.numel() if untied else 0),
         "largest": largest,
     }
@@ -149,6 +158,10 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         head_dim=head_dim,
         intermediate_size=mlp_width(config, top_k if num_experts else 0),
         experts_per_token=top_k,
+        num_experts=num_experts,
+        expert_params=full["experts"],
+        moe_layers=full["moe_layers"],
+        model_type=config.model_type,
         vocab_size=config.vocab_size,
         kv_cache_width=latent + config.qk_rope_head_dim if latent else 2 * kv_heads * head_dim,
     )

@@ -99,6 +99,8 @@ class Throughput:
     dp_comm_s: float
     """Exposed (not overlapped) data-parallel communication."""
     tp_comm_s: float
+    ep_comm_s: float
+    """All-to-all of routed tokens between the ranks of an ep group (ep > 1)."""
     offload_s: float
     tokens_per_s: float
     mfu: float
@@ -107,7 +109,7 @@ class Throughput:
     @property
     def step_s(self) -> float:
         """Predicted seconds per optimizer step."""
-        return self.compute_s + self.dp_comm_s + self.tp_comm_s + self.offload_s
+        return self.compute_s + self.dp_comm_s + self.tp_comm_s + self.ep_comm_s + self.offload_s
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -138,7 +140,10 @@ def predict(
     w = 2 if layout.precision != "fp32" else 4
     intra = rates.intra_gbps * 1e9
     dp_bw = min(intra, inter_node_gbps * 1e9) if nodes > 1 else intra
-    ring = 2 * (layout.dp - 1) / layout.dp * n * w
+    # Under ep, a rank's routed experts are reduced over the dp / ep ranks that hold them.
+    experts, ep_dp = shape.expert_params // layout.ep, layout.dp // layout.ep
+    ring = 2 * w * ((layout.dp - 1) / layout.dp * (n - shape.expert_params)
+                    + (ep_dp - 1) / ep_dp * experts)  # fmt: skip
     ga = layout.grad_accum
     volume = {0: ring, 1: ring, 2: ring / 2 * ga + ring / 2, 3: 1.5 * ring * ga}[layout.zero_stage]
     dp_time = volume / dp_bw
@@ -149,6 +154,15 @@ def predict(
     tp_bytes = 2 * (layout.tp - 1) / layout.tp * micro_tokens * shape.hidden_size * w
     tp_time = allreduces * shape.num_layers * tp_bytes * ga / intra
 
+    # Each MoE layer sends a micro batch's routed token slots to their experts' ranks and back,
+    # in the forward and the backward (and the recomputed forward); all but 1/ep leave the rank.
+    all_to_alls = 6 if layout.activation_checkpointing else 4
+    ep_bytes = (
+        (layout.ep - 1) / layout.ep * micro_tokens * shape.experts_per_token * shape.hidden_size * w
+    )
+    ep_bw = intra if layout.ep <= layout.gpus_per_node else dp_bw
+    ep_time = all_to_alls * shape.moe_layers * ep_bytes * ga / ep_bw
+
     offload = 0.0
     if layout.offload != "none":
         share = n / layout.dp
@@ -156,12 +170,13 @@ def predict(
         if layout.offload == "optimizer_and_params":
             offload += 3 * share * w * ga / (rates.offload_gbps * 1e9)
 
-    step = compute + exposed + tp_time + offload
+    step = compute + exposed + tp_time + ep_time + offload
     tokens_per_s = layout.tokens_per_step / step
     return Throughput(
         compute_s=compute,
         dp_comm_s=exposed,
         tp_comm_s=tp_time,
+        ep_comm_s=ep_time,
         offload_s=offload,
         tokens_per_s=tokens_per_s,
         mfu=flops_per_token(shape, layout.seq_len) * tokens_per_s / (layout.world * peak),

@@ -116,7 +116,8 @@ def card_text(*, run: str, model: ModelSettings, plan: PlanRecord, meta: Tokeniz
             else None
         )
         lines.append(
-            f"- {stage}: {summary['final_step']} steps, dp={lay['dp']} tp={lay['tp']} ZeRO-{lay['zero_stage']} "
+            f"- {stage}: {summary['final_step']} steps, dp={lay['dp']} tp={lay['tp']}"
+            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''} ZeRO-{lay['zero_stage']} "
             f"micro batch {lay['micro_batch_size']} x {lay['grad_accum']} accumulation"
             + (f", {tokens:,} tokens" if tokens else "")
         )

@@ -1,7 +1,7 @@
 """The render_deepspeed_config stage: one complete DeepSpeed config per training stage.
 
 Nothing is left as "auto": batch sizes, ZeRO stage and options, precision,
-optimizer and schedule, clipping, AutoTP and activation checkpointing all come
+optimizer and schedule, clipping, AutoTP, AutoEP and activation checkpointing all come
 from the plan's layout and the config. The result is parsed by DeepSpeed's own
 `DeepSpeedConfig` (at the plan's world size), so a key DeepSpeed's
 config models reject or a batch that does not add up fails here, on the laptop,
@@ -78,6 +78,7 @@ class DeepSpeedJson(TypedDict):
     bf16: NotRequired[Enabled]
     fp16: NotRequired[Fp16]
     tensor_parallel: NotRequired[dict[str, int | bool]]
+    expert_parallel: NotRequired[dict[str, int | bool]]
     activation_checkpointing: NotRequired[dict[str, bool]]
 
 
@@ -184,6 +185,11 @@ def render(
         # Full logits on every tp rank (the output projection gathers its columns), so the
         # loss is the ordinary cross-entropy; the planner counts the logits unsplit.
         config["tensor_parallel"] = {"autotp_size": layout.tp, "vocab_parallel_lm_head": False}
+    if layout.ep > 1:
+        # AutoEP replaces each MoE block with its own layer (`AutoEPMoELayer`), the preset found
+        # from the model's model_type; no load_balance_coeff: the stage balances the router itself
+        # (training.experts), and AutoEP refuses one.
+        config["expert_parallel"] = {"enabled": True, "autoep_size": layout.ep}
     if layout.activation_checkpointing:
         config["activation_checkpointing"] = {
             "partition_activations": False,
