@@ -14,9 +14,12 @@
 2. The embeddings are resized to model_config.json's padded vocabulary
    (stagetrain.model.embeddings), before the engine exists.
 3. MoE sparse blocks become ZeRO-3 leaf modules, so a rank whose tokens skip an
-   expert does not wait forever for that expert's parameters.
+   expert does not wait forever for that expert's parameters. Under expert parallelism
+   AutoEP replaces those blocks, and its layer runs every local expert's weights at once.
 4. Activation checkpointing follows the plan.
-5. `deepspeed.initialize` wraps it; AutoTP splits it when the config asks for tp > 1.
+5. `deepspeed.initialize` wraps it; AutoTP splits it when the config asks for tp > 1, and
+   AutoEP shares out its routed experts when it asks for ep > 1 (each rank keeps 1/ep of
+   them, under AutoEP's own names: `training.experts`, `consolidate.experts`).
 """
 
 from __future__ import annotations
@@ -248,7 +251,7 @@ def build(
     model.set_attn_implementation(attention)
     local, total = local_elements(model)
     resize_embeddings(model, config.vocab_size, seed=seed)
-    if zero3 and config.model_type in SPARSE_BLOCKS:
+    if zero3 and config.model_type in SPARSE_BLOCKS and "expert_parallel" not in ds_config:
         module, name = SPARSE_BLOCKS[config.model_type]
         block = getattr(__import__(module, fromlist=[name]), name)
         deepspeed.utils.set_z3_leaf_modules(model, [block])

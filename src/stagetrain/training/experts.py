@@ -17,14 +17,19 @@ idle, and nothing in that loss shows it. Two remedies, each as its architecture 
   rank so that every rank's bias stays the same (`balance_routers`).
 
 Either way the same step measures which share of the routed tokens each expert got
-(`expert_counts`: the experts the router actually chose, bias included). The validation
+(`expert_counts`: the experts the router actually chose, bias included). Under expert
+parallelism DeepSpeed's AutoEP replaces each MoE block with its own layer, whose router
+(`TokenChoiceTopKRouter`) returns no logits to transformers' output; the counts are then the
+router's own choices, read by a forward hook (`autoep_choices`), and the bias update moves
+that router's copy of the bias. The validation
 loss and consolidation's check stay the language-model loss alone (`training.evaluation`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
@@ -220,6 +225,29 @@ def load_stats(shares: np.ndarray) -> LoadStats:
     }
 
 
+AUTOEP_ROUTER = "TokenChoiceTopKRouter"
+"""The router of DeepSpeed AutoEP's MoE layer; its forward returns (gate weights, chosen experts,
+tokens per expert), the experts as global ids."""
+
+
+@contextlib.contextmanager
+def autoep_choices(model: Any) -> Iterator[list[torch.Tensor]]:
+    """While open, the experts each AutoEP router chooses, (tokens, top_k) per MoE layer in
+    forward order; an empty list for a model AutoEP did not replace. Closed before the
+    backward pass, so a recomputed forward (activation checkpointing) is not counted twice."""
+    chosen: list[torch.Tensor] = []
+    routers = [m for m in model.modules() if type(m).__name__ == AUTOEP_ROUTER]
+    handles = [
+        router.register_forward_hook(lambda _m, _args, out: chosen.append(out[1].detach()))
+        for router in routers
+    ]
+    try:
+        yield chosen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def training_loss(
     model: Any,
     device: torch.device,
@@ -233,9 +261,15 @@ def training_loss(
     router's load-balancing loss where the architecture defines one (else the aux loss is
     None and the loss is the cross-entropy); the counts as `expert_counts` makes them, with
     the routing biases the forward used."""
-    lm, out = forward_loss(model, device, shard, windows, seq_len, output_router_logits=True)
-    biases = router_biases(model) if routing.bias_rate is not None else None
-    counts = expert_counts(out.router_logits, routing, biases)
+    with autoep_choices(model) as chosen:
+        lm, out = forward_loss(model, device, shard, windows, seq_len, output_router_logits=True)
+    if chosen:
+        counts = torch.stack(
+            [torch.bincount(c.reshape(-1), minlength=routing.experts) for c in chosen]
+        )
+    else:
+        biases = router_biases(model) if routing.bias_rate is not None else None
+        counts = expert_counts(out.router_logits, routing, biases)
     if routing.coef is None:
         return lm, lm, None, counts
     aux = out.aux_loss.float()

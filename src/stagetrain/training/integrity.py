@@ -207,17 +207,39 @@ def check_tag(folder: Path, tag: str, layout: Mapping[str, int]) -> list[Path]:
     if not base.is_dir():
         raise StageError(f"{base}: missing: the folder of checkpoint {tag} is gone")
     files = expected_files(base, layout)
+    ep = f" ep={layout['ep']}" if layout.get("ep", 1) > 1 else ""
+    run = f"{tag} of a dp={layout['dp']} tp={layout['tp']}{ep} ZeRO-{layout['zero_stage']} run"
     for path in files:
         if not path.exists():
-            raise StageError(
-                f"{path}: missing from the checkpoint ({tag} of a dp={layout['dp']} tp={layout['tp']} "
-                f"ZeRO-{layout['zero_stage']} run)"
-            )
+            raise StageError(f"{path}: missing from the checkpoint ({run})")
         key = "optimizer_state_dict" if path.name.endswith("_optim_states.pt") else "module"
         content = load_file(path)
         if not isinstance(content, dict) or key not in content:
             raise StageError(f"{path}: not a DeepSpeed checkpoint file (no {key!r})")
+        if path == files[0] and layout.get("ep", 1) > 1 and layout["zero_stage"] < 3:
+            experts = _expert_files(base, content, path)
+            for expert in experts:
+                if not expert.exists():
+                    raise StageError(f"{expert}: missing from the checkpoint ({run})")
+                if not isinstance(load_file(expert), dict):
+                    raise StageError(f"{expert}: not a DeepSpeed expert checkpoint file")
     return files
+
+
+def _expert_files(base: Path, model_states: Mapping[str, Any], path: Path) -> list[Path]:
+    """The per-expert files of an AutoEP checkpoint under ZeRO 1-2 (DeepSpeed writes each routed
+    expert of each MoE layer to its own file, the layers numbered in module order), from the
+    experts per MoE layer the model-states file lists."""
+    counts = model_states.get("num_experts")
+    if not isinstance(counts, list) or not all(type(n) is int for n in counts):
+        raise StageError(
+            f"{path}: an expert-parallel checkpoint lists no 'num_experts' per MoE layer"
+        )
+    return [
+        base / f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+        for layer, n in enumerate(counts)
+        for expert in range(n)
+    ]
 
 
 def resume_point(folder: Path, layout: Mapping[str, int]) -> Pointer | None:
