@@ -33,6 +33,8 @@ from stagetrain.errors import StageError
 from stagetrain.grpo import steps as grpo_steps
 from stagetrain.grpo.rollouts import flat_groups
 from stagetrain.model.config import build_config
+from stagetrain.pretrain.summary import PretrainSummary
+from stagetrain.training import reshard
 from stagetrain.training.batches import read_windows
 from stagetrain.training.experts import (
     BIAS,
@@ -396,6 +398,77 @@ def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict
             "routing_flip_share_max"
         ]  # fp32: the sampler and trainer route alike
         assert flips is not None and flips <= 0.01, grpo["sampler"]
+
+
+def _resumed_on(data: dict[str, str], out: Path, first: PretrainSummary, world: int,
+                layout: dict[str, Any], **kwargs: Any) -> tuple[PretrainSummary, str]:  # fmt: skip
+    """`first` run again from its step-2 checkpoint (its last made unreadable) on `world` ranks
+    under `layout`: the summary, and the log."""
+    folder = Path(first["checkpoint"]["folder"])
+    truncate(sorted((folder / "step00000004").glob("*optim_states.pt"))[-1])
+    proc = launch(data, out, world=world, layout=layout, **kwargs)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "summary.json").read_text()), proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep(
+    data: dict[str, str], tmp_path: Path
+) -> None:
+    """A deepseek_v3 on 2 ranks at ep=2 (DeepSpeed AutoEP: each rank 2 of every layer's 4 routed
+    experts; ZeRO-2) trains as 1 rank without AutoEP does on the same global batch: the same
+    losses (fp32), expert loads and routing biases. Its checkpoint (AutoEP's per-expert files)
+    consolidates into a folder that loads and generates in transformers, and a missing expert
+    file is refused in one line. Elastic, each run resumed from step 2 ends as it would have:
+    the ep=2 run on 1 rank (ZeRO-3), and at ep=2 under ZeRO-3 (two optimizer sub-groups, which
+    DeepSpeed's loader gave one step counter); the 1-rank run at ep=2 (its one optimizer group
+    given to AutoEP's two)."""
+    config = model_config(tmp_path / "model", **DEEPSEEK)
+    changes = {"model": DEEPSEEK, "pretrain": {"checkpoint_every": 2}}
+    kwargs = {"model_config": config, "config_changes": changes}
+    one = {"dp": 1, "tp": 1, "micro_batch_size": 2, "zero_stage": 2}
+    ep2 = {"dp": 2, "tp": 1, "ep": 2, "micro_batch_size": 2, "zero_stage": 2}
+    single = run(data, tmp_path / "one", world=1, layout=one, **kwargs)
+    split = run(data, tmp_path / "ep2", world=2, layout=ep2, **kwargs)
+    assert split["layout"]["ep"] == 2 and single["layout"]["ep"] == 1
+    for step, loss in single["losses"].items():
+        assert abs(split["losses"][step] - loss) <= 1e-5 * loss, (split["losses"], single["losses"])
+    assert split["experts"]["final_load_by_layer"] == single["experts"]["final_load_by_layer"]
+    folder = Path(split["checkpoint"]["folder"])
+    biases = _biases(folder, "step00000004", 2)
+    assert sorted(biases) == [f"model.layers.{i}.mlp.router.{BIAS}" for i in (1, 2, 3)]
+    reference = _biases(Path(single["checkpoint"]["folder"]), "step00000004", 2)
+    assert any(b.any() for b in biases.values()) and all(
+        torch.allclose(b, reference[k.replace("router.", "gate.")], atol=1e-7) for k, b in biases.items()
+    )  # fmt: skip
+
+    (tmp_path / "split.json").write_text(json.dumps(split))
+    cfg = ConsolidateSettings(dtype="fp32", max_shard_size="2GB", verify="loss")
+    arguments = dict(stage="pretrain", summary_path=str(tmp_path / "split.json"), tokenizer_dir=data["tokenizer"],
+                     model_config_path=config, meta_path=data["meta"], cfg=cfg)  # fmt: skip
+    assert consolidate(**arguments, out=str(tmp_path / "hf"))["verification"]["method"] == "loss"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 128, 128)
+    assert model.generate(torch.tensor([[5, 9, 13]]), max_new_tokens=6, do_sample=False).shape == (
+        1,
+        9,
+    )
+    expert = folder / "step00000004" / "layer_2_expert_3_mp_rank_00_model_states.pt"
+    saved = expert.read_bytes()
+    expert.unlink()
+    with pytest.raises(StageError, match=r"layer_2_expert_3_mp_rank_00_model_states\.pt: missing from the checkpoint \(step00000004 of a dp=2 tp=1 ep=2 ZeRO-2 run\)$"):  # fmt: skip
+        consolidate(**arguments, out=str(tmp_path / "hf2"))
+    expert.write_bytes(saved)
+
+    for world, layout in ((1, {**one, "zero_stage": 3}), (2, {**ep2, "zero_stage": 3})):
+        again, log = _resumed_on(data, tmp_path / "ep2", split, world, layout, **kwargs)
+        assert again["resumed_from_step"] == 2 and again["layout"]["world"] == world
+        assert f"(dp=2 tp=1 ep=2) ZeRO-2 -> {reshard.describe(layout)}: converted step 2" in log
+        assert again["losses"] == split["losses"], layout
+    up, log = _resumed_on(data, tmp_path / "one", single, 2, ep2, **kwargs)
+    assert up["resumed_from_step"] == 2 and up["layout"]["ep"] == 2
+    assert "step00000002.autoep.universal" in log
+    assert up["losses"] == single["losses"]
 
 
 def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:

@@ -26,6 +26,9 @@ The layouts are DeepSpeed 0.19's, as its `zero_to_fp32` reads them (the names of
 
 Buffers come from the model file of rank 0 (`buffer_names`), and names DeepSpeed
 lists in `shared_params` take the regions of the parameter they share.
+
+An expert-parallel (AutoEP) checkpoint is read through DeepSpeed's universal copy of it
+(`expert_parallel_weights`), and its names are turned into transformers' (`training.autoep`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import torch
 
 from stagetrain.consolidate.stored import Region, Stored, describe, region_of, span
 from stagetrain.errors import StageError
@@ -95,12 +100,49 @@ def read_weights(
 ) -> dict[str, Stored]:
     """Where each of the checkpoint's weights lies, by parameter name."""
     files = checkpoint_files(folder, tag, layout)
+    if layout.get("ep", 1) > 1:
+        return expert_parallel_weights(folder, tag, layout, files[0])
     if layout["tp"] > 1:
         return gather_tp([module_weights(f) for f in files[: layout["tp"]]], shapes)
     if layout["zero_stage"] == 0:
         return module_weights(files[0])
     dp = layout["dp"]
     return zero_weights(files[0], files[-dp:], layout["zero_stage"])
+
+
+def expert_parallel_weights(
+    folder: Path, tag: str, layout: Mapping[str, int], model_file: Path
+) -> dict[str, Stored]:
+    """The fp32 weights of an AutoEP checkpoint (ep > 1), under transformers' names.
+
+    Its experts lie in per-expert files (ZeRO 1-2) or in partitions over the ranks that share
+    them (ZeRO-3), beside dense partitions over every rank. DeepSpeed's own universal converter
+    merges both into one whole tensor per parameter, so the tag is converted as a resume without
+    expert parallelism would convert it (`reshard.convert`, AutoEP's names turned into
+    transformers', the copy kept with its tag), and read from there; buffers come from rank 0's
+    model file of that copy, where they carry transformers' names too.
+    """
+    from stagetrain.training.reshard import convert  # imports DeepSpeed's converter
+
+    copy = folder / convert(folder, tag, layout, {**layout, "ep": 1})
+    weights = {}
+    for param in sorted(p for p in (copy / "zero").iterdir() if p.is_dir()):
+        path = param / "fp32.pt"
+        record = describe(path)
+        tensor = record.get("param") if isinstance(record, dict) else None
+        if not isinstance(tensor, torch.Tensor):
+            raise StageError(f"{path}: a universal checkpoint's parameter file without 'param'")
+        weights[param.name] = Stored(tuple(tensor.shape), (region_of(path, tensor, param.name),))
+    model_states = copy / model_file.name
+    model = describe(model_states)
+    for name in model.get("buffer_names", ()):
+        if name in model[MODULE]:
+            buffer = model[MODULE][name]
+            weights[name] = Stored(tuple(buffer.shape), (region_of(model_states, buffer, name),))
+    for name, source in model.get("shared_params", {}).items():
+        if source in weights:
+            weights[name] = weights[source]
+    return weights
 
 
 def zero_weights(model_file: Path, optim_files: list[Path], stage: int) -> dict[str, Stored]:

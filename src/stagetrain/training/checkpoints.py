@@ -195,6 +195,7 @@ class Checkpoints:
         config = engine._config  # DeepSpeed reads load_universal from its config at load time
         before = config.load_universal_checkpoint
         config.load_universal_checkpoint = options.universal
+        identities = reshard.group_identities(engine.optimizer)
         try:
             with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
                 _, client = engine.load_checkpoint(
@@ -203,6 +204,7 @@ class Checkpoints:
         finally:
             config.load_universal_checkpoint = before
         if options.universal:
+            reshard.mend_optimizer(engine.optimizer, identities)
             restored = reshard.restore_buffers(engine.module, self.folder / options.tag)
             if restored:
                 log.info("restored %d buffers from %s's model states (%s, ...)",
@@ -216,8 +218,8 @@ class Checkpoints:
             # What a save of this step killed halfway left (never pointed at): under another
             # layout its files, of other names, would sit beside this save's and break the
             # next conversion ("ZeRO file count 3 is not divisible by ... tp_degree=2").
-            for old in (self.folder / tag, self.folder / reshard.universal_tag(tag)):
-                shutil.rmtree(old, ignore_errors=True)
+            for old in (tag, *reshard.universal_tags(tag)):
+                shutil.rmtree(self.folder / old, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
         if os.environ.get(KILL_DURING_SAVE) == f"{self.rank}:{step}":

@@ -1,4 +1,4 @@
-"""Resuming a checkpoint written under another layout (world size, dp, tp, ZeRO stage).
+"""Resuming a checkpoint written under another layout (world size, dp, tp, ep, ZeRO stage).
 
 DeepSpeed's sharded files are tied to the layout that wrote them. Two cases
 need no conversion and one needs DeepSpeed's universal checkpoint:
@@ -15,6 +15,11 @@ need no conversion and one needs DeepSpeed's universal checkpoint:
   renamed to `<tag>.universal` when complete, so a killed conversion leaves
   nothing that looks finished and the next try reuses a finished one. It lives
   and dies with its tag (`keep_checkpoints` prunes both together).
+- Expert parallelism (ep > 1, DeepSpeed AutoEP) on either side converts too (AutoEP's
+  universal loader gives each rank its experts). AutoEP names an MoE layer's weights its own
+  way (`training.autoep`), so where one side runs AutoEP and the other does not, the copy's
+  MoE weights and moments are renamed (and the fused projection split or joined) for the
+  side that loads it; such a copy is `<tag>.autoep.universal` when AutoEP loads it.
 - Anything involving ZeRO-0 and another stage or tp is refused with one line:
   DeepSpeed's universal format is built from, and loaded into, ZeRO
   optimizer partitions, which a ZeRO-0 run does not have.
@@ -43,17 +48,21 @@ from typing import NamedTuple
 import torch
 
 from stagetrain.errors import StageError
+from stagetrain.training.autoep import FUSED, autoep_names, transformers_name
 from stagetrain.training.integrity import ResumePoint, load_file, weights_only_loads
 
 log = logging.getLogger("stagetrain")
 SUFFIX = ".universal"
+AUTOEP = ".autoep"
+"""In a universal copy's name: its MoE weights under AutoEP's names (`training.autoep`)."""
 
 
 def describe(layout: Mapping[str, int]) -> str:
-    """'2 ranks (dp=2 tp=1) ZeRO-2' for the log line."""
+    """'2 ranks (dp=2 tp=1) ZeRO-2', or '2 ranks (dp=2 tp=1 ep=2) ZeRO-1', for the log line."""
     world = layout["dp"] * layout["tp"]
+    ep = f" ep={layout['ep']}" if _autoep(layout) else ""
     return (
-        f"{world} rank{'s' if world != 1 else ''} (dp={layout['dp']} tp={layout['tp']}) "
+        f"{world} rank{'s' if world != 1 else ''} (dp={layout['dp']} tp={layout['tp']}{ep}) "
         f"ZeRO-{layout['zero_stage']}"
     )
 
@@ -75,25 +84,36 @@ def plan(old: Mapping[str, int], new: Mapping[str, int], *, final: bool = False)
     if old["zero_stage"] == 0 and new["zero_stage"] == 0 and old["tp"] == new["tp"]:
         return "as_is"
     if old["zero_stage"] == 0 or new["zero_stage"] == 0:
-        if final and old["zero_stage"] != 3 and old["tp"] == new["tp"]:
+        if final and old["zero_stage"] != 3 and old["tp"] == new["tp"] and not _autoep(old):
             return "weights"
         raise StageError(
             f"{describe(old)} -> {describe(new)}: a ZeRO-0 checkpoint resumes only under ZeRO-0 with "
-            "the same tp (DeepSpeed's universal checkpoint needs ZeRO 1-3 on both sides); set "
+            "the same tp, and an expert-parallel one only under ZeRO 1-3 (DeepSpeed's universal "
+            "checkpoint needs ZeRO 1-3 on both sides); set "
             f"parallelism.zero_stage: {old['zero_stage']} to resume, or delete the folder to start fresh"
         )
     return "universal"
 
 
-def universal_tag(tag: str) -> str:
-    """The tag folder of `tag`'s universal copy."""
-    return f"{tag}{SUFFIX}"
+def universal_tag(tag: str, autoep: bool = False) -> str:
+    """The tag folder of `tag`'s universal copy, under transformers' names or AutoEP's."""
+    return f"{tag}{AUTOEP if autoep else ''}{SUFFIX}"
+
+
+def universal_tags(tag: str) -> tuple[str, str]:
+    """Both universal copies `tag` can have."""
+    return universal_tag(tag), universal_tag(tag, autoep=True)
 
 
 def source_tag(name: str) -> str:
-    """The checkpoint tag a folder belongs to (step00000004.universal and a conversion's temp
-    folder .step00000004.universal.tmp -> step00000004)."""
-    return name.removeprefix(".").removesuffix(".tmp").removesuffix(SUFFIX)
+    """The checkpoint tag a folder belongs to (step00000004.universal, step00000004.autoep.universal
+    and a conversion's temp folder .step00000004.universal.tmp -> step00000004)."""
+    return name.removeprefix(".").removesuffix(".tmp").removesuffix(SUFFIX).removesuffix(AUTOEP)
+
+
+def _autoep(layout: Mapping[str, int]) -> bool:
+    """Whether a layout's model runs under AutoEP, whose MoE layers name their weights otherwise."""
+    return layout.get("ep", 1) > 1
 
 
 def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, int]) -> str:
@@ -103,7 +123,7 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
     conversion DeepSpeed cannot do (a file that reads but holds the wrong
     state) is a one-line error naming the tag folder, and nothing is left behind.
     """
-    target = folder / universal_tag(tag)
+    target = folder / universal_tag(tag, _autoep(new))
     change = f"{describe(old)} -> {describe(new)}"
     if target.is_dir():
         missing = missing_universal_file(target)
@@ -124,6 +144,8 @@ def convert(folder: Path, tag: str, old: Mapping[str, int], new: Mapping[str, in
         _model_states_for_every_stage(work / tag, folder / tag)
         _optimizer_state_for_every_stage(work / tag / "zero")
         _param_files_for_every_stage(work / tag)
+        if _autoep(old) != _autoep(new):
+            _rename_experts(work / tag, to_autoep=_autoep(new))
     except StageError:  # a converted file that does not read back: named already
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -261,6 +283,113 @@ def _param_files_for_every_stage(folder: Path) -> None:
             )
 
 
+def _rename_experts(folder: Path, *, to_autoep: bool) -> None:
+    """Turn a universal copy's MoE weights (with their Adam moments) and its model-states files'
+    names from AutoEP's to transformers' or back (`training.autoep`), for a resume that turns
+    expert parallelism on or off: AutoEP's universal loader takes each rank's experts from the
+    whole tensors under its own names, marked as experts; the plain loader reads transformers'.
+
+    The model-states files are written anew, not through their hard links to the source tag:
+    under `load_universal` DeepSpeed reads only the step, scheduler and client state from them,
+    `restore_buffers` the buffers, and `missing_universal_file` the parameter names.
+    """
+    import torch
+
+    zero = folder / "zero"
+    for param in sorted(p for p in zero.iterdir() if p.is_dir()):
+        if not param.is_dir():  # the up half, joined already with its gate half
+            continue
+        names = autoep_names(param.name) if to_autoep else (transformers_name(param.name),)
+        if names == (param.name,):  # not an MoE layer's tensor
+            continue
+        if len(names) == 2:  # transformers' fused projection -> AutoEP's gate and up halves
+            for file in _states(param):
+                value = _tensor(file)
+                for half, part in zip(names, value.chunk(2, dim=1), strict=True):
+                    _save_param(part, zero / half / file.name, experts=len(value))
+        elif names[0].endswith(FUSED):  # AutoEP's gate half, with its up half -> one projection
+            up = zero / autoep_names(names[0])[1]
+            for file in _states(param):
+                joined = torch.cat([_tensor(file), _tensor(up / file.name)], dim=1)
+                _save_param(joined, zero / names[0] / file.name, experts=None)
+            shutil.rmtree(up)
+        elif param.name.endswith((".w2", ".down_proj")):  # the down projection: (un)marked
+            for file in _states(param):
+                value = _tensor(file)
+                _save_param(value, zero / names[0] / file.name,
+                            experts=len(value) if to_autoep else None)  # fmt: skip
+        else:  # the router's weight and bias: renamed
+            param.rename(zero / names[0])
+            continue
+        for name in names:
+            shutil.copy2(param / "step.pt", zero / name / "step.pt")
+        shutil.rmtree(param)
+    if to_autoep:
+        _groups_for_autoep(zero / "optimizer_state.pt")
+    for path in sorted(folder.glob("*model_states.pt")):
+        states = load_file(path)
+        buffers = [transformers_name(b) if not to_autoep else autoep_names(b)[0]
+                   for b in states.get("buffer_names", [])]  # fmt: skip
+        module = states["module"]
+        states["module"] = {new: module[old] for old, new in
+                            zip(states.get("buffer_names", []), buffers, strict=True) if old in module}  # fmt: skip
+        states["buffer_names"] = buffers
+        states["param_shapes"] = [
+            _renamed_shapes(group, to_autoep) for group in states["param_shapes"]
+        ]
+        torch.save(states, path.with_name(path.name + ".new"))
+        os.replace(path.with_name(path.name + ".new"), path)
+
+
+def _groups_for_autoep(path: Path) -> None:
+    """Give the optimizer's global state a parameter group for each group AutoEP's optimizer has.
+
+    AutoEP splits each parameter group in two, the dense parameters and the experts, and the
+    ZeRO 1-2 universal loader pairs the optimizer's groups with the saved ones one by one
+    (`zip`): a copy saved without AutoEP has one group, so the experts' group would be skipped,
+    its Adam step left at 0 (measured: the first update after the resume differed, 4e-4 in the
+    loss). The groups' settings (lr, betas, ...) are the same for both halves.
+    """
+    state = load_file(path)
+    for holder in (state, state.get("optimizer_state_dict") or {}):
+        if "param_groups" in holder:
+            groups = holder["param_groups"]
+            holder["param_groups"] = groups + [dict(g) for g in groups]
+    torch.save(state, path.with_name(path.name + ".new"))
+    os.replace(path.with_name(path.name + ".new"), path)
+
+
+def _states(param: Path) -> list[Path]:
+    """A universal parameter folder's weight and Adam moment files (not its step)."""
+    return [param / name for name in UNIVERSAL_FILES if (param / name).exists()]
+
+
+def _tensor(path: Path) -> torch.Tensor:
+    value = load_file(path)
+    return value["param"] if isinstance(value, dict) else value
+
+
+def _save_param(value: torch.Tensor, path: Path, *, experts: int | None) -> None:
+    """One universal parameter file; AutoEP's universal loader slices a tensor marked as experts
+    (their count first) among the ranks of an ep group."""
+    record: dict[str, object] = {"param": value.contiguous(), "cat_dim": 0}
+    if experts is not None:
+        record |= {"is_expert_param": True, "ep_num_experts": experts}
+    path.parent.mkdir(exist_ok=True)
+    torch.save(record, path.with_name(path.name + ".new"))
+    os.replace(path.with_name(path.name + ".new"), path)
+
+
+def _renamed_shapes(group: Mapping[str, torch.Size], to_autoep: bool) -> dict[str, torch.Size]:
+    """A `param_shapes` group under the other names (shapes of whole tensors are not kept here:
+    only the names are read back)."""
+    out = {}
+    for name, shape in group.items():
+        for new in autoep_names(name) if to_autoep else (transformers_name(name),):
+            out[new] = shape
+    return out
+
+
 UNIVERSAL_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")
 """What a universal copy holds for each parameter, under zero/<name>/."""
 
@@ -323,6 +452,43 @@ def restore_buffers(module: torch.nn.Module, folder: Path) -> list[str]:
                 buffer.copy_(saved[name])
                 restored.append(name)
     return restored
+
+
+GROUP_IDENTITY = ("name", "moe")
+"""What marks a parameter group as AutoEP's experts' (`moe`, and its ep group by `name`)."""
+
+
+def group_identities(optimizer: object) -> list[dict[str, object]]:
+    """The identity of each of the optimizer's parameter groups, kept across a universal load by
+    `mend_optimizer`."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return [{k: g[k] for k in GROUP_IDENTITY if k in g} for g in getattr(inner, "param_groups", [])]
+
+
+def mend_optimizer(optimizer: object, identities: list[dict[str, object]]) -> None:
+    """Undo what DeepSpeed 0.19.8's universal loaders leave wrong in the optimizer.
+
+    - The ZeRO-3 loader copies the first saved group's settings into every group, its name
+      included: AutoEP's experts' group was renamed 'dense-params'. Each group gets its own
+      identity back (`identities`, from `group_identities` before the load).
+    - The ZeRO-3 loader gives every sub-group the same step tensor, and AdamW adds 1 to it in
+      place once per sub-group, so with two sub-groups (AutoEP's dense and experts; by the
+      code, a model larger than `sub_group_size` too) the second stepped with a step count one
+      ahead: measured on 2 ranks at ep=2, the experts' weights were 9e-5 off after one update.
+      Each sub-group gets its own copy.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group, identity in zip(getattr(inner, "param_groups", []), identities, strict=False):
+        for key in GROUP_IDENTITY:
+            group.pop(key, None)
+        group.update(identity)
+    seen: set[int] = set()
+    for state in getattr(inner, "state", {}).values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
 
 
 def load_options(point: ResumePoint) -> LoadOptions:

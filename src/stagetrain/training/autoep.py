@@ -1,0 +1,60 @@
+"""DeepSpeed AutoEP's names for an MoE layer's weights, against transformers' names.
+
+Under expert parallelism (ep > 1) AutoEP replaces each `model.layers.N.mlp` with its own layer
+(`AutoEPMoELayer`), and its weights take AutoEP's names:
+
+- the router's weight and routing bias move under `router.` (`gate.weight` ->
+  `router.gate.weight`, `gate.e_score_correction_bias` -> `router.e_score_correction_bias`);
+- the routed experts' fused gate-and-up projection, (experts, 2 x width, hidden) in
+  transformers, is split in two along its middle dimension, the gate half first (`w1`) and the
+  up half (`w3`); the down projection keeps its shape as `w2`.
+
+A checkpoint written under AutoEP holds these names. A resume that turns AutoEP on or off, and
+consolidation, which writes transformers' names, rename DeepSpeed's universal copy of it
+(`training.reshard`). Checked against transformers 5.25's DeepseekV3 and
+DeepSpeed 0.19.8 (AutoEP's `ep_repack` splits `gate_up_proj` this way); the mapping is kept here
+alone so that a change to either side is mended in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+RENAMED = {
+    "router.gate.weight": "gate.weight",
+    "router.e_score_correction_bias": "gate.e_score_correction_bias",
+    "experts.w2": "experts.down_proj",
+}
+"""AutoEP's name within an MoE layer -> transformers' name, for the tensors kept whole."""
+GATE, UP, FUSED = "experts.w1", "experts.w3", "experts.gate_up_proj"
+"""AutoEP's gate and up halves of transformers' fused projection."""
+
+
+def _layer(name: str, suffixes: Iterable[str]) -> tuple[str, str] | None:
+    """('model.layers.3.mlp.', suffix) for a name of an MoE layer ending in one of `suffixes`."""
+    for suffix in suffixes:
+        if name.endswith(f".mlp.{suffix}"):
+            return name[: -len(suffix)], suffix
+    return None
+
+
+def transformers_name(name: str) -> str:
+    """transformers' name for AutoEP's `name` (both halves: the fused projection); any other
+    name is its own."""
+    found = _layer(name, (*RENAMED, GATE, UP))
+    if found is None:
+        return name
+    layer, suffix = found
+    return layer + RENAMED.get(suffix, FUSED)
+
+
+def autoep_names(name: str) -> tuple[str, ...]:
+    """AutoEP's names for transformers' `name`: the (gate, up) halves of the fused projection,
+    the renamed tensor's one name, or `name` itself."""
+    found = _layer(name, (*RENAMED.values(), FUSED))
+    if found is None:
+        return (name,)
+    layer, suffix = found
+    if suffix == FUSED:
+        return layer + GATE, layer + UP
+    return (layer + next(a for a, t in RENAMED.items() if t == suffix),)
