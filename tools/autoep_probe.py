@@ -6,8 +6,8 @@ For the tests' tiny Mixtral and DeepSeek-V3 (`tests/harness/models.py:tiny_moe`;
 routing bias random, so that it moves the choice), 5 AdamW steps on 2 CPU ranks (gloo) with AutoEP
 at ep=2 (ZeRO-1), and the same steps on 1 rank without it, on the same global batch; prints
 both loss curves, their largest relative difference, and whether AutoEP replaced the MoE
-blocks; exits non-zero unless both models pass. Issue 33 waits on this: the planner's `ep`
-axis is worth building once both pass here. With DeepSpeed 0.19.8 (2026-12-04) both pass on
+blocks; exits non-zero unless both models pass. The planner's `ep` axis offers the architectures
+that pass here (`model.architectures.EXPERT_PARALLEL`). With DeepSpeed 0.19.8 (2026-12-04) both pass on
 transformers 5.17 (2 ranks match 1 to 1e-7), and on 5.25 deepseek_v3 passes but Mixtral fails
 at `deepspeed.initialize` (`_CanRecordRegistry.get() takes 2 positional arguments but 3 were
 given`): AutoEP retargets Mixtral's router-logit recorder in transformers' output-capture

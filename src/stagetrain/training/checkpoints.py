@@ -195,7 +195,6 @@ class Checkpoints:
         config = engine._config  # DeepSpeed reads load_universal from its config at load time
         before = config.load_universal_checkpoint
         config.load_universal_checkpoint = options.universal
-        identities = reshard.group_identities(engine.optimizer)
         try:
             with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
                 _, client = engine.load_checkpoint(
@@ -204,7 +203,7 @@ class Checkpoints:
         finally:
             config.load_universal_checkpoint = before
         if options.universal:
-            reshard.mend_optimizer(engine.optimizer, identities)
+            reshard.mend_optimizer(engine.optimizer)
             restored = reshard.restore_buffers(engine.module, self.folder / options.tag)
             if restored:
                 log.info("restored %d buffers from %s's model states (%s, ...)",

@@ -454,34 +454,17 @@ def restore_buffers(module: torch.nn.Module, folder: Path) -> list[str]:
     return restored
 
 
-GROUP_IDENTITY = ("name", "moe")
-"""What marks a parameter group as AutoEP's experts' (`moe`, and its ep group by `name`)."""
+def mend_optimizer(optimizer: object) -> None:
+    """Give each optimizer sub-group its own Adam step after a universal load.
 
-
-def group_identities(optimizer: object) -> list[dict[str, object]]:
-    """The identity of each of the optimizer's parameter groups, kept across a universal load by
-    `mend_optimizer`."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return [{k: g[k] for k in GROUP_IDENTITY if k in g} for g in getattr(inner, "param_groups", [])]
-
-
-def mend_optimizer(optimizer: object, identities: list[dict[str, object]]) -> None:
-    """Undo what DeepSpeed 0.19.8's universal loaders leave wrong in the optimizer.
-
-    - The ZeRO-3 loader copies the first saved group's settings into every group, its name
-      included: AutoEP's experts' group was renamed 'dense-params'. Each group gets its own
-      identity back (`identities`, from `group_identities` before the load).
-    - The ZeRO-3 loader gives every sub-group the same step tensor, and AdamW adds 1 to it in
-      place once per sub-group, so with two sub-groups (AutoEP's dense and experts; by the
-      code, a model larger than `sub_group_size` too) the second stepped with a step count one
-      ahead: measured on 2 ranks at ep=2, the experts' weights were 9e-5 off after one update.
-      Each sub-group gets its own copy.
+    DeepSpeed 0.19.8's ZeRO-3 universal loader gives every sub-group the same step tensor, and
+    AdamW adds 1 to it in place once per sub-group, so with two sub-groups (AutoEP's dense and
+    experts; by the code, a model larger than `sub_group_size` too) the second stepped with a
+    count one ahead: measured on 2 ranks at ep=2, the experts' weights were 9e-5 off after one
+    update. (The same loader also copies the first group's name into every group, which
+    changed nothing measurable here, and is left.)
     """
     inner = getattr(optimizer, "optimizer", optimizer)
-    for group, identity in zip(getattr(inner, "param_groups", []), identities, strict=False):
-        for key in GROUP_IDENTITY:
-            group.pop(key, None)
-        group.update(identity)
     seen: set[int] = set()
     for state in getattr(inner, "state", {}).values():
         step = state.get("step")
