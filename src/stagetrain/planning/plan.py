@@ -296,7 +296,8 @@ class Layout:
     Invariants (checked in __post_init__, with every factor in the message):
     dp * tp == world, tp divides the heads and KV heads and fits in a node,
     global_batch == micro_batch_size * grad_accum * dp, tp > 1 only with ZeRO 0-2
-    (DeepSpeed's AutoTP training supports no ZeRO-3).
+    (DeepSpeed's AutoTP training supports no ZeRO-3), ep > 1 only dividing dp and the routed
+    experts, with tp 1 and ZeRO 1-3 (`factor_misfit`).
     """
 
     world: int
