@@ -17,12 +17,13 @@ idle, and nothing in that loss shows it. Two remedies, each as its architecture 
   rank so that every rank's bias stays the same (`balance_routers`).
 
 Either way the same step measures which share of the routed tokens each expert got
-(`expert_counts`: the experts the router actually chose, bias included). Under expert
-parallelism DeepSpeed's AutoEP replaces each MoE block with its own layer, whose router
-(`TokenChoiceTopKRouter`) returns no logits to transformers' output; the counts are then the
-router's own choices, read by a forward hook (`autoep_choices`), and the bias update moves
-that router's copy of the bias. The validation
+(`expert_counts`: the experts the router actually chose, bias included). The validation
 loss and consolidation's check stay the language-model loss alone (`training.evaluation`).
+
+Under expert parallelism DeepSpeed's AutoEP replaces each MoE block with its own layer, whose
+router (`TokenChoiceTopKRouter`) returns no logits to transformers' output: the counts are
+then that router's own choices, read by a forward hook (`autoep_choices`), and the bias
+update moves that router's copy of the bias, found by the same name.
 """
 
 from __future__ import annotations
