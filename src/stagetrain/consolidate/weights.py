@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -134,15 +135,7 @@ def expert_parallel_weights(
             raise StageError(f"{path}: a universal checkpoint's parameter file without 'param'")
         weights[param.name] = Stored(tuple(tensor.shape), (region_of(path, tensor, param.name),))
     model_states = copy / model_file.name
-    model = describe(model_states)
-    for name in model.get("buffer_names", ()):
-        if name in model[MODULE]:
-            buffer = model[MODULE][name]
-            weights[name] = Stored(tuple(buffer.shape), (region_of(model_states, buffer, name),))
-    for name, source in model.get("shared_params", {}).items():
-        if source in weights:
-            weights[name] = weights[source]
-    return weights
+    return with_buffers_and_ties(weights, describe(model_states), model_states)
 
 
 def zero_weights(model_file: Path, optim_files: list[Path], stage: int) -> dict[str, Stored]:
@@ -173,13 +166,21 @@ def zero_weights(model_file: Path, optim_files: list[Path], stage: int) -> dict[
         weights = zero3_layout(shapes, partitions, where)
     else:
         weights = zero12_layout(shapes, partitions, paddings, where)
+    return with_buffers_and_ties(weights, model, model_file)
+
+
+def with_buffers_and_ties(
+    weights: dict[str, Stored], model: Mapping[str, Any], model_file: Path
+) -> dict[str, Stored]:
+    """`weights` with the buffers of a model-states file (`model`, described from `model_file`)
+    and the names DeepSpeed lists as sharing a parameter, which take its regions."""
     module = model[MODULE]
-    for name in model["buffer_names"]:
+    for name in model.get("buffer_names", ()):
         if name in module:
             weights[name] = Stored(
                 tuple(module[name].shape), (region_of(model_file, module[name], name),)
             )
-    for name, source in model["shared_params"].items():
+    for name, source in model.get("shared_params", {}).items():
         if source in weights:
             weights[name] = weights[source]
     return weights

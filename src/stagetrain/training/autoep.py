@@ -26,6 +26,7 @@ RENAMED = {
     "experts.w2": "experts.down_proj",
 }
 """AutoEP's name within an MoE layer -> transformers' name, for the tensors kept whole."""
+AUTOEP_OF = {hf: autoep for autoep, hf in RENAMED.items()}
 GATE, UP, FUSED = "experts.w1", "experts.w3", "experts.gate_up_proj"
 """AutoEP's gate and up halves of transformers' fused projection."""
 
@@ -57,4 +58,4 @@ def autoep_names(name: str) -> tuple[str, ...]:
     layer, suffix = found
     if suffix == FUSED:
         return layer + GATE, layer + UP
-    return (layer + next(a for a, t in RENAMED.items() if t == suffix),)
+    return (layer + AUTOEP_OF[suffix],)
