@@ -176,14 +176,15 @@ def _bare_floor(
     from transformers import AutoModelForCausalLM
 
     cfg, spec, pad = run.cfg, run.spec, run.tokenizer.pad_token_id
-    dtype = next(run.engine.module.parameters()).dtype
+    dtype, device = next(run.engine.module.parameters()).dtype, run.device
     kernel = run.engine.module.config._attn_implementation  # the stage's, from its plan
     with _whole_models():
         policy = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel)
         reference = AutoModelForCausalLM.from_pretrained(spec["model"], attn_implementation=kernel)
-    policy, reference = policy.to(dtype), reference.to(dtype).eval()
+    policy, reference = policy.to(device, dtype), reference.to(device, dtype).eval()
     reference.requires_grad_(False)
-    ddp = DistributedDataParallel(policy, process_group=run.engine.data_parallel_group)
+    ddp = DistributedDataParallel(policy, process_group=run.engine.data_parallel_group,
+                                  device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.optimizer.lr)
 
     def padded(seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +194,7 @@ def _bare_floor(
         ]
         mask = [([0] * (width - len(s)) + [1] * len(s)) if left else ([1] * len(s) + [0] * (width - len(s)))
                 for s in seqs]  # fmt: skip
-        return torch.tensor(rows), torch.tensor(mask)
+        return torch.tensor(rows, device=device), torch.tensor(mask, device=device)
 
     timers = Timers()
 

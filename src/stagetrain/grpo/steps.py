@@ -314,7 +314,7 @@ def sampler_gap(
     total, kl, tokens = sums
     return {
         "train/sampler_logprob_gap_mean": total / tokens if tokens else 0.0,
-        "train/sampler_logprob_gap_max": _dp_max(max((p[1] for p in parts), default=0.0)),
+        "train/sampler_logprob_gap_max": _dp_max(run, max((p[1] for p in parts), default=0.0)),
         "train/sampler_kl": kl / tokens if tokens else 0.0,
     }
 
@@ -474,7 +474,7 @@ def step(
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
         "rollout/generated_tokens": sum(row.generated for row in rows),
-        "rollout/largest_generate_call": int(_dp_max(largest)),
+        "rollout/largest_generate_call": int(_dp_max(run, largest)),
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
@@ -502,14 +502,14 @@ def step(
 def _dp_sums(run: Run, values: Sequence[float]) -> list[float]:
     """The sums of `values` over the data-parallel ranks, in one all-reduce (the ranks of a
     tensor-parallel group hold the same rows, so each dp rank counts once)."""
-    tensor = torch.tensor(list(values), dtype=torch.float64)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=run.device)  # NCCL: on the GPU
     dist.all_reduce(tensor)
     return [v / run.layout.tp for v in tensor.tolist()]
 
 
-def _dp_max(value: float) -> float:
+def _dp_max(run: Run, value: float) -> float:
     """The largest `value` over every rank."""
-    tensor = torch.tensor(value, dtype=torch.float64)
+    tensor = torch.tensor(value, dtype=torch.float64, device=run.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.item()
 
