@@ -100,11 +100,13 @@ def _tied_names(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-def eval_loss(model: torch.nn.Module, batch: EvalBatch, dtype: str) -> float:
+def eval_loss(
+    model: torch.nn.Module, batch: EvalBatch, dtype: str, device: torch.device | None = None
+) -> float:
     """The training stage's validation loss on its recorded windows, recomputed with `model`."""
     shard = np.memmap(batch["shard"], dtype=dtype, mode="r")
     return validation_loss(model, shard, np.asarray(batch["windows"]), seq_len=batch["seq_len"],
-                           micro_batch_size=batch["micro_batch_size"])  # fmt: skip
+                           micro_batch_size=batch["micro_batch_size"], device=device)  # fmt: skip
 
 
 def consolidate(
@@ -277,11 +279,14 @@ def _verify_loss(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMe
     """Reload the folder and reproduce the training's logged validation loss (module docstring),
     with the attention kernel the training ran: in bf16 the kernels round apart by more than
     the tolerance (sdpa against eager: 2.7e-4 relative on the default run)."""
+    # On the GPU where there is one, as the training's own figure was computed: a 1B model's
+    # windows on 16 CPU cores took over 3.5 minutes on the GPU check's machine.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForCausalLM.from_pretrained(
         tmp, dtype=dtype, attn_implementation=summary["attention"]
-    )
+    ).to(device)
     model.eval()
-    loss = eval_loss(model, summary["eval_batch"], meta["dtype"])
+    loss = eval_loss(model, summary["eval_batch"], meta["dtype"], device)
     del model
     reference = summary["final_eval_loss"]
     tol = tolerance(cfg.dtype, summary["layout"]["precision"])
