@@ -348,6 +348,13 @@ MUTANTS = (
            "src/stagetrain/config/settings.py", "    if warmup > steps:", "    if False:",
            ("tests/test_config.py::test_grpo_settings_that_keys_decide_together_fail_with_the_config",
             "tests/test_config.py::test_settings_that_would_truncate_or_freeze_silently_are_refused")),
+    Mutant("activation-norms-counted", "the planner counts the activations a Llama block keeps, its norms' fp32 copies included",
+           "src/stagetrain/planning/memory.py", "per_token = 2 * _norm(h, w) + w * (2 * h + 2 * h_kv + 4 * f) / tp",
+           "per_token = (4 * h + (10 * h + 6 * h_kv + 8 * f) / tp) * w / 2",
+           ("tests/test_planning.py::test_activations_are_what_autograd_saves",)),
+    Mutant("final-norm-counted", "the planner counts the final norm's saved activations",
+           "src/stagetrain/planning/memory.py", "final = tokens * _norm(shape.hidden_size, w)", "final = 0",
+           ("tests/test_planning.py::test_activations_are_what_autograd_saves",)),
 )  # fmt: skip
 
 

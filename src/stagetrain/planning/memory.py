@@ -14,14 +14,21 @@ them over the dp/ep ranks that hold the same ones: the partitioned terms stay N_
 (N_all the whole model's parameters), while the whole terms (weights, ZeRO 0-1 gradients)
 count the rank's own N = N_all - (1 - 1/ep) x the routed experts' parameters.
 
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
-in Large Transformer Models", the formulas behind Megatron-LM's
-theoretical_memory_usage.py), rederived for a Llama block (RMSNorm, GQA,
-SwiGLU, no dropout) with SDPA/flash attention, which stores no s x s scores:
-  per layer = s b [4 h + (10 h + 6 h_kv + 8 f) / tp] bytes in 16 bits
-(the two norm inputs are replicated across tp; DeepSpeed AutoTP has no sequence
-parallelism). With full activation checkpointing a layer keeps only its input,
-2 s b h, and one layer's activations live again during its recomputation.
+Activations are what transformers' Llama block saves for its backward pass, counted from
+the tensors autograd keeps (`torch.autograd.graph.saved_tensors_hooks`; the test
+test_activations_are_what_autograd_saves holds the count to it), with SDPA/flash attention,
+which stores no s x s scores. In w-byte weights (2 in 16 bits, 4 in fp32), per token:
+  each of the two RMSNorms: 4h + 2wh (an fp32 copy of its input, whatever the precision,
+    the normalised input and its product with the weight, the next projection's input),
+    replicated over tp (DeepSpeed AutoTP has no sequence parallelism);
+  attention: w (h + 2 h_kv + h) / tp (the query, key and value after RoPE, the output);
+  MLP: 4w f / tp (gate, its SiLU, up, and their product, the down projection's input).
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")
+count 4h + (10h + 6 h_kv + 8f) / tp in 16 bits; the fp32 norm copies make the block 12%
+larger at Llama-3.2-1B's shape, and the GPU check's peak (74.3 GiB allocated where that
+formula predicted 67.5) showed it. The final norm adds one norm's bytes. With full activation
+checkpointing a layer keeps only its input, w s b h, and one layer's activations live again
+during its recomputation.
 
 The logits cost 10 bytes per element: 2 in 16 bits, 4 for the fp32 upcast
 transformers' loss makes and 4 for its gradient.
@@ -122,18 +129,24 @@ def layer_activations(shape: ModelShape, layout: Layout, micro_batch: int | None
     h_kv = shape.num_kv_heads * shape.head_dim
     f = shape.intermediate_size  # an MoE token's routed experts and shared expert together
     w = 2 if layout.precision != "fp32" else 4
-    per_token = 4 * h + (10 * h + 6 * h_kv + 8 * f) / tp
-    return int(s * b * per_token * w / 2)
+    per_token = 2 * _norm(h, w) + w * (2 * h + 2 * h_kv + 4 * f) / tp
+    return int(s * b * per_token)
+
+
+def _norm(h: int, w: int) -> int:
+    """Bytes per token an RMSNorm saves: its input in fp32, the normalised input, the product."""
+    return 4 * h + 2 * w * h
 
 
 def activations(shape: ModelShape, layout: Layout) -> int:
-    """Bytes of stored activations for one micro batch over all layers."""
+    """Bytes of stored activations for one micro batch over all layers and the final norm."""
     w = 2 if layout.precision != "fp32" else 4
+    tokens = layout.seq_len * layout.micro_batch_size
+    final = tokens * _norm(shape.hidden_size, w)
     one = layer_activations(shape, layout)
     if layout.activation_checkpointing:
-        inputs = shape.num_layers * layout.seq_len * layout.micro_batch_size * shape.hidden_size * w
-        return inputs + one
-    return shape.num_layers * one
+        return shape.num_layers * tokens * shape.hidden_size * w + one + final
+    return shape.num_layers * one + final
 
 
 def logits(shape: ModelShape, layout: Layout) -> int:
