@@ -143,9 +143,13 @@ if [[ $mode == simulate-cpu ]]; then
   # the tests' local hub server; the GPU run itself reads nothing from a hub. pytest is not
   # in the image: it comes from PyPI into the cache, beside the venv.
   tests=$cache/test-site
-  [[ -d $tests/pytest ]] || "$python" -m pip install -q --no-deps --target "$tests" \
-    pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
-  PYTHONPATH=$PYTHONPATH:$tests step hub_tests 300 "$python" -m pytest -q -x -p no:cacheprovider \
+  # pyarrow and zstandard too: dependencies the wheelhouse leaves out (pyarrow is 40 MB; both
+  # are imported only to read a parquet or .zst file, which the GPU run does not), and the
+  # tests' data-file helper writes both.
+  [[ -d $tests/pytest && -d $tests/pyarrow && -d $tests/zstandard ]] ||
+    "$python" -m pip install -q --no-deps --target "$tests" \
+      pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pyarrow==26.0.1 zstandard==0.25.0
+  PYTHONPATH=$PYTHONPATH:$tests step hub_tests 300 "$python" -m pytest -q -x -p no:cacheprovider -o addopts= \
     tests/test_table.py tests/test_corpus.py -k hub
 fi
 
@@ -154,17 +158,31 @@ pipeline_limit=360
 [[ $mode == simulate-cpu ]] && pipeline_limit=1500
 step pipeline "$pipeline_limit" "${snakemake[@]}"
 
+# GRPO's step under ZeRO-0 and ZeRO-3 on the run's own job spec (benchmarks/grpo_step.py):
+# each phase's seconds and the bare loop beside it. Under ZeRO-3 a rollout gathers the policy
+# once, not once per decoded token; this is where that is measured on a GPU.
+for zero in 0 3; do
+  step "grpo_step_zero$zero" 120 bash -c "'$python' -m benchmarks.grpo_step --spec '$run/checkpoints/grpo/job.json' \
+    --steps 3 --warmup 1 --zero $zero >'$out/grpo_step_zero$zero.txt'"
+done
+
 # The pipeline's AdamW is torch's (torch_adam), so on GPUs it JIT-builds no op; time one build
 # (DeepSpeed's fused Adam, with the image's nvcc and ninja) for when that changes. Last, as
 # the check can best do without it. Not in the simulation: the CPU variant of that op takes
 # two cores three minutes and more (run there once by hand, 2026-11-30: 185 s).
 [[ $mode == gpu ]] && step op_build 150 "$python" - "$out/op_build.json" <<'EOF'
-import json, sys, time
+import json, os, sys, time
+import torch
 from deepspeed.accelerator import get_accelerator
+# DeepSpeed 0.19.8 cannot sort an arch list with suffixed entries ("9.0a": int("0a") fails,
+# seen on the H200 image, 2026-12-04): build for the device's own capability instead.
+image_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
 builder = get_accelerator().create_op_builder("FusedAdamBuilder")
 t0 = time.monotonic()
 builder.load(verbose=False)
-result = {"op": builder.name, "accelerator": get_accelerator()._name, "build_and_load_s": round(time.monotonic() - t0, 1)}
+result = {"op": builder.name, "accelerator": get_accelerator()._name, "build_and_load_s": round(time.monotonic() - t0, 1),
+          "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"], "image_arch_list": image_arch}
 json.dump(result, open(sys.argv[1], "w"))
 print(result)
 EOF

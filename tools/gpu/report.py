@@ -163,6 +163,32 @@ def deepspeed_ops(run: Path, check_dir: Path) -> dict[str, Any]:
     }
 
 
+def grpo_steps(check_dir: Path) -> dict[str, Any]:
+    """benchmarks/grpo_step.py's results at ZeRO-0 and ZeRO-3 (its last line is a JSON object):
+    a step's seconds, generation's, and the bare loop's."""
+    out: dict[str, Any] = {}
+    for zero in (0, 3):
+        path = check_dir / f"grpo_step_zero{zero}.txt"
+        try:
+            result = json.loads(path.read_text().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            out[f"zero{zero}"] = None
+            continue
+        out[f"zero{zero}"] = {
+            "step_s": round(result["step_s"], 4),
+            "generate_s": round(result["phases"]["generate"], 4),
+            "bare_step_s": round(result["bare_step_s"], 4),
+            "bare_generate_s": round(result["bare_phases"].get("generate", 0.0), 4),
+            "ratio": round(result["ratio"], 3),
+            "tokens_per_step": result["tokens_per_step"],
+        }
+    zero0, zero3 = out["zero0"], out["zero3"]
+    out["zero3_over_zero0_generate"] = (
+        ratio(zero3["generate_s"], zero0["generate_s"]) if zero0 and zero3 else None
+    )
+    return out
+
+
 def tensorboard(run: Path) -> dict[str, Any]:
     """Whether the training stages wrote event files, and the logged reason where not."""
     out: dict[str, Any] = {}
@@ -192,6 +218,7 @@ def build(run: Path, check_dir: Path, mode: str) -> dict[str, Any]:
         "grpo": training(report, "grpo", plan),
         "consolidated": {s: consolidated(report, s) for s in ("pretrain", "grpo")},
         "deepspeed_ops": deepspeed_ops(run, check_dir),
+        "grpo_step": grpo_steps(check_dir),
         "tensorboard": tensorboard(run),
     }
     result["missing"] = report.missing
@@ -213,6 +240,7 @@ def table(result: dict[str, Any]) -> str:
         f"pretrain tokens/s: measured {_fmt(m['tokens_per_s'])}, planned {_fmt(p['tokens_per_s'])}, ratio {r['tokens_per_s']}",
         f"pretrain MFU %: measured {_fmt(m['mfu(%)'], 1)}, planned {_fmt(p['mfu(%)'], 1)}, aim {MFU_AIM}",
         f"pretrain peak GiB: allocated {m['max_allocated_gib']}, reserved {m['max_reserved_gib']}, planned {p['memory_gib']}",
+        f"grpo step: {result['grpo_step']}",
         f"deepspeed op build: {result['deepspeed_ops']['build_probe']}",
         f"consolidated: {', '.join(f'{s}: {v is not None}' for s, v in result['consolidated'].items())}",
         f"missing: {sorted(result['missing']) or 'nothing'}",
