@@ -428,15 +428,15 @@ def test_grpo_settings_that_keys_decide_together_fail_with_the_config(
 @pytest.mark.parametrize(
     ("model", "parallelism", "message"),
     [
-        ({}, {"ep": 2}, "ep > 1 (DeepSpeed AutoEP) splits deepseek_v3 only, not 'llama': a dense model has no experts to split (model.architecture)"),
-        ({"architecture": "mixtral", "num_experts": 4, "experts_per_token": 2}, {"ep": 2},
-         "ep > 1 (DeepSpeed AutoEP) splits deepseek_v3 only, not 'mixtral': DeepSpeed AutoEP's mixtral preset fails with transformers >= 5.23 (model.architecture)"),
+        ({}, {"ep": 2}, "ep > 1 (DeepSpeed AutoEP) splits mixtral, deepseek_v3 only, not 'llama': a dense model has no experts to split (model.architecture)"),
+        ({"architecture": "qwen2_moe", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 64}, {"ep": 2},
+         "ep > 1 (DeepSpeed AutoEP) splits mixtral, deepseek_v3 only, not 'qwen2_moe': DeepSpeed AutoEP has no preset for it (model.architecture)"),
         (DEEPSEEK, {"ep": 2, "tp": 2}, "ep > 1 (DeepSpeed AutoEP) trains with tp 1 only (dp=None, tp=2, ep=2)"),
         (DEEPSEEK, {"ep": 2, "zero_stage": 0},
          "ep > 1 needs zero_stage 1-3 (DeepSpeed's universal converter, which reads AutoEP checkpoints, reads no ZeRO-0 one) (dp=None, tp=1, ep=2)"),
         (DEEPSEEK, {"ep": 2, "dp": 3}, "must divide dp (each group of ep data-parallel ranks shares out the experts) (dp=3, tp=1, ep=2)"),
     ],
-    ids=["dense", "mixtral", "with-tp", "zero-0", "not-dividing-dp"],
+    ids=["dense", "qwen2_moe", "with-tp", "zero-0", "not-dividing-dp"],
 )  # fmt: skip
 def test_an_ep_that_cannot_run_fails_with_the_config(
     model: dict[str, Any], parallelism: dict[str, Any], message: str

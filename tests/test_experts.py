@@ -471,6 +471,39 @@ def test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep(
     assert up["losses"] == single["losses"]
 
 
+@pytest.mark.slow
+def test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included(
+    data: dict[str, str], tmp_path: Path
+) -> None:
+    """A Mixtral through AutoEP's preset (transformers' output-capture registry lent in the form
+    DeepSpeed 0.19.8 edits: `training.autoep.keyed_output_registry`) on 2 ranks at ep=2 trains as
+    1 rank without AutoEP does: the same losses (fp32) and expert loads, and the same
+    load-balancing loss, read from AutoEP's router as from Mixtral's (coefficient 0.1, so that
+    it moves the weights). The checkpoint consolidates into a folder that loads and generates."""
+    model = {**MOE, "router_aux_loss_coef": 0.1}
+    config = model_config(tmp_path / "model", **model)
+    kwargs = {"model_config": config, "config_changes": {"model": model}}
+    layout = {"dp": 1, "tp": 1, "micro_batch_size": 2, "zero_stage": 2}
+    single = run(data, tmp_path / "one", world=1, layout=layout, **kwargs)
+    split = run(data, tmp_path / "ep2", world=2, layout={**layout, "dp": 2, "ep": 2}, **kwargs)
+    assert split["layout"]["ep"] == 2
+    for step, loss in single["losses"].items():
+        assert abs(split["losses"][step] - loss) <= 1e-5 * loss, (split["losses"], single["losses"])
+    ours, theirs = split["experts"], single["experts"]
+    assert ours["final_load_by_layer"] == theirs["final_load_by_layer"]
+    assert theirs["final_aux_loss"] > 0
+    assert ours["final_aux_loss"] == pytest.approx(theirs["final_aux_loss"], rel=1e-5)
+    (tmp_path / "split.json").write_text(json.dumps(split))
+    consolidate(stage="pretrain", summary_path=str(tmp_path / "split.json"), tokenizer_dir=data["tokenizer"],
+                model_config_path=config, meta_path=data["meta"], out=str(tmp_path / "hf"),
+                cfg=ConsolidateSettings(dtype="fp32", max_shard_size="2GB", verify="loss"))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.generate(torch.tensor([[5, 9, 13]]), max_new_tokens=6, do_sample=False).shape == (
+        1,
+        9,
+    )
+
+
 def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:
     model = {**named_config("tiny")["model"], "router_aux_loss_coef": 0.01}
     with pytest.raises(

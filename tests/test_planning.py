@@ -274,22 +274,26 @@ def test_expert_parallelism_holds_a_share_of_the_experts_and_pays_their_all_to_a
 def test_the_planner_splits_experts_where_autoep_can_and_only_pretraining() -> None:
     """On two H100s without host memory the DeepSeek preset's micro batch of 2 fits at ep=2
     (ZeRO-1) and no longer under ZeRO-3 without ep, so the search takes ep=2; its Mixtral twin
-    gets no ep candidate. Fixed, ep=2 holds for pretraining, and GRPO trains at ep=1 with a
-    warning."""
+    gets an ep candidate too, its qwen2_moe twin (no AutoEP preset) none. Fixed, ep=2 holds for
+    pretraining, and GRPO trains at ep=1 with a warning."""
     two = {"gpus_per_node": 2, "host_memory_gib": None}
     plan = plan_for(preset_config("deepseek-moe-h100", hardware=two))
     searched = plan["stages"]["pretrain"]
     assert (searched["layout"]["ep"], searched["sources"]["ep"]) == (2, "planner"), searched
     rejected = [c["layout"] for c in searched["rejected"]]
     assert "tp=1 dp=2 zero=3 mbs=2 ga=32 ac=off offload=none" in rejected, rejected
-    twin = {"architecture": "mixtral", "moe_intermediate_size": None, "num_shared_experts": None,
-            "first_dense_layers": None, "router_bias_update_rate": None}  # fmt: skip
-    mixtral = plan_for(
-        preset_config("deepseek-moe-h100", hardware={**two, "host_memory_gib": 256}, model=twin)
-    )
-    stages = mixtral["stages"].values()
-    assert all(" ep=" not in c["layout"] for s in stages for c in s["runners_up"] + s["rejected"])
-    assert mixtral["stages"]["pretrain"]["sources"]["ep"] == "model"
+    twins = {
+        architecture: plan_for(preset_config(
+            "deepseek-moe-h100", hardware={**two, "host_memory_gib": 256},
+            model={"architecture": architecture, "num_shared_experts": None, "first_dense_layers": None,
+                   "router_bias_update_rate": None} | ({"moe_intermediate_size": None} if architecture == "mixtral" else {}),
+        ))["stages"]["pretrain"]
+        for architecture in ("mixtral", "qwen2_moe")
+    }  # fmt: skip
+    tried = {a: [c["layout"] for c in p["runners_up"] + p["rejected"]] for a, p in twins.items()}
+    assert any(" ep=2 " in layout for layout in tried["mixtral"]), tried["mixtral"]
+    assert all(" ep=" not in layout for layout in tried["qwen2_moe"]), tried["qwen2_moe"]
+    assert twins["qwen2_moe"]["sources"]["ep"] == "model"
     fixed = plan_for(preset_config("deepseek-moe-h100", hardware=two, parallelism={"ep": 2}))
     pretrain, grpo = fixed["stages"]["pretrain"], fixed["stages"]["grpo"]
     assert pretrain["layout"]["ep"] == 2 and pretrain["throughput"]["ep_comm_s"] > 0
@@ -555,7 +559,7 @@ def test_table_miss_falls_back_with_the_reason_or_fails(tmp_path: Path) -> None:
         ({"parallelism": {"dp": 8}, "grpo": {"prompts_per_step": 4}}, "grpo: no layout divides the global batch of 32 sequences \\(groups of 8\\)"),
         ({"deepspeed": {"precision": "bf16"}, "hardware": {"gpu": "V100-32GB"}}, "deepspeed.precision: bf16 requested but V100-32GB has no bf16 support"),
         ({"parallelism": {"tp": 2, "zero_stage": 3}}, "parallelism.tp: tp > 1 \\(DeepSpeed AutoTP\\) trains with ZeRO stages 0-2 only, not zero_stage 3 \\(dp=None, tp=2"),
-        ({"parallelism": {"ep": 2}}, "^parallelism.ep: ep > 1 \\(DeepSpeed AutoEP\\) splits deepseek_v3 only, not 'llama': a dense model has no experts to split$"),
+        ({"parallelism": {"ep": 2}}, "^parallelism.ep: ep > 1 \\(DeepSpeed AutoEP\\) splits mixtral, deepseek_v3 only, not 'llama': a dense model has no experts to split$"),
     ],
 )  # fmt: skip
 def test_bad_plans_are_one_line_errors(sections: dict[str, dict[str, Any]], message: str) -> None:

@@ -7,11 +7,12 @@ routing bias random, so that it moves the choice), 5 AdamW steps on 2 CPU ranks 
 at ep=2 (ZeRO-1), and the same steps on 1 rank without it, on the same global batch; prints
 both loss curves, their largest relative difference, and whether AutoEP replaced the MoE
 blocks; exits non-zero unless both models pass. The planner's `ep` axis offers the architectures
-that pass here (`model.architectures.EXPERT_PARALLEL`). With DeepSpeed 0.19.8 (2026-12-04) both pass on
-transformers 5.17 (2 ranks match 1 to 1e-7), and on 5.25 deepseek_v3 passes but Mixtral fails
-at `deepspeed.initialize` (`_CanRecordRegistry.get() takes 2 positional arguments but 3 were
-given`): AutoEP retargets Mixtral's router-logit recorder in transformers' output-capture
-registry as if it were a plain dict, which it was up to transformers 5.22.
+that pass here (`model.architectures.EXPERT_PARALLEL`). `deepspeed.initialize` runs inside
+`training.autoep.keyed_output_registry`, as the training engine's does: AutoEP retargets
+Mixtral's router-logit recorder in transformers' output-capture registry as if it were a plain
+dict, which it was up to transformers 5.22, and without the lent registry Mixtral fails on 5.25
+(`_CanRecordRegistry.get() takes 2 positional arguments but 3 were given`). With DeepSpeed
+0.19.8 (2026-12-04) both pass on transformers 5.17 and 5.25 (2 ranks match 1 to 1e-7).
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ def rank(architecture: str, ep: int, out: str) -> None:
     if ep > 1:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": architecture,
                                      "use_grouped_mm": False}  # fmt: skip
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
+    from stagetrain.training.autoep import keyed_output_registry
+
+    with keyed_output_registry():
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
     batches = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(STEPS):

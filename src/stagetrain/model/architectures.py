@@ -24,19 +24,19 @@ BIAS_BALANCED = ("deepseek_v3",)
 ROUTER_BIAS_UPDATE_RATE = 1e-3
 """DeepSeek-V3's bias update speed for most of its pretraining: the default of
 `model.router_bias_update_rate`."""
-EXPERT_PARALLEL = ("deepseek_v3",)
-"""The architectures `parallelism.ep` > 1 splits (DeepSpeed AutoEP). AutoEP has presets for mixtral
-and deepseek_v3 among ours, but mixtral's fails at `deepspeed.initialize` with the transformers
-this project requires (>= 5.23): the preset edits transformers' output-capture registry as the
-plain dict it was up to 5.22 (`python tools/autoep_probe.py`; docs/limits.md)."""
+EXPERT_PARALLEL = ("mixtral", "deepseek_v3")
+"""The architectures `parallelism.ep` > 1 splits (DeepSpeed AutoEP has a preset for each; qwen2_moe
+has none). Mixtral's preset needs `training.autoep.keyed_output_registry` with transformers >= 5.23
+(`python tools/autoep_probe.py` checks both)."""
 
 
 def expert_parallel_refusal(architecture: str) -> str | None:
     """Why `parallelism.ep` > 1 cannot split `architecture` (transformers' model_type); None if it can."""
     if architecture in EXPERT_PARALLEL:
         return None
-    why = "a dense model has no experts to split" if architecture == "llama" else (
-        "DeepSpeed AutoEP's mixtral preset fails with transformers >= 5.23" if architecture == "mixtral"
+    why = (
+        "a dense model has no experts to split"
+        if architecture == "llama"
         else "DeepSpeed AutoEP has no preset for it"
-    )  # fmt: skip
+    )
     return f"ep > 1 (DeepSpeed AutoEP) splits {', '.join(EXPERT_PARALLEL)} only, not {architecture!r}: {why}"

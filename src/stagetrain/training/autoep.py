@@ -18,7 +18,9 @@ alone so that a change to either side is mended in one place.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 RENAMED = {
     "router.gate.weight": "gate.weight",
@@ -59,3 +61,39 @@ def autoep_names(name: str) -> tuple[str, ...]:
     if suffix == FUSED:
         return layer + GATE, layer + UP
     return (layer + AUTOEP_OF[suffix],)
+
+
+class _KeyedRegistry(dict):  # type: ignore[type-arg]
+    """transformers' output-capture registry, readable both ways: by class name, as DeepSpeed
+    0.19.8's AutoEP reads (and writes) it, and by model, as transformers >= 5.23 reads it."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if isinstance(key, str):
+            return super().get(key, default)
+        return super().get(str(key.__class__)) or {}
+
+
+@contextlib.contextmanager
+def keyed_output_registry() -> Iterator[None]:
+    """transformers' output-capture registry, lent to AutoEP in a form it can edit.
+
+    Where a model records its router logits (Mixtral's load-balancing loss reads them), AutoEP
+    points the record at its own router by editing `transformers.utils.output_capturing.
+    _CAN_RECORD_REGISTRY` by class name, then has transformers install its hooks from it.
+    transformers 5.23 made the registry's `get` take a model instead of a name, so DeepSpeed
+    0.19.8's call fails (Mixtral's preset). Around `deepspeed.initialize` the module holds a
+    registry of the same entries that answers both. AutoEP installs the model's hooks from it
+    and restores the entries it changed, so the original goes back as it was. Nothing to do
+    where the registry is a plain dict (transformers 5.17, the GPU check's).
+    """
+    from transformers.utils import output_capturing
+
+    registry = output_capturing._CAN_RECORD_REGISTRY
+    if type(registry) is dict:
+        yield
+        return
+    output_capturing._CAN_RECORD_REGISTRY = _KeyedRegistry(registry)
+    try:
+        yield
+    finally:
+        output_capturing._CAN_RECORD_REGISTRY = registry

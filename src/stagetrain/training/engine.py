@@ -48,6 +48,7 @@ from stagetrain.errors import StageError
 from stagetrain.io import read_json
 from stagetrain.model.embeddings import resize_embeddings
 from stagetrain.planning.plan import PlanPart
+from stagetrain.training.autoep import keyed_output_registry
 from stagetrain.training.deepspeed_config import DeepSpeedJson
 
 if TYPE_CHECKING:
@@ -258,11 +259,12 @@ def build(
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        config=dict(ds_config),
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-    )
+    with keyed_output_registry() if "expert_parallel" in ds_config else nullcontext():
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            config=dict(ds_config),
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+        )
     counts: ParamCounts = {"local_param_elements": local, "param_elements": total}
     return engine, counts, hook
 
