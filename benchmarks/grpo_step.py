@@ -5,8 +5,8 @@
                                    [--attention sdpa|eager]
 
 Run from the repository root. Needs the GRPO job spec of a finished default run
-(`snakemake --cores all grpo` writes it); its plan's ranks are started with torchrun, one
-thread each, as the stage starts them. The spec is copied with the steps cut to
+(`snakemake --cores all grpo` writes it); its plan's ranks are started with torchrun, the
+machine's cores shared out over them, as the stage starts them. The spec is copied with the steps cut to
 warmup + steps and its checkpoints, metrics and plots sent to a scratch folder.
 
 1. The stage's own loop (`grpo.train.setup` and `loop`), its functions wrapped by timers,
@@ -375,7 +375,7 @@ def main() -> None:
     if not args.spec.is_file():
         sys.exit(f"{args.spec}: no GRPO job spec; run `snakemake --cores all grpo` first")
     from stagetrain.io import read_json
-    from stagetrain.training.launch import torchrun_command
+    from stagetrain.training.launch import rank_environment, torchrun_command
 
     with tempfile.TemporaryDirectory() as tmp:
         job = _job(args.spec, Path(tmp), args.warmup + args.steps, args.precision, args.attention,
@@ -385,8 +385,8 @@ def main() -> None:
         cmd = torchrun_command(nodes=1, procs_per_node=world, module="benchmarks.grpo_step",
                                args=["--warmup", str(args.warmup), "--rank", str(job), str(out)],
                                allocation=None)  # fmt: skip
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO,
-                              capture_output=True, text=True)  # fmt: skip
+        env = rank_environment(os.environ, cores=os.cpu_count() or 1, ranks_per_node=world)
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
         if proc.returncode or not out.is_file():
             sys.exit(
                 f"the benchmark's ranks failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"

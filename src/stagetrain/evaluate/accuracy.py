@@ -64,7 +64,8 @@ def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: 
     problems, at most n), for the levels a family has; `tasks` holds the families (default: the
     built-in ones), `lengths` the prompt and completion token limits."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(device)
     judge = Judge(tasks or load_tasks(), tokenizer, max_prompt_len=lengths[0])
     out = {}
     with torch.no_grad():

@@ -194,7 +194,7 @@ def generate(
     with recorder.attached() if recorder else nullcontext():
         out = _generate(model, ids, mask, n, max_new_tokens, generation, extra)
     tokens = out.sequences if branch_entropy else out
-    rows = [cut(row[width:].tolist(), generation["eos_token_id"], pad) for row in tokens]
+    rows = [cut(row, generation["eos_token_id"], pad) for row in tokens[:, width:].tolist()]
     if branch_entropy:
         rows = branch_cut(rows, sampler.warped if sampler else out.scores, branch_entropy)
     routed = None
