@@ -274,19 +274,31 @@ def weights_sha256(shards: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def verify_device(need: int, free: int | None) -> torch.device:
+    """Where the loss verification runs: the GPU when there is one (`free`: its free bytes) and
+    `need` bytes fit in it with a fifth to spare, as the training computed its figure there
+    (a 1B model's windows took over 3.5 minutes on 16 CPU cores of the GPU check's machine);
+    the CPU otherwise, where a model too large for one GPU still fits in host memory."""
+    return torch.device("cuda" if free is not None and need * 1.2 <= free else "cpu")
+
+
 def _verify_loss(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
                  cfg: ConsolidateSettings, dtype: torch.dtype) -> LossCheck:  # fmt: skip
     """Reload the folder and reproduce the training's logged validation loss (module docstring),
     with the attention kernel the training ran: in bf16 the kernels round apart by more than
     the tolerance (sdpa against eager: 2.7e-4 relative on the default run)."""
-    # On the GPU where there is one, as the training's own figure was computed: a 1B model's
-    # windows on 16 CPU cores took over 3.5 minutes on the GPU check's machine.
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batch = summary["eval_batch"]
+    logits = batch["micro_batch_size"] * batch["seq_len"] * meta["tokenizer_size"]
+    need = sum(f.stat().st_size for f in tmp.glob("*.safetensors")) + logits * (dtype.itemsize + 8)
+    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    device = verify_device(need, free)
+    log.info("%s: verifying on the %s (%.2f GiB for the model and one batch of logits)",
+             stage, "GPU" if device.type == "cuda" else "CPU", need / 2**30)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(
         tmp, dtype=dtype, attn_implementation=summary["attention"]
     ).to(device)
     model.eval()
-    loss = eval_loss(model, summary["eval_batch"], meta["dtype"], device)
+    loss = eval_loss(model, batch, meta["dtype"], device)
     del model
     reference = summary["final_eval_loss"]
     tol = tolerance(cfg.dtype, summary["layout"]["precision"])
