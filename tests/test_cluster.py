@@ -47,17 +47,22 @@ def test_both_profiles_request_what_a_two_node_plan_needs(workdir: Path) -> None
         assert "tasks" not in train and "gres" not in train  # CPU ranks: no GPUs asked for
         assert int(train["mem_mb"]) >= 2 * 4096
         assert resources(out, "grpo")["nodes"] == "2"
-        assert int(resources(out, "consolidate")["mem_mb"]) >= 4096
+        consolidate = resources(out, "consolidate")
+        assert int(consolidate["mem_mb"]) >= 4096 and "gres" not in consolidate
 
 
-def test_a_two_node_gpu_plan_asks_for_eight_gpus_a_node_and_a_runtime(workdir: Path) -> None:
+def test_a_two_node_gpu_plan_asks_for_eight_gpus_a_node_a_runtime_and_one_to_verify(
+    workdir: Path,
+) -> None:
     edit_config(workdir, "hardware", source="describe", gpu="H100", gpus_per_node=8, nodes=2)
     snakemake(workdir, "results/tiny/plan.json")
-    out = snakemake(workdir, "-n", "--workflow-profile", "profiles/slurm", "pretrain").stdout
+    out = snakemake(workdir, "-n", "--workflow-profile", "profiles/slurm", "all").stdout
     train = resources(out, "pretrain")
     assert (train["nodes"], train["tasks_per_node"], train["gres"], train["tasks_per_gpu"]) == (
         "2", "8", "gpu:8", "0",
     )  # fmt: skip
+    consolidate = resources(out, "consolidate")  # its loss check runs on one of the GPUs
+    assert (consolidate["gres"], consolidate["tasks_per_gpu"]) == ("gpu:1", "0")
     assert train["cpus_per_task"] == "-1"  # described hardware: its cores are unknown
     assert int(train["runtime"]) >= 30  # from the plan's predicted step time
 

@@ -12,6 +12,7 @@ from stagetrain.workflow.slurm import (
     Allocation,
     allocation,
     consolidate_mem_mb,
+    consolidate_resources,
     expand_nodelist,
     job_resources,
 )
@@ -184,3 +185,21 @@ def test_without_a_killed_rank_the_first_node_srun_names_is_blamed() -> None:
         "the ranks on every node were stopped (srun: node1, node2)"
     )
     assert failure_of("Traceback (most recent call last):\n") is None  # one node: the old message
+
+
+def test_consolidation_asks_for_one_gpu_where_the_verified_model_fits_one() -> None:
+    """On a GPU plan the loss check gets one GPU if the model and its logits fit it with a fifth
+    to spare; not for a CPU plan, a `finite` check, or a model larger than one device."""
+    device = 80 * 2**30
+    plan = {"device": "H100", "model": {"params": 10**9, "vocab_size": 32768},
+            "stages": {"pretrain": {"layout": {"micro_batch_size": 2, "seq_len": 4096}, "memory": {"device": device}}}}  # fmt: skip
+    loss = ConsolidateSettings(dtype="bf16", max_shard_size="2GB", verify="loss")
+    assert consolidate_resources(plan, loss) == {
+        "mem_mb": consolidate_mem_mb(plan, loss),
+        "gres": "gpu:1",
+        "tasks_per_gpu": 0,
+    }
+    finite = ConsolidateSettings(dtype="bf16", max_shard_size="2GB", verify="finite")
+    large = {**plan, "model": {**plan["model"], "params": 35 * 10**9}}  # 70 GB of bf16 weights
+    for other, cfg in (({**plan, "device": "cpu"}, loss), (plan, finite), (large, loss)):
+        assert consolidate_resources(other, cfg)["gres"] is None, (other["device"], cfg.verify)

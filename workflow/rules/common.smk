@@ -221,8 +221,8 @@ def plan_resources(stage):
     plan: the runtime needs the predicted step time, which the stage's part leaves out).
 
     Training stages get nodes, tasks, CPUs, GPUs, memory and (pretrain on GPUs)
-    runtime; consolidation its memory. Before detection (a dry run of a fresh run)
-    each is Snakemake's <TBD>.
+    runtime; consolidation its memory, and a GPU for its verification where one fits it.
+    Before detection (a dry run of a fresh run) each is Snakemake's <TBD>.
     """
 
     def read(key):
@@ -235,7 +235,7 @@ def plan_resources(stage):
 
         return resource
 
-    keys = ["mem_mb"] if stage == "consolidate" else slurm.TRAINING_RESOURCES
+    keys = slurm.CONSOLIDATE_RESOURCES if stage == "consolidate" else slurm.TRAINING_RESOURCES
     return {key: read(key) for key in keys}
 
 
@@ -247,6 +247,6 @@ def _stage_resources(stage, plan_key):
     if isinstance(plan, str):
         return collections.defaultdict(TBDString)  # the planner's job fails with the reason
     if stage == "consolidate":
-        return {"mem_mb": slurm.consolidate_mem_mb(plan, SETTINGS.consolidate)}
+        return slurm.consolidate_resources(plan, SETTINGS.consolidate)
     cores = json.loads(Path(HARDWARE).read_text())["cpu"]["cores"]
     return slurm.job_resources(plan, stage, cores, SETTINGS.training(stage).optimizer_steps)
