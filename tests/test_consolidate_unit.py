@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stagetrain.consolidate.folder import finite_as, kept_in_fp32, output_dtypes, verify_device
+from stagetrain.consolidate.folder import finite_as, kept_in_fp32, output_dtypes
+from stagetrain.consolidate.manifest import verifies_on_gpu
 from stagetrain.consolidate.stored import Reader, Region, Stored, describe, region_of, span
 from stagetrain.consolidate.weights import zero3_layout, zero12_layout
 from stagetrain.consolidate.writer import INDEX, plan_shards, write_shards
@@ -206,6 +207,6 @@ def test_the_loss_is_verified_on_the_gpu_only_where_the_model_fits_in_it() -> No
     """No GPU: the CPU. A GPU with room for the model and its logits and a fifth more: the GPU.
     Less room: the CPU, where a model larger than one GPU still fits in host memory."""
     gib = 2**30
-    assert verify_device(10 * gib, None).type == "cpu"
-    assert verify_device(10 * gib, 12 * gib).type == "cuda"
-    assert verify_device(10 * gib, 11 * gib).type == "cpu"
+    assert not verifies_on_gpu(10 * gib, None)
+    assert verifies_on_gpu(10 * gib, 12 * gib)
+    assert not verifies_on_gpu(10 * gib, 11 * gib)

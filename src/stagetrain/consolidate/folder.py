@@ -50,7 +50,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from stagetrain.config.settings import ConsolidateSettings
-from stagetrain.consolidate.manifest import FiniteCheck, LossCheck, Manifest
+from stagetrain.consolidate.manifest import FiniteCheck, LossCheck, Manifest, verifies_on_gpu
 from stagetrain.consolidate.stored import Reader, Region, Stored
 from stagetrain.consolidate.weights import read_weights
 from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size, write_shards
@@ -274,14 +274,6 @@ def weights_sha256(shards: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def verify_device(need: int, free: int | None) -> torch.device:
-    """Where the loss verification runs: the GPU when there is one (`free`: its free bytes) and
-    `need` bytes fit in it with a fifth to spare, as the training computed its figure there
-    (a 1B model's windows took over 3.5 minutes on 16 CPU cores of the GPU check's machine);
-    the CPU otherwise, where a model too large for one GPU still fits in host memory."""
-    return torch.device("cuda" if free is not None and need * 1.2 <= free else "cpu")
-
-
 def _verify_loss(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
                  cfg: ConsolidateSettings, dtype: torch.dtype) -> LossCheck:  # fmt: skip
     """Reload the folder and reproduce the training's logged validation loss (module docstring),
@@ -291,7 +283,9 @@ def _verify_loss(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMe
     logits = batch["micro_batch_size"] * batch["seq_len"] * meta["tokenizer_size"]
     need = sum(f.stat().st_size for f in tmp.glob("*.safetensors")) + logits * (dtype.itemsize + 8)
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-    device = verify_device(need, free)
+    # On the GPU where it fits, as the training computed its figure there: a 1B model's windows
+    # took over 3.5 minutes on 16 CPU cores of the GPU check's machine, 22 s on its H200.
+    device = torch.device("cuda" if verifies_on_gpu(need, free) else "cpu")
     log.info("%s: verifying on the %s (%.2f GiB for the model and one batch of logits)",
              stage, "GPU" if device.type == "cuda" else "CPU", need / 2**30)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(

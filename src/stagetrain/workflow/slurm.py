@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from stagetrain.config.settings import ConsolidateSettings
+from stagetrain.consolidate.manifest import verifies_on_gpu
 from stagetrain.errors import StageError
 from stagetrain.planning.plan import PlanRecord
 
@@ -137,12 +138,11 @@ def consolidate_resources(
 ) -> ConsolidateResources:
     """A consolidation job's Slurm resources: its host memory, and one GPU where the plan trains on
     GPUs and the loss verification's model and logits fit one of them with a fifth to spare
-    (`consolidate.folder.verify_device` then runs it there; a 1B model took 22 s on an H200
-    against over 3.5 minutes on 16 CPU cores)."""
+    (`consolidate.manifest.verifies_on_gpu`, by which the stage then runs it there)."""
     mem_mb = consolidate_mem_mb(plan, consolidate)
     device = plan["stages"]["pretrain"]["memory"]["device"]
     gpu = plan["device"] != "cpu" and consolidate.verify == "loss"
-    one = gpu and (mem_mb - RANK_HOST_MB) * MiB * 1.2 <= device
+    one = gpu and verifies_on_gpu((mem_mb - RANK_HOST_MB) * MiB, device)
     # tasks_per_gpu 0: the plugin would otherwise add --ntasks-per-gpu (see job_resources).
     return {"mem_mb": mem_mb, "gres": "gpu:1" if one else None, "tasks_per_gpu": 0 if one else None}
 
