@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stagetrain.consolidate.folder import finite_as, kept_in_fp32, output_dtypes
-from stagetrain.consolidate.manifest import verifies_on_gpu
 from stagetrain.consolidate.stored import Reader, Region, Stored, describe, region_of, span
 from stagetrain.consolidate.weights import zero3_layout, zero12_layout
 from stagetrain.consolidate.writer import INDEX, plan_shards, write_shards
 from stagetrain.errors import StageError
+from stagetrain.planning.plan import verifies_on_gpu
 
 
 def _tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -356,7 +356,7 @@ MUTANTS = (
            "src/stagetrain/training/autoep.py", "return super().get(str(key.__class__)) or {}", "return {}",
            ("tests/test_experts.py::test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
     Mutant("verify-where-it-fits", "the loss verification uses the GPU only where the model fits in its free memory",
-           "src/stagetrain/consolidate/manifest.py", "free is not None and need * 1.2 <= free", "free is not None",
+           "src/stagetrain/planning/plan.py", "free is not None and need * 1.2 <= free", "free is not None",
            ("tests/test_consolidate_unit.py::test_the_loss_is_verified_on_the_gpu_only_where_the_model_fits_in_it",)),
     Mutant("consolidate-gpu-where-it-fits", "a consolidation job asks for a GPU only where its verified model fits one",
            "src/stagetrain/workflow/slurm.py", "one = gpu and verifies_on_gpu((mem_mb - RANK_HOST_MB) * MiB, device)", "one = gpu",

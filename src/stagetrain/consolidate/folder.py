@@ -50,7 +50,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from stagetrain.config.settings import ConsolidateSettings
-from stagetrain.consolidate.manifest import FiniteCheck, LossCheck, Manifest, verifies_on_gpu
+from stagetrain.consolidate.manifest import FiniteCheck, LossCheck, Manifest
 from stagetrain.consolidate.stored import Reader, Region, Stored
 from stagetrain.consolidate.weights import read_weights
 from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size, write_shards
@@ -58,6 +58,7 @@ from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
+from stagetrain.planning.plan import verifies_on_gpu
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.evaluation import validation_loss
 from stagetrain.training.summary import EvalBatch, StageSummary

@@ -50,12 +50,3 @@ class Manifest(TypedDict):
     versions: dict[str, str]
     files: dict[str, ManifestFile]
     weights_sha256: str
-
-
-def verifies_on_gpu(need: int, free: int | None) -> bool:
-    """Whether the loss verification runs on a GPU: there is one (`free`: its free bytes) and
-    `need` bytes, the reloaded model and one batch of logits, fit in it with a fifth to spare.
-    The stage decides with it (`consolidate.folder`) and its Slurm job asks for a GPU by it
-    (`workflow.slurm`), torch-free so that the DAG build can; elsewhere the CPU verifies in host
-    memory, which also holds a model too large for one GPU."""
-    return free is not None and need * 1.2 <= free

@@ -397,3 +397,13 @@ class Layout:
         """What a checkpoint's files depend on: a resume under another one converts it (training.reshard)."""
         split = {"ep": self.ep} if self.ep > 1 else {}  # absent: 1, as before ep existed
         return {"dp": self.dp, "tp": self.tp, **split, "zero_stage": self.zero_stage}
+
+
+def verifies_on_gpu(need: int, free: int | None) -> bool:
+    """Whether the loss verification runs on a GPU: there is one (`free`: its free bytes) and
+    `need` bytes, the reloaded model and one batch of logits, fit in it with a fifth to spare.
+    The stage decides with it (`consolidate.folder`) and its Slurm job asks for a GPU by it
+    (`workflow.slurm`), so it lives here: torch-free, and in both their digests without putting
+    consolidation's code into pretraining's. Elsewhere the CPU verifies in host memory, which
+    also holds a model too large for one GPU."""
+    return free is not None and need * 1.2 <= free

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from stagetrain.config.settings import ConsolidateSettings
-from stagetrain.consolidate.manifest import verifies_on_gpu
 from stagetrain.errors import StageError
-from stagetrain.planning.plan import PlanRecord
+from stagetrain.planning.plan import PlanRecord, verifies_on_gpu
 
 RANK_HOST_MB = 4096
 """Host memory of one rank beyond its model state. In the default run each CPU rank
@@ -138,7 +137,7 @@ def consolidate_resources(
 ) -> ConsolidateResources:
     """A consolidation job's Slurm resources: its host memory, and one GPU where the plan trains on
     GPUs and the loss verification's model and logits fit one of them with a fifth to spare
-    (`consolidate.manifest.verifies_on_gpu`, by which the stage then runs it there)."""
+    (`planning.plan.verifies_on_gpu`, by which the stage then runs it there)."""
     mem_mb = consolidate_mem_mb(plan, consolidate)
     device = plan["stages"]["pretrain"]["memory"]["device"]
     gpu = plan["device"] != "cpu" and consolidate.verify == "loss"
