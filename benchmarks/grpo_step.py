@@ -290,11 +290,11 @@ def rank(spec_path: str, warmup: int, out: str) -> None:
 
 def _job(
     spec_path: Path, scratch: Path, steps: int, precision: str | None, attention: str | None,
-    zero: int | None = None,
+    zero: int | None = None, gather: str | None = None, partition_all: bool = False,
 ) -> Path:  # fmt: skip
     """A copy of the stage's job spec: `steps` steps, every output in `scratch`, and its plan
-    and DeepSpeed config copied too, in `precision`, with `attention` and at ZeRO stage `zero`
-    where given."""
+    and DeepSpeed config copied too, in `precision`, with `attention`, at ZeRO stage `zero` and
+    ZeRO-3's generation `gather` where given; `partition_all`: every parameter partitioned."""
     from stagetrain.io import read_json
 
     spec: GrpoJob = read_json(spec_path)
@@ -317,6 +317,10 @@ def _job(
     if zero is not None:
         ds["zero_optimization"] = {**ds["zero_optimization"], "stage": zero}
         plan["stages"]["grpo"]["layout"]["zero_stage"] = zero
+    if gather is not None:
+        plan["stages"]["grpo"]["generation"]["gather"] = gather
+    if partition_all:  # DeepSpeed keeps parameters under 1e5 elements whole: all of a tiny model's
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     for name, doc in (("deepspeed_config", ds), ("plan", plan)):
         (scratch / f"{name}.json").write_text(json.dumps(doc))
         spec[name] = str(scratch / f"{name}.json")
@@ -367,6 +371,16 @@ def main() -> None:
     parser.add_argument(
         "--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage, instead of the plan's"
     )
+    parser.add_argument(
+        "--gather",
+        choices=("whole", "per_token"),
+        help="ZeRO-3's generation gathering, instead of the plan's",
+    )
+    parser.add_argument(
+        "--partition-all",
+        action="store_true",
+        help="ZeRO-3 partitions every parameter (DeepSpeed keeps those under 1e5 elements whole)",
+    )
     parser.add_argument("--rank", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -379,7 +393,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         job = _job(args.spec, Path(tmp), args.warmup + args.steps, args.precision, args.attention,
-                   args.zero)  # fmt: skip
+                   args.zero, args.gather, args.partition_all)  # fmt: skip
         world = read_json(read_json(job)["plan"])["world"]
         out = Path(tmp) / "result.json"
         cmd = torchrun_command(nodes=1, procs_per_node=world, module="benchmarks.grpo_step",

@@ -89,6 +89,38 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
     assert not [m for r in records for m in mismatches(r, GrpoRecord, f"step {r['step']}")]
 
 
+def test_zero3_generation_gathering_per_token_makes_what_the_gathered_policy_makes(
+    start: tuple, tmp_path: Path
+) -> None:
+    """Under ZeRO-3 on 2 ranks, every parameter partitioned: generation that gathers per token
+    (the plan's fallback where the whole policy gathered does not fit) samples, scores and
+    trains as gathering the whole policy once does, its ranks in lockstep through every generate
+    call. A generation batch of 6 makes 3 held-out chunks, so one rank scores a spare chunk to
+    keep step with the other."""
+    data, model = start
+    cfg, layout = (
+        grpo_config(steps=2, eval_every=2, checkpoint_every=2),
+        {"dp": 2, "tp": 1, "zero_stage": 3},
+    )
+    summaries = {g: run_grpo(data, model, tmp_path / g, world=2, layout=layout, cfg=cfg, generation_batch=6,
+                             gather=g, partition_all=True) for g in ("whole", "per_token")}  # fmt: skip
+    whole, per_token = _records(tmp_path / "whole"), _records(tmp_path / "per_token")
+    assert_learning_signal(tmp_path / "whole" / "metrics.jsonl")
+    # Two calls per rank and step (a prompt's group of 4 per call): observed on the partitions.
+    assert [r["rollout/lockstep_generate_calls"] for r in whole[1:]] == [0, 0]
+    assert [r["rollout/lockstep_generate_calls"] for r in per_token[1:]] == [2, 2]
+    for a, b in zip(whole[1:], per_token[1:], strict=True):
+        for key in (
+            "reward/mean",
+            "reward/std",
+            "completions/mean_length",
+            "rollout/generated_tokens",
+        ):
+            assert a[key] == b[key], key
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=LOSS_RTOL, abs=1e-9)
+    assert summaries["per_token"]["accuracy"] == summaries["whole"]["accuracy"]
+
+
 def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) -> None:
     data, model = start
     cfg = grpo_config(

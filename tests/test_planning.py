@@ -464,6 +464,42 @@ def test_offload_only_when_nothing_else_fits() -> None:
     assert pretrain["memory"]["fits"]
 
 
+LLAMA_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_layers": 80, "num_heads": 64,
+             "num_kv_heads": 8}  # fmt: skip
+
+
+@pytest.mark.parametrize("gpu", ["H100", "H200"])
+def test_grpo_gathers_per_token_only_where_the_whole_policy_does_not_fit(gpu: str) -> None:
+    """A 70B Llama on 8 GPUs at tp=1: ZeRO-3's whole policy gathered for generation (7/8 of 140
+    GB on each GPU) fits no layout, so GRPO's generation gathers per token, with a warning; the
+    same model with tree rollouts, which cannot run in lockstep, is refused in one line. A
+    7B on the same GPUs gathers the whole policy, as the default run's tiny model does."""
+    grpo = {"prompts_per_step": 8, "group_size": 4, "max_prompt_len": 128, "max_new_tokens": 128}
+    hardware = {"gpu": gpu, "gpus_per_node": 8, "host_memory_gib": 2048}
+    cfg = preset_config(
+        "mistral-7b-8xh100", model=LLAMA_70B, parallelism={"tp": 1}, hardware=hardware, grpo=grpo
+    )
+    plan = plan_for(cfg)
+    stage = plan["stages"]["grpo"]
+    assert stage["generation"]["gather"] == "per_token" and stage["layout"]["zero_stage"] == 3
+    assert stage["memory"]["fits"] and stage["memory"]["total"] < 16 * 8 * 2**30 * 8 / 7  # no copy
+    assert any("generation gathers each layer at every forward" in w for w in plan["warnings"])
+    with pytest.raises(
+        StageError, match=r"^grpo\.rollout: tree rollouts need the whole policy gathered"
+    ):
+        plan_for(merge_sections(cfg, grpo={"rollout": "tree"}))
+    small = plan_for(
+        preset_config("mistral-7b-8xh100", parallelism={"tp": 1}, hardware=hardware, grpo=grpo)
+    )
+    assert small["stages"]["grpo"]["generation"]["gather"] == "whole"
+    default = plan_for(default_config(), cpu_hardware())
+    assert default["stages"]["grpo"]["generation"]["gather"] == "whole"
+
+
+def merge_sections(cfg: dict[str, Any], **sections: dict[str, Any]) -> dict[str, Any]:
+    return {**cfg, **{k: {**cfg[k], **v} for k, v in sections.items()}}
+
+
 def test_nothing_fits_is_a_one_line_error() -> None:
     cfg = preset_config(
         "mistral-7b-8xh100", hardware={"gpu": "L4", "gpus_per_node": 1, "host_memory_gib": None}

@@ -372,6 +372,13 @@ MUTANTS = (
     Mutant("final-norm-counted", "the planner counts the final norm's saved activations",
            "src/stagetrain/planning/memory.py", "final = tokens * _norm(shape.hidden_size, w)", "final = 0",
            ("tests/test_planning.py::test_activations_are_what_autograd_saves",)),
+    Mutant("per-token-fallback", "where ZeRO-3's whole policy gathered for generation fits no layout, GRPO plans per-token gathering without that copy",
+           "src/stagetrain/planning/resolve.py", "gathered = w * (n - shard) if whole else 0", "gathered = w * (n - shard)",
+           ("tests/test_planning.py::test_grpo_gathers_per_token_only_where_the_whole_policy_does_not_fit",)),
+    Mutant("per-token-honoured", "GRPO's generation leaves ZeRO-3's partitions in place when the plan says per_token",
+           "src/stagetrain/training/engine.py", "if engine.zero_optimization_stage() != 3 or not whole:",
+           "if engine.zero_optimization_stage() != 3:",
+           (GRPO + "test_zero3_generation_gathering_per_token_makes_what_the_gathered_policy_makes",)),
 )  # fmt: skip
 
 

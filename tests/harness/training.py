@@ -162,25 +162,26 @@ def grpo_config(**changes: Any) -> dict[str, Any]:
 def launch_grpo(
     data: dict[str, str], model_dir: str, out: Path, *, world: int, layout: dict[str, Any], cfg: dict[str, Any],
     checkpoints: Path | None = None, popen: bool = False, generation_batch: int | None = None,
+    gather: str | None = None, partition_all: bool = False,
 ) -> Any:  # fmt: skip
     """Run the GRPO entry point on `world` CPU ranks; a CompletedProcess, or a Popen if `popen`.
-    `generation_batch` replaces the plan's (the most sequences one generate call may make)."""
+    `generation_batch` and `gather` replace the plan's (the most sequences one generate call may
+    make; how ZeRO-3 gathers for it). `partition_all`: ZeRO-3 partitions every parameter, where
+    DeepSpeed would keep a tiny model's (each under 1e5 elements) whole on every rank."""
     cfg = merge(copy.deepcopy(cfg), {"parallelism": {**FIXED, **layout}})
     plan = plan_for(cfg, cpu_hardware(ranks=world))
     if generation_batch is not None:
         plan["stages"]["grpo"]["generation"]["batch"] = generation_batch
+    if gather is not None:
+        plan["stages"]["grpo"]["generation"]["gather"] = gather
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "plan.json", plan)
     training = training_settings("grpo", cfg["grpo"])
-    atomic_write_json(
-        out / "ds.json",
-        render(
-            stage="grpo",
-            plan=plan,
-            deepspeed=DeepSpeedSettings.from_config(cfg["deepspeed"]),
-            training=training,
-        ),
-    )
+    ds = render(stage="grpo", plan=plan, deepspeed=DeepSpeedSettings.from_config(cfg["deepspeed"]),
+                training=training)  # fmt: skip
+    if partition_all:
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # type: ignore[typeddict-unknown-key]
+    atomic_write_json(out / "ds.json", ds)
     spec = job_spec(
         inputs={**data, "model": model_dir, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"},
         outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "reward_plot": out / "reward.png"},

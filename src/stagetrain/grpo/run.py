@@ -66,6 +66,9 @@ class Run:
     eval_windows: np.ndarray
     generation_batch: int
     """Most sequences one `generate` call makes: the plan counted their KV cache."""
+    gather_whole: bool = True
+    """Whether generation gathers the whole policy on every rank under ZeRO-3 (the plan's
+    `generation.gather`: "whole", or "per_token" where the gathered copy does not fit)."""
     routing: Routing | None = None
     """An MoE policy's routing (`training.experts.routing_of`); None for a dense one."""
     replay: Replay | None = None

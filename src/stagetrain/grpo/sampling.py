@@ -29,6 +29,7 @@ import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from stagetrain.training.evaluation import partitioned
 from stagetrain.training.experts import Routing, chosen_by_position, router_biases
 
 
@@ -223,10 +224,10 @@ def _generate(
         # Rows repeated here, as num_return_sequences would (greedy refuses it), so n = B works greedy.
         input_ids=ids.repeat_interleave(n, 0).to(device), attention_mask=mask.repeat_interleave(n, 0).to(device),
         max_new_tokens=max_new_tokens, use_cache=True, do_sample=False, **generation, **extra,
-        # Parameters are gathered and ZeRO-3's hooks are off (grpo.train.gathered): each rank
-        # generates alone. transformers would otherwise keep ranks in lockstep under ZeRO-3,
-        # which deadlocks when ranks make different numbers of generate calls (tree search).
-        synced_gpus=False,
+        # Gathered (training.engine.gathered), each rank generates alone: transformers would
+        # otherwise keep ranks in lockstep under ZeRO-3, which deadlocks when ranks make
+        # different numbers of generate calls (tree search). Per-token gathering needs lockstep.
+        synced_gpus=partitioned(model),
     )  # fmt: skip
 
 

@@ -380,16 +380,16 @@ def _rollouts(
     prompts: list[list[int]],
     reward: Callable[[int, list[int]], float],
     keys: list[tuple[int, int, int]],
-) -> tuple[list[Group], int]:
+) -> tuple[list[Group], Counted]:
     """This rank's groups of the step, flat or tree, generated in eval mode with the policy
-    gathered (ZeRO-3), and the most sequences one generate call made; the engine is back in
-    train mode after. `keys` name each prompt's
-    sampling stream: (seed, step, the prompt's index in the global batch), so its completions
-    do not depend on which rank draws it."""
+    gathered (ZeRO-3, unless the plan gathers per token), and the policy's `Counted` calls;
+    the engine is back in train mode after. `keys` name each prompt's sampling stream: (seed,
+    step, the prompt's index in the global batch), so its completions do not depend on which
+    rank draws it."""
     cfg, tok = run.cfg, run.tokenizer
     run.engine.eval()
     model = Counted(run.engine.module)
-    with gathered(run.engine), torch.no_grad():
+    with gathered(run.engine, whole=run.gather_whole), torch.no_grad():
         common = {
             "keys": keys,
             "temperature": cfg.temperature,
@@ -405,19 +405,20 @@ def _rollouts(
                                  max_new_tokens=cfg.max_new_tokens, eos_id=tok.eos_token_id,
                                  max_batch=run.generation_batch, **common)  # fmt: skip
     run.engine.train()
-    return groups, model.largest
+    return groups, model
 
 
 class Counted:
-    """The policy as rollouts call it, recording the most sequences one `generate` call makes:
-    the plan's generation batch bounds it (its KV cache is what the plan counted), and the
-    metrics show that it does."""
+    """The policy as rollouts call it, recording the most sequences one `generate` call makes
+    (the plan's generation batch bounds it: its KV cache is what the plan counted) and how many
+    calls ran in lockstep on ZeRO-3 partitions (per-token gathering); the metrics show both."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.module, self.largest = module, 0
+        self.module, self.largest, self.lockstep = module, 0, 0
 
     def generate(self, **kwargs: Any) -> Any:
         self.largest = max(self.largest, int(kwargs["input_ids"].shape[0]))
+        self.lockstep += bool(kwargs.get("synced_gpus"))
         return self.module.generate(**kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -452,7 +453,7 @@ def step(
     def reward(i: int, completion: list[int]) -> float:
         return judge.rewards([batch[i]], [completion])[0]
 
-    groups, largest = _rollouts(run, prompts, reward, keys)
+    groups, counted = _rollouts(run, prompts, reward, keys)
     loss, clip = train_on(run, groups)
     rows: list[Row] = gather_dp([
         Row(family=p.family, level=p.level, rewards=g.rewards, solved=[judge.solved(p, r) for r in g.rewards],
@@ -474,7 +475,8 @@ def step(
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
         "rollout/generated_tokens": sum(row.generated for row in rows),
-        "rollout/largest_generate_call": int(_dp_max(run, largest)),
+        "rollout/largest_generate_call": int(_dp_max(run, counted.largest)),
+        "rollout/lockstep_generate_calls": int(_dp_max(run, counted.lockstep)),
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],

@@ -189,6 +189,7 @@ def setup(spec: GrpoJob) -> Run:
         loop=StageLoop(stage="grpo", spec=spec, cfg=cfg, engine=engine, checkpoints=checkpoints),
         val=val, eval_windows=np.arange(min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)),
         generation_batch=plan["stages"]["grpo"]["generation"]["batch"], replay=replay,
+        gather_whole=plan["stages"]["grpo"]["generation"]["gather"] == "whole",
         zero3_config=zero3_config, routing=routing,
     )  # fmt: skip
 
@@ -259,10 +260,14 @@ def accuracy(run: Run) -> dict[str, float]:
     size, dp = run.generation_batch, run.layout.dp
     chunks = [run.eval_set[at : at + size] for at in range(0, len(run.eval_set), size)]
     mine = chunks[run.dp_rank :: dp]  # the short last chunk, if any, stays last
+    # Per-token gathering keeps the ranks in lockstep, so each makes as many generate calls: a
+    # rank one chunk short (its chunks all full) scores the first chunk again, and drops it.
+    spare = [] if run.gather_whole else chunks[0] * (-(-len(chunks) // dp) - len(mine))
     run.engine.eval()
-    with gathered(run.engine), torch.no_grad():
-        scores = greedy_scores(run.engine.module, run.judge, [p for c in mine for p in c],
+    with gathered(run.engine, whole=run.gather_whole), torch.no_grad():
+        scores = greedy_scores(run.engine.module, run.judge, [p for c in mine for p in c] + spare,
                                max_new_tokens=run.cfg.max_new_tokens, chunk_size=size)  # fmt: skip
+    scores = scores[: len(scores) - len(spare)]
     run.engine.train()
     per_rank = grpo_steps.gather_dp(
         [[scores[i * size : (i + 1) * size] for i in range(len(mine))]], run.dp_rank

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache, partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from stagetrain.config.settings import (
     DeepSpeedSettings,
@@ -31,6 +31,7 @@ from stagetrain.planning.plan import (
     PlanRecord,
     Precision,
     StagePlanRecord,
+    StageSearch,
     TableEntry,
     TableRecord,
     factor_misfit,
@@ -251,14 +252,15 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
             )
         batch //= seq
 
-    def grpo_extra(shape: ModelShape, layout: Layout) -> int:
+    def grpo_extra(shape: ModelShape, layout: Layout, *, whole: bool = True) -> int:
         # Reference model for the KL term, the whole policy gathered for generation
-        # under ZeRO-3, and the KV cache of one generate call's sequences.
+        # under ZeRO-3 (not when it gathers per token: ZeRO-3's live parameters, counted
+        # already), and the KV cache of one generate call's sequences.
         w = 2 if layout.precision != "fp32" else 4
         n = params_per_rank(shape, layout.tp)
         shard = n // layout.dp if layout.zero_stage == 3 else n
         reference = w * shard if grpo.kl_coef > 0 else 0
-        gathered = w * (n - shard)
+        gathered = w * (n - shard) if whole else 0
         # tp splits the heads' keys and values. A latent cache (deepseek_v3) is counted split
         # too, which undercounts it by tp where tp > 1: neither AutoTP on latent attention nor
         # GRPO on an MoE model is tried yet (docs/limits.md).
@@ -275,6 +277,7 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
             global_batch=grpo.prompts_per_step * grpo.group_size,
             group=grpo.group_size,
             extra_bytes=grpo_extra,
+            per_token_extra_bytes=partial(grpo_extra, whole=False),
         ),
     ]
 
@@ -361,13 +364,16 @@ def resolve(
     knobs = Knobs(parallelism=settings.parallelism, deepspeed=settings.deepspeed)
     stages: dict[str, StagePlanRecord] = {}
     for demand in stage_demands:
-        found = search(demand, devices, fixed, shape, precision, knobs, rates)
+        find = partial(search, devices=devices, fixed=fixed, shape=shape, precision=precision,
+                       knobs=knobs, rates=rates)  # fmt: skip
+        found, gather = _gathered_or_per_token(demand, find, settings.grpo.rollout)
         entry: StagePlanRecord = {
             **found,
             "sources": {k: sources.get(k, "planner") for k in SEARCHED},
         }
         if demand.stage == "grpo":
-            entry["generation"] = {"batch": generation_batch(settings.grpo, entry["layout"]["dp"])}
+            batch = generation_batch(settings.grpo, entry["layout"]["dp"])
+            entry["generation"] = {"batch": batch, "gather": gather}
         stages[demand.stage] = entry
     model = {**asdict(shape(1)), "vocab_multiple": settings.model.vocab_multiple}
     return {
@@ -386,6 +392,47 @@ def resolve(
         "stages": stages,
         "warnings": [*choice.warnings, *(w for s in stages.values() for w in s["warnings"])],
     }
+
+
+def _gathered_or_per_token(
+    demand: Demand, find: Callable[[Demand], StageSearch], rollout: str
+) -> tuple[StageSearch, Literal["whole", "per_token"]]:
+    """The stage's search, and how its generation gathers ZeRO-3's partitions: the whole policy
+    at once where a layout fits that copy, else, for GRPO, per token where a layout fits without
+    it (TRL's `ds3_gather_for_generation=False`), with a warning of its cost.
+
+    Raises:
+        StageError: nothing fits either way (the error of the whole copy's search), or only per
+            token under tree rollouts, whose ranks make different numbers of generate calls.
+    """
+    try:
+        found, failed = find(demand), None
+    except StageError as err:
+        found, failed = None, err
+    if demand.per_token_extra_bytes is None or (found and found["candidates"]["fit"]):
+        if found is None:
+            raise cast(StageError, failed)
+        return found, "whole"
+    try:
+        lean = find(replace(demand, extra_bytes=demand.per_token_extra_bytes))
+    except StageError:
+        lean = None
+    if lean is None or not lean["candidates"]["fit"]:
+        if found is None:
+            raise cast(StageError, failed)
+        return found, "whole"
+    if rollout == "tree":
+        raise StageError(
+            "grpo.rollout: tree rollouts need the whole policy gathered for generation (their "
+            "ranks make different numbers of generate calls), and no layout fits that copy; use "
+            "rollout: flat, which gathers per token instead, or more or larger devices"
+        )
+    lean["warnings"].append(
+        "grpo: no layout fits the whole policy gathered for generation under ZeRO-3; generation "
+        "gathers each layer at every forward instead, the ranks in lockstep (an all-gather of the "
+        "model per generated token: expect generation to be several times slower)"
+    )
+    return lean, "per_token"
 
 
 def plan_from(

@@ -124,6 +124,9 @@ class Demand:
     tokens between the ranks of an ep group at every forward, so every rank would have to make
     the same number of forwards, which tree rollouts and held-out chunks do not."""
     extra_bytes: Callable[[ModelShape, Layout], int] = field(default=lambda shape, layout: 0)
+    per_token_extra_bytes: Callable[[ModelShape, Layout], int] | None = None
+    """GRPO's extra memory where its generation gathers ZeRO-3's partitions per token instead of
+    the whole policy at once: the fallback when no layout fits `extra_bytes`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

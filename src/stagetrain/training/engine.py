@@ -289,9 +289,11 @@ def dtypes(engine: DeepSpeedEngine) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def gathered(engine: DeepSpeedEngine) -> Iterator[None]:
+def gathered(engine: DeepSpeedEngine, *, whole: bool = True) -> Iterator[None]:
     """Under ZeRO-3, the whole policy gathered on every rank, and ZeRO-3's module hooks off, for a
-    generation phase; nothing otherwise.
+    generation phase; nothing otherwise, or where the plan found no room for the gathered copy
+    (`whole` False: its `generation.gather` is "per_token", and each forward gathers a layer at
+    a time, the ranks in lockstep: `training.evaluation.partitioned`).
 
     Ranks generate different numbers of tokens (their own prompts, early stops,
     tree searches of different shapes); with ZeRO-3's hooks on, each forward
@@ -300,7 +302,7 @@ def gathered(engine: DeepSpeedEngine) -> Iterator[None]:
     the hooks, generate, put the hooks back. Cost: one full 16-bit copy of the
     model on every rank while it lasts.
     """
-    if engine.zero_optimization_stage() != 3:
+    if engine.zero_optimization_stage() != 3 or not whole:
         yield
         return
     offload = engine.optimizer.parameter_offload
