@@ -222,7 +222,7 @@ def test_grpo_trains_an_moe_policy_on_its_aux_loss_only_when_asked(
     `grpo.router_aux_loss_coef` (off by default, as verl and OpenRLHF keep it), whose loss is
     logged; the routing-flip share of the step is measured, and 0 in fp32."""
     monkeypatch.setattr(grpo_steps, "_dp_sums", lambda run, values: list(values))  # one rank
-    monkeypatch.setattr(grpo_steps, "_dp_max", lambda run, value: value)
+    monkeypatch.setattr(grpo_steps, "_dp_max", lambda run, values: list(values))
     model = tiny_moe("mixtral")
     routing = routing_of(model.config)
     prompts = [[3, 4], [5, 6, 7, 8, 9], [8], [9, 10, 11]]

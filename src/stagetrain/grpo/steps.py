@@ -314,7 +314,7 @@ def sampler_gap(
     total, kl, tokens = sums
     return {
         "train/sampler_logprob_gap_mean": total / tokens if tokens else 0.0,
-        "train/sampler_logprob_gap_max": _dp_max(run, max((p[1] for p in parts), default=0.0)),
+        "train/sampler_logprob_gap_max": _dp_max(run, [max((p[1] for p in parts), default=0.0)])[0],
         "train/sampler_kl": kl / tokens if tokens else 0.0,
     }
 
@@ -454,6 +454,7 @@ def step(
         return judge.rewards([batch[i]], [completion])[0]
 
     groups, counted = _rollouts(run, prompts, reward, keys)
+    largest, lockstep = _dp_max(run, [counted.largest, counted.lockstep])
     loss, clip = train_on(run, groups)
     rows: list[Row] = gather_dp([
         Row(family=p.family, level=p.level, rewards=g.rewards, solved=[judge.solved(p, r) for r in g.rewards],
@@ -475,8 +476,8 @@ def step(
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
         "rollout/generated_tokens": sum(row.generated for row in rows),
-        "rollout/largest_generate_call": int(_dp_max(run, counted.largest)),
-        "rollout/lockstep_generate_calls": int(_dp_max(run, counted.lockstep)),
+        "rollout/largest_generate_call": int(largest),
+        "rollout/lockstep_generate_calls": int(lockstep),
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
@@ -509,11 +510,11 @@ def _dp_sums(run: Run, values: Sequence[float]) -> list[float]:
     return [v / run.layout.tp for v in tensor.tolist()]
 
 
-def _dp_max(run: Run, value: float) -> float:
-    """The largest `value` over every rank."""
-    tensor = torch.tensor(value, dtype=torch.float64, device=run.device)
+def _dp_max(run: Run, values: Sequence[float]) -> list[float]:
+    """The largest of each of `values` over every rank, in one all-reduce."""
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=run.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
+    return tensor.tolist()
 
 
 def reward_plot(summary: GrpoSummary, path: str | Path) -> None:

@@ -363,9 +363,9 @@ def resolve(
         sources["ep"] = "model"  # nothing to choose: the architecture has no expert parallelism
     knobs = Knobs(parallelism=settings.parallelism, deepspeed=settings.deepspeed)
     stages: dict[str, StagePlanRecord] = {}
+    find = partial(search, devices=devices, fixed=fixed, shape=shape, precision=precision,
+                   knobs=knobs, rates=rates)  # fmt: skip
     for demand in stage_demands:
-        find = partial(search, devices=devices, fixed=fixed, shape=shape, precision=precision,
-                       knobs=knobs, rates=rates)  # fmt: skip
         found, gather = _gathered_or_per_token(demand, find, settings.grpo.rollout)
         entry: StagePlanRecord = {
             **found,
@@ -405,22 +405,23 @@ def _gathered_or_per_token(
         StageError: nothing fits either way (the error of the whole copy's search), or only per
             token under tree rollouts, whose ranks make different numbers of generate calls.
     """
+    per_token = demand.per_token_extra_bytes
     try:
         found, failed = find(demand), None
     except StageError as err:
+        if per_token is None:
+            raise
         found, failed = None, err
-    if demand.per_token_extra_bytes is None or (found and found["candidates"]["fit"]):
-        if found is None:
-            raise cast(StageError, failed)
+    if found is not None and (per_token is None or found["candidates"]["fit"]):
         return found, "whole"
     try:
-        lean = find(replace(demand, extra_bytes=demand.per_token_extra_bytes))
+        lean = find(replace(demand, extra_bytes=per_token))
     except StageError:
         lean = None
     if lean is None or not lean["candidates"]["fit"]:
-        if found is None:
-            raise cast(StageError, failed)
-        return found, "whole"
+        if failed is not None:
+            raise failed
+        return cast(StageSearch, found), "whole"
     if rollout == "tree":
         raise StageError(
             "grpo.rollout: tree rollouts need the whole policy gathered for generation (their "
@@ -430,7 +431,7 @@ def _gathered_or_per_token(
     lean["warnings"].append(
         "grpo: no layout fits the whole policy gathered for generation under ZeRO-3; generation "
         "gathers each layer at every forward instead, the ranks in lockstep (an all-gather of the "
-        "model per generated token: expect generation to be several times slower)"
+        "model per generated token instead of one per step: slower, by more with more layers)"
     )
     return lean, "per_token"
 
