@@ -21,13 +21,24 @@ import numpy as np
 import pytest
 import torch
 from harness.checkpoints import truncate
-from harness.configs import model_settings, named_config
+from harness.configs import merge, model_settings, named_config
 from harness.models import tiny_moe
-from harness.training import DEEPSEEK, MOE, dp2, grpo_config, launch, model_config, run, run_grpo
+from harness.training import (
+    DEEPSEEK,
+    MOE,
+    assert_learning_signal,
+    dp2,
+    grpo_config,
+    launch,
+    model_config,
+    run,
+    run_grpo,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from stagetrain.config.settings import ConsolidateSettings
+from stagetrain.config.validation import validate_section
 from stagetrain.consolidate.folder import consolidate
 from stagetrain.errors import StageError
 from stagetrain.grpo import steps as grpo_steps
@@ -340,7 +351,8 @@ def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict
     ranks; under ZeRO-3 so does a resume from step 2 on one rank, through DeepSpeed's universal
     checkpoint, which restores parameters alone (the stage copies the buffers back). The bf16 folder consolidated from it holds the bias exactly (written in fp32, as
     transformers keeps it), and loads and generates in transformers; under ZeRO-3 GRPO trains
-    from it and measures how often its trainer routes a sampled token otherwise."""
+    from it, every parameter partitioned (the KL term's reference too), and measures how often
+    its trainer routes a sampled token otherwise."""
     config = model_config(tmp_path / "model", **DEEPSEEK)
     layout, every2 = dp2(zero), {"pretrain": {"checkpoint_every": 2}}
     first = run(data, tmp_path, world=2, layout=layout, model_config=config, config_changes=every2)
@@ -389,10 +401,10 @@ def test_a_deepseek_v3_routing_bias_survives_resume_and_consolidation(data: dict
         ), name
     generated = model.generate(torch.tensor([[5, 9, 13]]), max_new_tokens=6, do_sample=False)
     assert generated.shape == (1, 9)
-    if zero == 3:  # GRPO from the folder, partitioned as its pretraining was
+    if zero == 3:  # GRPO from the folder, every parameter partitioned
         cfg = grpo_config()
         grpo = run_grpo({**data, "model_config": config}, str(tmp_path / "hf"), tmp_path / "grpo",
-                        world=2, layout=layout, cfg=cfg)  # fmt: skip
+                        world=2, layout=layout, cfg=cfg, partition_all=True)  # fmt: skip
         assert grpo["optimizer_steps"] == cfg["grpo"]["steps"]
         flips = grpo["sampler"][
             "routing_flip_share_max"
@@ -472,14 +484,15 @@ def test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep(
 
 
 @pytest.mark.slow
-def test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included(
+def test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does(
     data: dict[str, str], tmp_path: Path
 ) -> None:
     """A Mixtral through AutoEP's preset (transformers' output-capture registry lent in the form
     DeepSpeed 0.19.8 edits: `training.autoep.keyed_output_registry`) on 2 ranks at ep=2 trains as
     1 rank without AutoEP does: the same losses (fp32) and expert loads, and the same
     load-balancing loss, read from AutoEP's router as from Mixtral's (coefficient 0.1, so that
-    it moves the weights). The checkpoint consolidates into a folder that loads and generates."""
+    it moves the weights). The checkpoint consolidates into a folder that loads and generates,
+    and GRPO trains from it at ep=2 as on 1 rank."""
     model = {**MOE, "router_aux_loss_coef": 0.1}
     config = model_config(tmp_path / "model", **model)
     kwargs = {"model_config": config, "config_changes": {"model": model}}
@@ -502,6 +515,52 @@ def test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included(
         1,
         9,
     )
+    # GRPO from that folder at ep=2 under ZeRO-3 (its reference without AutoEP) as on 1 rank,
+    # on a reward that varies within every group.
+    # Each generate call is a collective under ep: the calls run in lockstep, and 12 held-out
+    # problems in chunks of 4 make one rank score a spare chunk; the routing AutoEP's routers
+    # chose is what the sampler recorded.
+    cfg = merge(grpo_config(router_aux_loss_coef=0.05, eval_problems=12, curriculum={"families": ["sums"]}),
+                {"model": model, "tasks": _varied_rewards(tmp_path)})  # fmt: skip
+    grpo = {name: run_grpo({**data, "model_config": config}, str(tmp_path / "hf"), tmp_path / name, world=world,
+                           layout={**layout, **extra}, cfg=cfg, generation_batch=4)
+            for name, world, extra in (("grpo1", 1, {}), ("grpo_ep2", 2, {"dp": 2, "ep": 2, "zero_stage": 3}))}  # fmt: skip
+    assert (grpo["grpo_ep2"]["layout"]["ep"], grpo["grpo1"]["layout"]["ep"]) == (2, 1)
+    one, ep2 = (_grpo_records(tmp_path / name) for name in ("grpo1", "grpo_ep2"))
+    assert_learning_signal(tmp_path / "grpo1" / "metrics.jsonl")
+    assert [r["rollout/lockstep_generate_calls"] for r in ep2[1:]] == [2, 2, 2]
+    assert [r["rollout/lockstep_generate_calls"] for r in one[1:]] == [0, 0, 0]
+    for a, b in zip(one[1:], ep2[1:], strict=True):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["moe/routing_flip_share"] == b["moe/routing_flip_share"] == 0.0
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-9)
+        assert b["train/aux_loss"] == pytest.approx(a["train/aux_loss"], rel=1e-4)
+    assert grpo["grpo_ep2"]["accuracy"] == grpo["grpo1"]["accuracy"]
+
+
+REWARD = '''
+def odd(prompts, completions, **kw):
+    """1 where the completion's characters sum to an odd number: a reward that varies within a
+    group of any sampling policy, trained or not, so that its advantages are not all zero."""
+    return [float(sum(map(ord, c)) % 2) for c in completions]
+'''
+
+
+def _varied_rewards(root: Path) -> dict[str, Any]:
+    """A tasks section of one family of the user's own, "sums", rewarded by `REWARD`."""
+    rows = [
+        {"question": f"{i} + {i % 7} =", "solution": str(i + i % 7), "level": 1} for i in range(400)
+    ]
+    (root / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "rewards.py").write_text(REWARD)
+    return validate_section("tasks", {"families": [{
+        "name": "sums", "files": [str(root / "sums.jsonl")], "columns": {"prompt": "question", "answer": "solution", "level": "level"},
+        "rewards": [{"function": f"{root / 'rewards.py'}:odd"}],
+    }]})  # fmt: skip
+
+
+def _grpo_records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:

@@ -271,11 +271,12 @@ def test_expert_parallelism_holds_a_share_of_the_experts_and_pays_their_all_to_a
     assert one.ep_comm_s == 0 and one.dp_comm_s > speed.dp_comm_s  # the experts reduce over dp/ep
 
 
-def test_the_planner_splits_experts_where_autoep_can_and_only_pretraining() -> None:
+def test_the_planner_splits_experts_where_autoep_can_and_grpo_with_flat_rollouts() -> None:
     """On two H100s without host memory the DeepSeek preset's micro batch of 2 fits at ep=2
     (ZeRO-1) and no longer under ZeRO-3 without ep, so the search takes ep=2; its Mixtral twin
     gets an ep candidate too, its qwen2_moe twin (no AutoEP preset) none. Fixed, ep=2 holds for
-    pretraining, and GRPO trains at ep=1 with a warning."""
+    pretraining and for GRPO's flat rollouts; GRPO's tree rollouts train at ep=1, with a
+    warning."""
     two = {"gpus_per_node": 2, "host_memory_gib": None}
     plan = plan_for(preset_config("deepseek-moe-h100", hardware=two))
     searched = plan["stages"]["pretrain"]
@@ -298,9 +299,13 @@ def test_the_planner_splits_experts_where_autoep_can_and_only_pretraining() -> N
     pretrain, grpo = fixed["stages"]["pretrain"], fixed["stages"]["grpo"]
     assert pretrain["layout"]["ep"] == 2 and pretrain["throughput"]["ep_comm_s"] > 0
     assert pretrain["sources"]["ep"] == "config"
-    assert grpo["layout"]["ep"] == 1 and grpo["warnings"] == [
-        "grpo: trains with ep=1, not parallelism.ep=2 (pretraining's): its generation would need "
-        "every rank of an ep group to make the same number of forwards"
+    assert grpo["layout"]["ep"] == 2 and grpo["warnings"] == []  # flat rollouts, in lockstep
+    tree = plan_for(preset_config("deepseek-moe-h100", hardware=two, parallelism={"ep": 2},
+                                  grpo={"rollout": "tree"}))["stages"]["grpo"]  # fmt: skip
+    assert tree["layout"]["ep"] == 1 and tree["warnings"] == [
+        "grpo: trains with ep=1, not parallelism.ep=2 (pretraining's): tree rollouts make "
+        "different numbers of forwards on each rank, and every rank of an ep group must make the "
+        "same; flat rollouts train at the config's ep"
     ]
 
 

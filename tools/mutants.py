@@ -38,6 +38,7 @@ class Mutant:
 
 GRPO = "tests/test_grpo.py::"
 TASKS = "tests/test_task_families.py::"
+EP_GRPO = "tests/test_experts.py::test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does"
 MUTANTS = (
     Mutant("grpo-trains", "GRPO's loss reaches the weights through the engine",
            "src/stagetrain/grpo/steps.py", "engine.backward(total * ga * run.layout.dp)", "engine.backward(total * 0.0)",
@@ -351,10 +352,10 @@ MUTANTS = (
     Mutant("autoep-registry-lent", "Mixtral's AutoEP preset edits transformers' output-capture registry in a form it can (ep > 1)",
            "src/stagetrain/training/engine.py", 'with keyed_output_registry() if "expert_parallel" in ds_config else nullcontext():',
            "with nullcontext():",
-           ("tests/test_experts.py::test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
+           ("tests/test_experts.py::test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does",)),
     Mutant("autoep-registry-by-model", "transformers reads the lent registry by model, and finds the router logits AutoEP retargeted",
            "src/stagetrain/training/autoep.py", "return super().get(str(key.__class__)) or {}", "return {}",
-           ("tests/test_experts.py::test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
+           ("tests/test_experts.py::test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does",)),
     Mutant("verify-where-it-fits", "the loss verification uses the GPU only where the model fits in its free memory",
            "src/stagetrain/planning/plan.py", "free is not None and need * 1.2 <= free", "free is not None",
            ("tests/test_consolidate_unit.py::test_the_loss_is_verified_on_the_gpu_only_where_the_model_fits_in_it",)),
@@ -379,6 +380,21 @@ MUTANTS = (
            "src/stagetrain/training/engine.py", "if engine.zero_optimization_stage() != 3 or not whole:",
            "if engine.zero_optimization_stage() != 3:",
            (GRPO + "test_zero3_generation_gathering_per_token_makes_what_the_gathered_policy_makes",)),
+    Mutant("grpo-ep-planned", "GRPO with flat rollouts is planned at the config's ep",
+           "src/stagetrain/planning/resolve.py", 'expert_parallel=grpo.rollout == "flat",', "expert_parallel=False,",
+           ("tests/test_planning.py::test_the_planner_splits_experts_where_autoep_can_and_grpo_with_flat_rollouts",)),
+    Mutant("grpo-ep-lockstep", "under expert parallelism every generate call runs in lockstep (synced_gpus)",
+           "src/stagetrain/training/evaluation.py", "return partitioned or bool(autoep.routers(module))", "return partitioned",
+           (EP_GRPO,)),
+    Mutant("grpo-ep-spare-chunk", "under expert parallelism a rank one held-out chunk short scores a spare one",
+           "src/stagetrain/grpo/run.py", "return not self.gather_whole or self.layout.ep > 1", "return not self.gather_whole",
+           (EP_GRPO,)),
+    Mutant("grpo-ep-routing", "under expert parallelism the sampler records the experts AutoEP's routers chose",
+           "src/stagetrain/grpo/sampling.py", "self.routers, self.index, self.chose = autoep.routers(model), 1, True",
+           "self.routers, self.index, self.chose = autoep.routers(model), 0, True", (EP_GRPO,)),
+    Mutant("reference-without-ep", "the KL reference under ZeRO-3 is built without AutoEP, whatever the policy's ep",
+           "src/stagetrain/grpo/train.py", 'drop = ("optimizer", "scheduler", "expert_parallel")',
+           'drop = ("optimizer", "scheduler")', (EP_GRPO,)),
 )  # fmt: skip
 
 

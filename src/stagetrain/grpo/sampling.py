@@ -29,8 +29,14 @@ import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from stagetrain.training.evaluation import partitioned
-from stagetrain.training.experts import Routing, chosen_by_position, router_biases
+from stagetrain.training import autoep
+from stagetrain.training.evaluation import in_lockstep
+from stagetrain.training.experts import (
+    Routing,
+    chosen_by_position,
+    routed_by_position,
+    router_biases,
+)
 
 
 def generation_kwargs(
@@ -131,12 +137,16 @@ class RoutingRecorder:
     The routers are the modules transformers records router logits from (the model class's
     `_can_record_outputs`): asking `generate` for `output_router_logits` instead makes Mixtral
     compute its aux loss at every decoding step, where the attention mask no longer matches
-    the one token's logits, and fail."""
+    the one token's logits, and fail. Under expert parallelism AutoEP's routers replace them,
+    and return the experts they chose rather than logits: those are recorded as they are."""
 
     def __init__(self, model: torch.nn.Module, routing: Routing, rows: int) -> None:
-        recorded = model._can_record_outputs["router_logits"]
-        self.routers = [m for m in model.modules() if isinstance(m, recorded.target_class)]
-        self.index, self.routing, self.rows = recorded.index, routing, rows
+        self.routers, self.index, self.chose = autoep.routers(model), 1, True
+        if not self.routers:
+            recorded = model._can_record_outputs["router_logits"]
+            self.routers = [m for m in model.modules() if isinstance(m, recorded.target_class)]
+            self.index, self.chose = recorded.index, False
+        self.routing, self.rows = routing, rows
         self.biases = router_biases(model) if routing.bias_rate is not None else None
         self.layers: list[torch.Tensor] = []
         self.calls: list[torch.Tensor] = []
@@ -144,7 +154,10 @@ class RoutingRecorder:
     def __call__(self, module: torch.nn.Module, args: object, output: object) -> None:
         self.layers.append(output[self.index] if isinstance(output, tuple) else output)
         if len(self.layers) == len(self.routers):  # the forward's last MoE layer
-            chosen = chosen_by_position(self.layers, self.rows, self.routing, self.biases)
+            if self.chose:
+                chosen = routed_by_position(self.layers, self.rows, self.routing.top_k)
+            else:
+                chosen = chosen_by_position(self.layers, self.rows, self.routing, self.biases)
             self.calls.append(chosen[:, -1].to(torch.int16).cpu())
             self.layers = []
 
@@ -226,8 +239,9 @@ def _generate(
         max_new_tokens=max_new_tokens, use_cache=True, do_sample=False, **generation, **extra,
         # Gathered (training.engine.gathered), each rank generates alone: transformers would
         # otherwise keep ranks in lockstep under ZeRO-3, which deadlocks when ranks make
-        # different numbers of generate calls (tree search). Per-token gathering needs lockstep.
-        synced_gpus=partitioned(model),
+        # different numbers of generate calls (tree search). Per-token gathering and expert
+        # parallelism need lockstep.
+        synced_gpus=in_lockstep(model),
     )  # fmt: skip
 
 

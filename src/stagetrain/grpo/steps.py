@@ -25,7 +25,14 @@ from stagetrain.grpo.run import Replay, Run
 from stagetrain.grpo.sampling import policy_scores
 from stagetrain.tasks import Problem, sample
 from stagetrain.training.engine import gathered
-from stagetrain.training.experts import Routing, chosen_by_position, router_biases, routing_flips
+from stagetrain.training.experts import (
+    Routing,
+    autoep_choices,
+    chosen_by_position,
+    routed_by_position,
+    router_biases,
+    routing_flips,
+)
 
 if TYPE_CHECKING:  # reward_plot's annotation
     from stagetrain.grpo.summary import GrpoSummary
@@ -98,14 +105,18 @@ def token_logprobs(
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
     targets = ids[:, 1:]
     forward = {} if routing is None else {"output_router_logits": True}
-    out = model(input_ids=ids, attention_mask=attention, **forward)
+    with autoep_choices(model) as chosen:
+        out = model(input_ids=ids, attention_mask=attention, **forward)
     scores = policy_scores(out.logits[:, :-1], temperature, top_p, keep=targets)
     logprobs = scores.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     mask = completion_mask(items, logprobs.device)
     if routing is None:
         return Scored(logprobs, mask)
-    biases = router_biases(model) if routing.bias_rate is not None else None
-    experts = chosen_by_position(out.router_logits, len(items), routing, biases)[:, :-1]
+    if chosen:  # expert parallelism: AutoEP's routers return no logits
+        experts = routed_by_position(chosen, len(items), routing.top_k)[:, :-1]
+    else:
+        biases = router_biases(model) if routing.bias_rate is not None else None
+        experts = chosen_by_position(out.router_logits, len(items), routing, biases)[:, :-1]
     aux = out.aux_loss.float() if routing.coef is not None else None
     return Scored(logprobs, mask, experts, aux)
 

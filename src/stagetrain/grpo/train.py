@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple, TypedDict, cast
 
 import deepspeed
 import numpy as np
@@ -112,11 +112,13 @@ def _reference(
     attention: str,
 ) -> DeepSpeedEngine | PreTrainedModel:
     """The frozen reference policy: partitioned like the policy under ZeRO-3, a plain copy
-    otherwise; with the policy's attention kernel."""
+    otherwise; with the policy's attention kernel. Without expert parallelism, whatever the
+    policy's: a frozen copy's forwards need no all-to-all between the ranks."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention)
     model.requires_grad_(False)
     if ds_config["zero_optimization"]["stage"] == 3:
-        config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+        drop = ("optimizer", "scheduler", "expert_parallel")
+        config = cast(DeepSpeedJson, {k: v for k, v in ds_config.items() if k not in drop})
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()  # DeepSpeedEngine.eval returns None, not the engine as nn.Module's does
         return engine
@@ -260,9 +262,9 @@ def accuracy(run: Run) -> dict[str, float]:
     size, dp = run.generation_batch, run.layout.dp
     chunks = [run.eval_set[at : at + size] for at in range(0, len(run.eval_set), size)]
     mine = chunks[run.dp_rank :: dp]  # the short last chunk, if any, stays last
-    # Per-token gathering keeps the ranks in lockstep, so each makes as many generate calls: a
-    # rank one chunk short (its chunks all full) scores the first chunk again, and drops it.
-    spare = [] if run.gather_whole else chunks[0] * (-(-len(chunks) // dp) - len(mine))
+    # In lockstep each rank makes as many generate calls: a rank one chunk short (its chunks
+    # all full) scores the first chunk again, and drops it.
+    spare = chunks[0] * (-(-len(chunks) // dp) - len(mine)) if run.lockstep else []
     run.engine.eval()
     with gathered(run.engine, whole=run.gather_whole), torch.no_grad():
         scores = greedy_scores(run.engine.module, run.judge, [p for c in mine for p in c] + spare,

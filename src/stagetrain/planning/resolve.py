@@ -262,8 +262,8 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
         reference = w * shard if grpo.kl_coef > 0 else 0
         gathered = w * (n - shard) if whole else 0
         # tp splits the heads' keys and values. A latent cache (deepseek_v3) is counted split
-        # too, which undercounts it by tp where tp > 1: neither AutoTP on latent attention nor
-        # GRPO on an MoE model is tried yet (docs/limits.md).
+        # too, which undercounts it by tp where tp > 1: AutoTP on latent attention is not
+        # tried yet (docs/limits.md).
         kv_width = shape.kv_cache_width // layout.tp
         kv = shape.num_layers * generation_batch(grpo, layout.dp) * layout.seq_len * kv_width * w
         return reference + gathered + kv
@@ -272,7 +272,7 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
         Demand(stage="pretrain", seq_len=seq, global_batch=batch),
         Demand(
             stage="grpo",
-            expert_parallel=False,
+            expert_parallel=grpo.rollout == "flat",
             seq_len=grpo.max_prompt_len + grpo.max_new_tokens,
             global_batch=grpo.prompts_per_step * grpo.group_size,
             group=grpo.group_size,

@@ -120,9 +120,9 @@ class Demand:
     group: int = 1
     """Sequences that must stay on one rank together (GRPO: one prompt's completions)."""
     expert_parallel: bool = True
-    """Whether the stage can split experts (ep > 1). GRPO cannot yet: its generation would send
-    tokens between the ranks of an ep group at every forward, so every rank would have to make
-    the same number of forwards, which tree rollouts and held-out chunks do not."""
+    """Whether the stage can split experts (ep > 1). GRPO's generation sends tokens between the
+    ranks of an ep group at every forward, so every rank must make the same number of forwards:
+    flat rollouts and the held-out chunks can (`grpo.run.Run.lockstep`), tree rollouts cannot."""
     extra_bytes: Callable[[ModelShape, Layout], int] = field(default=lambda shape, layout: 0)
     per_token_extra_bytes: Callable[[ModelShape, Layout], int] | None = None
     """GRPO's extra memory where its generation gathers ZeRO-3's partitions per token instead of
@@ -432,8 +432,9 @@ def search(
     best, fitting, warnings = _choose(demand, evaluated, fixed, devices.host_bytes_per_node)
     if (fixed.ep or 1) > 1 and not demand.expert_parallel:
         warnings.append(
-            f"{demand.stage}: trains with ep=1, not parallelism.ep={fixed.ep} (pretraining's): its "
-            "generation would need every rank of an ep group to make the same number of forwards"
+            f"{demand.stage}: trains with ep=1, not parallelism.ep={fixed.ep} (pretraining's): "
+            "tree rollouts make different numbers of forwards on each rank, and every rank of "
+            "an ep group must make the same; flat rollouts train at the config's ep"
         )
     others = [e for e in fitting[1:] if e.summary() != best.summary()]
     rejected = sorted((e for e in evaluated if not e.fits), key=lambda e: e.memory.total)

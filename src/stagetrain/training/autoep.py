@@ -31,6 +31,16 @@ RENAMED = {
 AUTOEP_OF = {hf: autoep for autoep, hf in RENAMED.items()}
 GATE, UP, FUSED = "experts.w1", "experts.w3", "experts.gate_up_proj"
 """AutoEP's gate and up halves of transformers' fused projection."""
+ROUTER = "TokenChoiceTopKRouter"
+"""The router of DeepSpeed AutoEP's MoE layer; its forward returns (gate weights, chosen experts,
+tokens per expert), the experts as global ids, one row per token of the layer's input in
+(sequence, position) order. Matched by name, so that nothing here imports DeepSpeed."""
+
+
+def routers(model: Any) -> list[Any]:
+    """The routers of the MoE layers AutoEP replaced in `model`, in module order; none for a
+    model without expert parallelism."""
+    return [m for m in model.modules() if type(m).__name__ == ROUTER]
 
 
 def _layer(name: str, suffixes: Iterable[str]) -> tuple[str, str] | None:

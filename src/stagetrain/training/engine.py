@@ -293,7 +293,7 @@ def gathered(engine: DeepSpeedEngine, *, whole: bool = True) -> Iterator[None]:
     """Under ZeRO-3, the whole policy gathered on every rank, and ZeRO-3's module hooks off, for a
     generation phase; nothing otherwise, or where the plan found no room for the gathered copy
     (`whole` False: its `generation.gather` is "per_token", and each forward gathers a layer at
-    a time, the ranks in lockstep: `training.evaluation.partitioned`).
+    a time, the ranks in lockstep: `training.evaluation.in_lockstep`).
 
     Ranks generate different numbers of tokens (their own prompts, early stops,
     tree searches of different shapes); with ZeRO-3's hooks on, each forward

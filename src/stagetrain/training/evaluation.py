@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from stagetrain.tasks import Problem
 from stagetrain.tasks.judge import Judge
+from stagetrain.training import autoep
 from stagetrain.training.batches import read_windows
 
 
@@ -95,16 +96,19 @@ def greedy_scores(
         tokens = torch.tensor([[pad] * (width - len(i)) + i for i in ids], device=device)
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
         gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=partitioned(model))  # fmt: skip
+                             eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=in_lockstep(model))  # fmt: skip
         rewards = judge.rewards(chunk, gen[:, width:].tolist())
         out.extend(float(judge.solved(p, r)) for p, r in zip(chunk, rewards, strict=True))
     return out
 
 
-def partitioned(module: torch.nn.Module) -> bool:
-    """Whether `module`'s parameters are ZeRO-3 partitions left in place (not `gathered`), so that
-    each forward all-gathers them: then every rank must make the same forwards, and `generate`
-    must run with `synced_gpus`, where a rank that has finished keeps stepping until all have
-    (else the others wait for it in an all-gather that never comes)."""
+def in_lockstep(module: torch.nn.Module) -> bool:
+    """Whether each forward of `module` is a collective over its ranks, so that every rank must
+    make the same forwards, and `generate` must run with `synced_gpus`, where a rank that has
+    finished keeps stepping until all have (else the others wait for it in a collective that
+    never comes). Two causes: ZeRO-3 partitions left in place (not `gathered`), which each
+    forward all-gathers; and DeepSpeed AutoEP's MoE layers (expert parallelism), whose tokens
+    travel to their experts' ranks by all-to-all."""
     statuses = (getattr(p, "ds_status", None) for p in module.parameters())
-    return any(s is not None and s.name != "AVAILABLE" for s in statuses)
+    partitioned = any(s is not None and s.name != "AVAILABLE" for s in statuses)
+    return partitioned or bool(autoep.routers(module))

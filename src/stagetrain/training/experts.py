@@ -38,6 +38,7 @@ import torch
 
 from stagetrain.errors import StageError
 from stagetrain.model.architectures import BIAS_BALANCED, ROUTER_BIAS_UPDATE_RATE
+from stagetrain.training import autoep
 from stagetrain.training.evaluation import forward_loss
 
 BIAS = "e_score_correction_bias"
@@ -128,6 +129,13 @@ def chosen_by_position(
         chosen = chosen_experts(logits, routing.top_k, bias, routing.groups, routing.top_groups)
         layers.append(chosen.view(rows, -1, routing.top_k))
     return torch.stack(layers, 2)
+
+
+def routed_by_position(chosen: Sequence[torch.Tensor], rows: int, top_k: int) -> torch.Tensor:
+    """(rows, positions, MoE layers, top_k) as `chosen_by_position` makes it, from what AutoEP's
+    routers chose (`autoep_choices`: one (rows x positions, top_k) per MoE layer), which their
+    logits, not returned, would give."""
+    return torch.stack([c.view(rows, -1, top_k) for c in chosen], 2)
 
 
 def routing_flips(first: torch.Tensor, second: torch.Tensor) -> int:
@@ -226,21 +234,15 @@ def load_stats(shares: np.ndarray) -> LoadStats:
     }
 
 
-AUTOEP_ROUTER = "TokenChoiceTopKRouter"
-"""The router of DeepSpeed AutoEP's MoE layer; its forward returns (gate weights, chosen experts,
-tokens per expert), the experts as global ids."""
-
-
 @contextlib.contextmanager
 def autoep_choices(model: Any) -> Iterator[list[torch.Tensor]]:
     """While open, the experts each AutoEP router chooses, (tokens, top_k) per MoE layer in
     forward order; an empty list for a model AutoEP did not replace. Closed before the
     backward pass, so a recomputed forward (activation checkpointing) is not counted twice."""
     chosen: list[torch.Tensor] = []
-    routers = [m for m in model.modules() if type(m).__name__ == AUTOEP_ROUTER]
     handles = [
         router.register_forward_hook(lambda _m, _args, out: chosen.append(out[1].detach()))
-        for router in routers
+        for router in autoep.routers(model)
     ]
     try:
         yield chosen
