@@ -65,15 +65,19 @@ def test_every_zero_stage_and_tp_is_accepted(zero: int, tp: int) -> None:
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_expert_parallelism_enables_autoep_for_pretraining_alone(zero: int) -> None:
+def test_expert_parallelism_enables_autoep_where_the_plan_splits_experts(zero: int) -> None:
     """AutoEP finds its preset from the model's model_type; no load_balance_coeff (AutoEP
-    refuses one, and the stage balances the router itself). GRPO's plan keeps ep=1."""
+    refuses one, and the stage balances the router itself). GRPO's plan takes the config's ep
+    with flat rollouts, and keeps ep=1 with tree rollouts."""
     hardware = {"gpus_per_node": 8}
     cfg = preset_config(
         "deepseek-moe-h100", hardware=hardware, parallelism={"ep": 4, "zero_stage": zero}
     )
     assert _render(cfg, "pretrain")["expert_parallel"] == {"enabled": True, "autoep_size": 4}
-    assert "expert_parallel" not in _render(cfg, "grpo")
+    assert _render(cfg, "grpo")["expert_parallel"] == {"enabled": True, "autoep_size": 4}
+    tree = preset_config("deepseek-moe-h100", hardware=hardware, parallelism={"ep": 4, "zero_stage": zero},
+                         grpo={"rollout": "tree"})  # fmt: skip
+    assert "expert_parallel" not in _render(tree, "grpo")
     assert "expert_parallel" not in _render(
         preset_config("deepseek-moe-h100", hardware=hardware), "pretrain"
     )

@@ -15,8 +15,11 @@ changed would:
 At the end the chain must equal the uninterrupted run: every pretraining loss to 1e-4 relative,
 the windows read (STAGETRAIN_WINDOW_LOG) step by step the same, none twice, the consolidated
 (verified) fp32 models to 1e-4 absolute; for GRPO the same prompts, rewards, curriculum and
-losses. The runtime-level pieces (which changes convert, refusals, a failed conversion) are in
-test_reshard.py; test_workflow.py's killed-run test resumes a ZeRO-0 checkpoint as it is.
+losses. The MoE leg runs a tiny deepseek_v3 the same way: 2 ranks at ep=2 (DeepSpeed AutoEP),
+killed, then rerun on 1 rank without AutoEP, against its own uninterrupted run. The
+runtime-level pieces (which changes convert, refusals, a failed conversion) are in
+test_reshard.py and, for expert parallelism, test_experts.py; test_workflow.py's killed-run
+test resumes a ZeRO-0 checkpoint as it is.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ import pytest
 import torch
 from harness.compare import LOSS_RTOL, PARAM_ATOL
 from harness.configs import edit_config, small_grpo, small_run
+from harness.training import DEEPSEEK
 from harness.workflow import kill_after_checkpoint, snakemake
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 RUN = "results/tiny"
 STEPS, GRPO_STEPS = 24, 8
+MOE_STEPS, MOE_TARGET = 8, f"{RUN}/model/pretrain"
 LEGS = [
     # (hardware, parallelism, the stage killed, the conversion line the leg's log shows)
     ({"cpu_ranks": 2}, {"zero_stage": 2}, "pretrain", None),
@@ -95,17 +100,19 @@ def _same_model(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert max((a[k] - b[k]).abs().max().item() for k in a) < PARAM_ATOL
 
 
-def _run_leg(workdir: Path, hardware: dict, parallelism: dict, killed: str | None) -> int:
+def _run_leg(
+    workdir: Path, hardware: dict, parallelism: dict, killed: str | None, target: str = "all"
+) -> int:
     """One leg: the layout set, Snakemake run until `killed` saves a checkpoint newer than the
     one the leg starts from (then SIGKILLed), or to the end; the step the leg resumed from."""
     edit_config(workdir, "hardware", **hardware)
     edit_config(workdir, "parallelism", **parallelism)
     snakemake(workdir, "--unlock")
     if killed is None:
-        snakemake(workdir, "--rerun-incomplete", "all")
+        snakemake(workdir, "--rerun-incomplete", target)
         return -1
     start = _latest_step(workdir, killed)
-    kill_after_checkpoint(workdir, killed, start + 1, "--rerun-incomplete", "all")
+    kill_after_checkpoint(workdir, killed, start + 1, "--rerun-incomplete", target)
     return start
 
 
@@ -168,3 +175,46 @@ def test_a_run_killed_and_rerun_under_five_layouts_equals_the_uninterrupted_run(
     assert grpo["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL, abs=1e-7)
     assert grpo["curriculum"] == reference["curriculum"]
     _same_model(_model(chain, "grpo"), _model(straight, "grpo"))
+
+
+def test_an_moe_run_killed_at_ep_2_and_rerun_on_one_rank_equals_the_uninterrupted_run(
+    finished_small_run: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The MoE leg: a tiny deepseek_v3 pretrained on 2 ranks at ep=2 (DeepSpeed AutoEP, ZeRO-2),
+    SIGKILLed after its first checkpoint and rerun on 1 rank under ZeRO-3, where AutoEP is off:
+    the checkpoint's per-expert files and AutoEP's weight names convert back to transformers'
+    (`training.reshard`), and its routing biases, buffers that DeepSpeed's universal load does
+    not restore, are copied back. It ends as the uninterrupted ep=2 run: the losses, the experts'
+    final load and the consolidated model, routing biases included."""
+    straight = tmp_path_factory.mktemp("moe-straight") / "wf"
+    shutil.copytree(finished_small_run, straight, symlinks=True)
+    _trained_removed(straight)
+    small_run(straight, steps=MOE_STEPS)
+    edit_config(straight, "model", **DEEPSEEK)
+    edit_config(straight, "pretrain", checkpoint_every=2)
+    edit_config(straight, "deepspeed", precision="fp32")
+    edit_config(straight, "consolidate", dtype="fp32")
+    chain = tmp_path_factory.mktemp("moe-chain") / "wf"
+    shutil.copytree(straight, chain, symlinks=True)
+    _run_leg(straight, {"cpu_ranks": 2}, {"zero_stage": 2, "ep": 2}, None, MOE_TARGET)
+
+    _run_leg(chain, {"cpu_ranks": 2}, {"zero_stage": 2, "ep": 2}, "pretrain", MOE_TARGET)
+    _run_leg(chain, {"cpu_ranks": 1}, {"zero_stage": 3, "ep": None}, None, MOE_TARGET)
+    log = (chain / RUN / "logs/pretrain.log").read_text()
+    line = "2 ranks (dp=2 tp=1 ep=2) ZeRO-2 -> 1 rank (dp=1 tp=1) ZeRO-3: converted step "
+    assert line in log, log[-3000:]
+    pretrain, reference = _summary(chain, "pretrain"), _summary(straight, "pretrain")
+    assert 0 < pretrain["resumed_from_step"] < MOE_STEPS and pretrain["layout"]["ep"] == 1
+    assert reference["layout"]["ep"] == 2
+    for step in range(1, MOE_STEPS + 1):
+        assert pretrain["losses"][str(step)] == pytest.approx(
+            reference["losses"][str(step)], rel=LOSS_RTOL
+        ), step
+    ours, theirs = (
+        pretrain["experts"]["final_load_by_layer"],
+        reference["experts"]["final_load_by_layer"],
+    )
+    assert ours == theirs
+    model, want = _model(chain, "pretrain"), _model(straight, "pretrain")
+    assert any(name.endswith("e_score_correction_bias") and want[name].any() for name in want)
+    _same_model(model, want)
