@@ -36,7 +36,7 @@ from stagetrain.planning.plan import (
     StagePlanRecord,
     ThroughputRecord,
 )
-from stagetrain.planning.resolve import PlannerSettings
+from stagetrain.planning.resolve import PlannerSettings, demands
 from stagetrain.planning.shape import ModelShape, cached_shape, model_shape, shape_key
 from stagetrain.planning.throughput import Rates, Throughput, predict
 
@@ -247,13 +247,14 @@ def test_more_sharding_never_needs_more_model_state_memory() -> None:
 def test_expert_parallelism_holds_a_share_of_the_experts_and_pays_their_all_to_all() -> None:
     """ep=2 halves what each rank holds whole of the routed experts (16-bit weights; ZeRO-1's
     gradients), while ZeRO's partitions still add up to the whole model over dp; the step
-    pays the routed tokens' trip to their experts' ranks and back, forward and backward."""
+    pays the routed tokens' trip to their experts' ranks and back, forward and backward. GRPO's
+    generation under ZeRO-3 gathers the policy with its share of the experts."""
     shape = model_shape(build_config(model_settings(_model("deepseek_v3")), 512))
     assert shape.num_experts == 4 and shape.moe_layers == 3 and shape.model_type == "deepseek_v3"
     assert 0 < shape.expert_params < shape.params
+    half = shape.expert_params // 2
     for zero in (1, 2, 3):
         whole, split = (mem.model_states(shape, _layout(zero_stage=zero, ep=ep)) for ep in (1, 2))
-        half = shape.expert_params // 2
         if zero == 3:
             assert split == whole
             continue
@@ -269,6 +270,19 @@ def test_expert_parallelism_holds_a_share_of_the_experts_and_pays_their_all_to_a
         shape, replace(layout, ep=1), rates, nodes=1, inter_node_gbps=10.0, overlap_comm=False
     )
     assert one.ep_comm_s == 0 and one.dp_comm_s > speed.dp_comm_s  # the experts reduce over dp/ep
+    # GRPO under ZeRO-3: the policy gathered for generation holds its ep share of the experts;
+    # the KL term's reference, built without AutoEP, all of them.
+    cfg = preset_config("deepseek-moe-h100", grpo={"kl_coef": 0.05})
+    settings = PlannerSettings.from_config(cfg)
+    grpo = demands(settings.pretrain, settings.grpo, describe(settings.hardware))[1]
+    extra = {ep: grpo.extra_bytes(shape, _layout(zero_stage=3, ep=ep)) for ep in (1, 2)}
+    assert extra[1] - extra[2] == 2 * half
+    without_kl = demands(
+        settings.pretrain, replace(settings.grpo, kl_coef=0.0), describe(settings.hardware)
+    )[1]
+    assert extra[2] - without_kl.extra_bytes(shape, _layout(zero_stage=3, ep=2)) == 2 * (
+        mem.params_per_rank(shape, 1) // 8
+    )
 
 
 def test_the_planner_splits_experts_where_autoep_can_and_grpo_with_flat_rollouts() -> None:

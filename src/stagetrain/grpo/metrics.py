@@ -25,7 +25,7 @@ METRICS: dict[str, str] = {
     "completions/mean_length": "mean completion length in tokens; every record",
     "rollout/generated_tokens": "tokens generated for the step's rollouts, all ranks; every record",
     "rollout/largest_generate_call": "most sequences one generate call made for the step's rollouts, largest over ranks: at most the plan's generation batch, whose KV cache the plan counted; every record",
-    "rollout/lockstep_generate_calls": "generate calls of the step's rollouts made with the ZeRO-3 partitions in place, the ranks in lockstep (the plan's generation.gather per_token, where the whole policy gathered does not fit), largest over ranks; 0 where it was gathered whole; every record",
+    "rollout/lockstep_generate_calls": "generate calls of the step's rollouts made with the ranks in lockstep (synced_gpus): ZeRO-3's partitions left in place (the plan's generation.gather per_token, where the whole policy gathered does not fit), or AutoEP's all-to-all (parallelism.ep > 1), largest over ranks; 0 otherwise; every record",
     "rollout/flat_equivalent_tokens": "tokens flat sampling would have generated for the same completions; tree mode only",
     "reward/by_level": "mean reward of the step's completions by task level ({level: reward}), all ranks; every record",
     "tree/leaves": "finished leaves scored over all prompts of the step; tree mode only",

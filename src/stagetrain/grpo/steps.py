@@ -422,7 +422,7 @@ def _rollouts(
 class Counted:
     """The policy as rollouts call it, recording the most sequences one `generate` call makes
     (the plan's generation batch bounds it: its KV cache is what the plan counted) and how many
-    calls ran in lockstep on ZeRO-3 partitions (per-token gathering); the metrics show both."""
+    calls ran in lockstep (per-token gathering, expert parallelism); the metrics show both."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module, self.largest, self.lockstep = module, 0, 0

@@ -253,14 +253,16 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
         batch //= seq
 
     def grpo_extra(shape: ModelShape, layout: Layout, *, whole: bool = True) -> int:
-        # Reference model for the KL term, the whole policy gathered for generation
-        # under ZeRO-3 (not when it gathers per token: ZeRO-3's live parameters, counted
-        # already), and the KV cache of one generate call's sequences.
+        # Reference model for the KL term (built without AutoEP: every expert), the whole
+        # policy gathered for generation under ZeRO-3 (its ep share of the routed experts;
+        # not when it gathers per token: ZeRO-3's live parameters, counted already), and the
+        # KV cache of one generate call's sequences.
         w = 2 if layout.precision != "fp32" else 4
         n = params_per_rank(shape, layout.tp)
         shard = n // layout.dp if layout.zero_stage == 3 else n
         reference = w * shard if grpo.kl_coef > 0 else 0
-        gathered = w * (n - shard) if whole else 0
+        policy = params_per_rank(shape, layout.tp, layout.ep)
+        gathered = w * (policy - shard) if whole and layout.zero_stage == 3 else 0
         # tp splits the heads' keys and values. A latent cache (deepseek_v3) is counted split
         # too, which undercounts it by tp where tp > 1: AutoTP on latent attention is not
         # tried yet (docs/limits.md).
