@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from harness.checkpoints import truncate
+from harness.compare import PARAM_ATOL
 from harness.configs import merge, model_settings, named_config
 from harness.models import tiny_moe
 from harness.training import (
@@ -519,10 +521,10 @@ def test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does(
         9,
     )
     # GRPO from that folder at ep=2 under ZeRO-3 (its reference without AutoEP) as on 1 rank,
-    # on a reward that varies within every group.
-    # Each generate call is a collective under ep: the calls run in lockstep, and 12 held-out
-    # problems in chunks of 4 make one rank score a spare chunk; the routing AutoEP's routers
-    # chose is what the sampler recorded.
+    # on a reward that varies within every group. Each generate call is a collective under ep:
+    # the calls run in lockstep, and 12 held-out problems in chunks of 4 make one rank score a
+    # spare chunk; the routing AutoEP's routers chose is what the sampler recorded. Both
+    # checkpoints consolidate to the same weights.
     cfg = merge(grpo_config(router_aux_loss_coef=0.05, eval_problems=12, curriculum={"families": ["sums"]}),
                 {"model": model, "tasks": _varied_rewards(tmp_path)})  # fmt: skip
     grpo = {name: run_grpo({**data, "model_config": config}, str(tmp_path / "hf"), tmp_path / name, world=world,
@@ -539,6 +541,15 @@ def test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does(
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-9)
         assert b["train/aux_loss"] == pytest.approx(a["train/aux_loss"], rel=1e-4)
     assert grpo["grpo_ep2"]["accuracy"] == grpo["grpo1"]["accuracy"]
+    weights = []
+    for name in grpo:
+        consolidate(stage="grpo", summary_path=str(tmp_path / name / "summary.json"), tokenizer_dir=data["tokenizer"],
+                    model_config_path=config, meta_path=data["meta"], out=str(tmp_path / f"{name}-hf"),
+                    cfg=ConsolidateSettings(dtype="fp32", max_shard_size="2GB", verify="loss"))  # fmt: skip
+        (file,) = (tmp_path / f"{name}-hf").glob("*.safetensors")
+        weights.append(safetensors.torch.load_file(file))
+    assert weights[0].keys() == weights[1].keys()
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < PARAM_ATOL
 
 
 REWARD = '''
