@@ -54,10 +54,12 @@ from stagetrain.training.experts import (
     Routing,
     balance_routers,
     bias_update,
+    chosen_by_position,
     chosen_experts,
     expert_counts,
     expert_shares,
     load_stats,
+    routed_by_position,
     router_biases,
     routing_of,
     training_loss,
@@ -136,6 +138,18 @@ def test_the_experts_counted_are_the_ones_deepseeks_router_chooses(
     )
     counts = expert_counts([logits], routing, [router.e_score_correction_bias])
     assert counts.tolist() == [torch.bincount(indices.reshape(-1), minlength=8).tolist()]
+
+
+def test_autoeps_choices_give_each_position_the_experts_its_logits_give() -> None:
+    """What AutoEP's routers return (one (rows x positions, top_k) per MoE layer, as a forward
+    flattens its batch) lands at each row's and position's place, as the router logits do."""
+    routing = Routing(experts=8, top_k=2, coef=None)
+    logits = [torch.randn(3 * 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    chosen = [chosen_experts(layer, routing.top_k) for layer in logits]
+    by_logits = chosen_by_position(logits, 3, routing)
+    assert by_logits.shape == (3, 5, 4, 2)
+    assert torch.equal(routed_by_position(chosen, 3, routing.top_k), by_logits)
+    assert torch.equal(by_logits[1, 2, 3], logits[3][1 * 5 + 2].topk(2).indices)
 
 
 def test_the_bias_update_moves_each_expert_towards_the_mean_load() -> None:
@@ -439,7 +453,8 @@ def test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep(
     file is refused in one line. Elastic, each run resumed from step 2 ends as it would have:
     the ep=2 run at ep=2 under ZeRO-3 (two optimizer sub-groups, which DeepSpeed's loader gave
     one step counter); the 1-rank run at ep=2 (its one optimizer group given to AutoEP's two).
-    The ep=2 run resumed on 1 rank is the elastic chain's MoE leg (test_elastic.py)."""
+    The ep=2 run resumed on 1 rank is the elastic chain's MoE leg (test_elastic.py). GRPO from
+    the folder trains at ep=2 as on 1 rank (`_grpo_at_ep_2_as_on_one_rank`)."""
     config = model_config(tmp_path / "model", **DEEPSEEK)
     changes = {"model": DEEPSEEK, "pretrain": {"checkpoint_every": 2}}
     kwargs = {"model_config": config, "config_changes": changes}
@@ -486,10 +501,11 @@ def test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep(
     assert up["resumed_from_step"] == 2 and up["layout"]["ep"] == 2
     assert "step00000002.autoep.universal" in log
     assert up["losses"] == single["losses"]
+    _grpo_at_ep_2_as_on_one_rank(data, config, tmp_path / "hf", tmp_path / "grpo")
 
 
 @pytest.mark.slow
-def test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does(
+def test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included(
     data: dict[str, str], tmp_path: Path
 ) -> None:
     """A Mixtral through AutoEP's preset (transformers' output-capture registry lent in the form
@@ -520,33 +536,39 @@ def test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does(
         1,
         9,
     )
-    # GRPO from that folder at ep=2 under ZeRO-3 (its reference without AutoEP) as on 1 rank,
-    # on a reward that varies within every group. Each generate call is a collective under ep:
-    # the calls run in lockstep, and 12 held-out problems in chunks of 4 make one rank score a
-    # spare chunk; the routing AutoEP's routers chose is what the sampler recorded. Both
-    # checkpoints consolidate to the same weights.
-    cfg = merge(grpo_config(router_aux_loss_coef=0.05, eval_problems=12, curriculum={"families": ["sums"]}),
-                {"model": model, "tasks": _varied_rewards(tmp_path)})  # fmt: skip
-    grpo = {name: run_grpo({**data, "model_config": config}, str(tmp_path / "hf"), tmp_path / name, world=world,
-                           layout={**layout, **extra}, cfg=cfg, generation_batch=4)
+
+
+def _grpo_at_ep_2_as_on_one_rank(data: dict[str, str], config: str, start: Path, out: Path) -> None:
+    """GRPO from the deepseek_v3 folder `start` at ep=2 under ZeRO-3, every parameter partitioned
+    (its KL reference without AutoEP), as on 1 rank, on a reward that varies within every group.
+    Each generate call is a collective under ep, so the calls run in lockstep; the held-out
+    problems (12 of each of three families, in chunks of 4) make 9 chunks, so one rank scores a
+    spare one. The routing that AutoEP's routers chose (deepseek_v3's router returns no logits
+    under AutoEP) is what the sampler recorded; both checkpoints consolidate to the same weights."""
+    out.mkdir()
+    cfg = merge(grpo_config(eval_problems=12, curriculum={"families": ["sums"]}),
+                {"model": DEEPSEEK, "tasks": _varied_rewards(out)})  # fmt: skip
+    layout = {"dp": 1, "tp": 1, "micro_batch_size": 2, "zero_stage": 2}
+    grpo = {name: run_grpo({**data, "model_config": config}, str(start), out / name, world=world,
+                           layout={**layout, **extra}, cfg=cfg, generation_batch=4, partition_all=world > 1)
             for name, world, extra in (("grpo1", 1, {}), ("grpo_ep2", 2, {"dp": 2, "ep": 2, "zero_stage": 3}))}  # fmt: skip
     assert (grpo["grpo_ep2"]["layout"]["ep"], grpo["grpo1"]["layout"]["ep"]) == (2, 1)
-    one, ep2 = (_grpo_records(tmp_path / name) for name in ("grpo1", "grpo_ep2"))
-    assert_learning_signal(tmp_path / "grpo1" / "metrics.jsonl")
+    assert len(grpo["grpo1"]["accuracy"]["end_by_family"]) == 3  # 36 problems: 9 chunks of 4
+    one, ep2 = (_grpo_records(out / name) for name in ("grpo1", "grpo_ep2"))
+    assert_learning_signal(out / "grpo1" / "metrics.jsonl")
     assert [r["rollout/lockstep_generate_calls"] for r in ep2[1:]] == [2, 2, 2]
     assert [r["rollout/lockstep_generate_calls"] for r in one[1:]] == [0, 0, 0]
     for a, b in zip(one[1:], ep2[1:], strict=True):
         assert a["reward/mean"] == b["reward/mean"]
         assert a["moe/routing_flip_share"] == b["moe/routing_flip_share"] == 0.0
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4, abs=1e-9)
-        assert b["train/aux_loss"] == pytest.approx(a["train/aux_loss"], rel=1e-4)
     assert grpo["grpo_ep2"]["accuracy"] == grpo["grpo1"]["accuracy"]
     weights = []
     for name in grpo:
-        consolidate(stage="grpo", summary_path=str(tmp_path / name / "summary.json"), tokenizer_dir=data["tokenizer"],
-                    model_config_path=config, meta_path=data["meta"], out=str(tmp_path / f"{name}-hf"),
+        consolidate(stage="grpo", summary_path=str(out / name / "summary.json"), tokenizer_dir=data["tokenizer"],
+                    model_config_path=config, meta_path=data["meta"], out=str(out / f"{name}-hf"),
                     cfg=ConsolidateSettings(dtype="fp32", max_shard_size="2GB", verify="loss"))  # fmt: skip
-        (file,) = (tmp_path / f"{name}-hf").glob("*.safetensors")
+        (file,) = (out / f"{name}-hf").glob("*.safetensors")
         weights.append(safetensors.torch.load_file(file))
     assert weights[0].keys() == weights[1].keys()
     assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < PARAM_ATOL

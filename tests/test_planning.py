@@ -288,15 +288,18 @@ def test_expert_parallelism_holds_a_share_of_the_experts_and_pays_their_all_to_a
 def test_the_planner_splits_experts_where_autoep_can_and_grpo_with_flat_rollouts() -> None:
     """On two H100s without host memory the DeepSeek preset's micro batch of 2 fits at ep=2
     (ZeRO-1) and no longer under ZeRO-3 without ep, so the search takes ep=2; its Mixtral twin
-    gets an ep candidate too, its qwen2_moe twin (no AutoEP preset) none. Fixed, ep=2 holds for
-    pretraining and for GRPO's flat rollouts; GRPO's tree rollouts train at ep=1, with a
-    warning."""
+    gets an ep candidate too, its qwen2_moe twin (no AutoEP preset) none; GRPO's search takes
+    none. Fixed, ep=2 holds for pretraining and for GRPO's flat rollouts; GRPO's tree rollouts
+    train at ep=1, with a warning."""
     two = {"gpus_per_node": 2, "host_memory_gib": None}
     plan = plan_for(preset_config("deepseek-moe-h100", hardware=two))
     searched = plan["stages"]["pretrain"]
     assert (searched["layout"]["ep"], searched["sources"]["ep"]) == (2, "planner"), searched
     rejected = [c["layout"] for c in searched["rejected"]]
     assert "tp=1 dp=2 zero=3 mbs=2 ga=32 ac=off offload=none" in rejected, rejected
+    grpo = plan["stages"]["grpo"]  # its generation's all-to-all is not modelled: not searched
+    tried = [c["layout"] for c in grpo["runners_up"] + grpo["rejected"]]
+    assert grpo["layout"]["ep"] == 1 and tried and all(" ep=" not in c for c in tried), tried
     twins = {
         architecture: plan_for(preset_config(
             "deepseek-moe-h100", hardware={**two, "host_memory_gib": 256},
@@ -317,7 +320,7 @@ def test_the_planner_splits_experts_where_autoep_can_and_grpo_with_flat_rollouts
     tree = plan_for(preset_config("deepseek-moe-h100", hardware=two, parallelism={"ep": 2},
                                   grpo={"rollout": "tree"}))["stages"]["grpo"]  # fmt: skip
     assert tree["layout"]["ep"] == 1 and tree["warnings"] == [
-        "grpo: trains with ep=1, not parallelism.ep=2 (pretraining's): tree rollouts make "
+        "grpo: trains with ep=1, not parallelism.ep=2: tree rollouts make "
         "different numbers of forwards on each rank, and every rank of an ep group must make the "
         "same; flat rollouts train at the config's ep"
     ]

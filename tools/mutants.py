@@ -38,7 +38,9 @@ class Mutant:
 
 GRPO = "tests/test_grpo.py::"
 TASKS = "tests/test_task_families.py::"
-EP_GRPO = "tests/test_experts.py::test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does"
+EP_GRPO = (
+    "tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep"
+)
 MUTANTS = (
     Mutant("grpo-trains", "GRPO's loss reaches the weights through the engine",
            "src/stagetrain/grpo/steps.py", "engine.backward(total * ga * run.layout.dp)", "engine.backward(total * 0.0)",
@@ -349,10 +351,10 @@ MUTANTS = (
     Mutant("autoep-registry-lent", "Mixtral's AutoEP preset edits transformers' output-capture registry in a form it can (ep > 1)",
            "src/stagetrain/training/engine.py", 'with keyed_output_registry() if "expert_parallel" in ds_config else nullcontext():',
            "with nullcontext():",
-           ("tests/test_experts.py::test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does",)),
+           ("tests/test_experts.py::test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
     Mutant("autoep-registry-by-model", "transformers reads the lent registry by model, and finds the router logits AutoEP retargeted",
            "src/stagetrain/training/autoep.py", "return super().get(str(key.__class__)) or {}", "return {}",
-           ("tests/test_experts.py::test_a_mixtral_at_ep_2_pretrains_and_grpo_trains_as_one_rank_does",)),
+           ("tests/test_experts.py::test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
     Mutant("verify-where-it-fits", "the loss verification uses the GPU only where the model fits in its free memory",
            "src/stagetrain/planning/plan.py", "free is not None and need * 1.2 <= free", "free is not None",
            ("tests/test_consolidate_unit.py::test_the_loss_is_verified_on_the_gpu_only_where_the_model_fits_in_it",)),
@@ -388,15 +390,14 @@ MUTANTS = (
     Mutant("grpo-ep-lockstep", "under expert parallelism every generate call runs in lockstep (synced_gpus)",
            "src/stagetrain/training/evaluation.py", "return partitioned or bool(autoep.routers(module))", "return partitioned",
            (EP_GRPO,)),
-    Mutant("grpo-ep-spare-chunk", "under expert parallelism a rank one held-out chunk short scores a spare one",
-           "src/stagetrain/grpo/run.py", "return not self.gather_whole or self.layout.ep > 1", "return not self.gather_whole",
-           (EP_GRPO,)),
+    Mutant("lockstep-spare-chunk", "in lockstep (per-token gathering, expert parallelism) a rank one held-out chunk short scores a spare one",
+           "src/stagetrain/grpo/train.py", "lockstep = in_lockstep(run.engine.module)", "lockstep = False",
+           (GRPO + "test_zero3_generation_gathering_per_token_makes_what_the_gathered_policy_makes", EP_GRPO)),
     Mutant("grpo-ep-routing", "under expert parallelism the sampler records the experts AutoEP's routers chose",
-           "src/stagetrain/grpo/sampling.py", "self.routers, self.index, self.chose = autoep.routers(model), 1, True",
-           "self.routers, self.index, self.chose = autoep.routers(model), 0, True", (EP_GRPO,)),
-    Mutant("reference-without-ep", "the KL reference under ZeRO-3 is built without AutoEP, whatever the policy's ep",
-           "src/stagetrain/grpo/train.py", 'drop = ("optimizer", "scheduler", "expert_parallel")',
-           'drop = ("optimizer", "scheduler")', (EP_GRPO,)),
+           "src/stagetrain/grpo/sampling.py", "self.index = autoep.CHOSEN", "self.index = 0", (EP_GRPO,)),
+    Mutant("grpo-ep-trainer-routing", "under expert parallelism the trainer's routing is what AutoEP's routers chose",
+           "src/stagetrain/grpo/steps.py", "    if chosen:  # expert parallelism", "    if False:  # expert parallelism",
+           (EP_GRPO,)),
 )  # fmt: skip
 
 

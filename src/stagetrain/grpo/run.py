@@ -74,9 +74,3 @@ class Run:
     replay: Replay | None = None
     zero3_config: HfDeepSpeedConfig | None = None
     """Held for the run's life under ZeRO-3: transformers keeps only a weak reference to it."""
-
-    @property
-    def lockstep(self) -> bool:
-        """Whether the ranks' generate calls are collectives, so every rank must make as many
-        (`training.evaluation.in_lockstep`): per-token gathering, or expert parallelism."""
-        return not self.gather_whole or self.layout.ep > 1

@@ -141,13 +141,16 @@ class RoutingRecorder:
     and return the experts they chose rather than logits: those are recorded as they are."""
 
     def __init__(self, model: torch.nn.Module, routing: Routing, rows: int) -> None:
-        self.routers, self.index, self.chose = autoep.routers(model), 1, True
-        if not self.routers:
+        self.routing, self.rows, self.biases = routing, rows, None
+        self.routers = autoep.routers(model)
+        self.chose = bool(self.routers)
+        if self.chose:
+            self.index = autoep.CHOSEN
+        else:
             recorded = model._can_record_outputs["router_logits"]
             self.routers = [m for m in model.modules() if isinstance(m, recorded.target_class)]
-            self.index, self.chose = recorded.index, False
-        self.routing, self.rows = routing, rows
-        self.biases = router_biases(model) if routing.bias_rate is not None else None
+            self.index = recorded.index
+            self.biases = router_biases(model) if routing.bias_rate is not None else None
         self.layers: list[torch.Tensor] = []
         self.calls: list[torch.Tensor] = []
 

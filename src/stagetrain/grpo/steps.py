@@ -98,7 +98,8 @@ def token_logprobs(
     """The log-probs and mask of each completion's tokens given its prompt: (B, T) with T =
     longest sequence - 1. The log-probs are the sampling policy's (`sampling.policy_scores`: the
     rollouts' temperature and top-p), so the loss scores the distribution that sampled. With
-    `routing` (an MoE policy's) the forward returns its router logits too."""
+    `routing` (an MoE policy's) the experts each position chose too: from the router logits
+    the forward returns, or under expert parallelism from AutoEP's routers, which return none."""
     seqs = [p + c for p, c in items]
     width = _width(items)
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)

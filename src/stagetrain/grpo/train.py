@@ -53,7 +53,7 @@ from stagetrain.training.batches import window_count
 from stagetrain.training.checkpoints import Checkpoints
 from stagetrain.training.deepspeed_config import DeepSpeedJson
 from stagetrain.training.engine import gathered
-from stagetrain.training.evaluation import greedy_scores, validation_loss
+from stagetrain.training.evaluation import greedy_scores, in_lockstep, validation_loss
 from stagetrain.training.experts import routing_of
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
 from stagetrain.training.metrics import check_finite
@@ -112,8 +112,9 @@ def _reference(
     attention: str,
 ) -> DeepSpeedEngine | PreTrainedModel:
     """The frozen reference policy: partitioned like the policy under ZeRO-3, a plain copy
-    otherwise; with the policy's attention kernel. Without expert parallelism, whatever the
-    policy's: a frozen copy's forwards need no all-to-all between the ranks."""
+    otherwise; with the policy's attention kernel. Without AutoEP, whatever the policy's ep:
+    under ZeRO-3 its partitions already hold 1/dp of every expert, so AutoEP would save it no
+    memory, and under ZeRO 0-2 it is a plain module, as without ep."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention)
     model.requires_grad_(False)
     if ds_config["zero_optimization"]["stage"] == 3:
@@ -139,6 +140,11 @@ def setup(spec: GrpoJob) -> Run:
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg = GrpoSettings.from_config(spec["grpo"], "grpo")
     layout = Layout.from_plan(plan, "grpo")
+    if (
+        cfg.rollout == "tree" and layout.ep > 1
+    ):  # the planner never makes this; a plan edited by hand
+        raise StageError(f"grpo.rollout: tree rollouts cannot run at ep={layout.ep} (their ranks make different "
+                         "numbers of generate calls, and every forward is an all-to-all); plan GRPO at ep=1")  # fmt: skip
     tasks_settings = TasksSettings.from_config(spec["tasks"], "tasks")
     tasks = load_tasks(tasks_settings, pins=hub_pins(meta))
     manifest: Manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
@@ -262,11 +268,12 @@ def accuracy(run: Run) -> dict[str, float]:
     size, dp = run.generation_batch, run.layout.dp
     chunks = [run.eval_set[at : at + size] for at in range(0, len(run.eval_set), size)]
     mine = chunks[run.dp_rank :: dp]  # the short last chunk, if any, stays last
-    # In lockstep each rank makes as many generate calls: a rank one chunk short (its chunks
-    # all full) scores the first chunk again, and drops it.
-    spare = chunks[0] * (-(-len(chunks) // dp) - len(mine)) if run.lockstep else []
     run.engine.eval()
     with gathered(run.engine, whole=run.gather_whole), torch.no_grad():
+        # In lockstep each rank makes as many generate calls: a rank one chunk short (its
+        # chunks all full) scores the first chunk again, and drops it.
+        lockstep = in_lockstep(run.engine.module)
+        spare = chunks[0] * (-(-len(chunks) // dp) - len(mine)) if lockstep else []
         scores = greedy_scores(run.engine.module, run.judge, [p for c in mine for p in c] + spare,
                                max_new_tokens=run.cfg.max_new_tokens, chunk_size=size)  # fmt: skip
     scores = scores[: len(scores) - len(spare)]

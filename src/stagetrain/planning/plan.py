@@ -101,8 +101,8 @@ class CandidateRecord(TypedDict):
 
 class GenerationRecord(TypedDict):
     """GRPO's `generation`: the most sequences one rank generates in one call, and how ZeRO-3's
-    partitions are gathered for it: "whole" (once per phase, the whole policy on every rank; also
-    what ZeRO 0-2 hold anyway) or "per_token" (a layer at a time at every forward, the ranks in
+    partitions are gathered for it: "whole" (once per phase, the whole policy on every rank, under
+    ep with its share of the experts; also what ZeRO 0-2 hold anyway) or "per_token" (a layer at a time at every forward, the ranks in
     lockstep), where no layout fits the whole policy gathered."""
 
     batch: int

@@ -275,6 +275,7 @@ def demands(pretrain: PretrainSettings, grpo: GrpoSettings, devices: Devices) ->
         Demand(
             stage="grpo",
             expert_parallel=grpo.rollout == "flat",
+            search_ep=False,
             seq_len=grpo.max_prompt_len + grpo.max_new_tokens,
             global_batch=grpo.prompts_per_step * grpo.group_size,
             group=grpo.group_size,

@@ -2,7 +2,7 @@
 
 Searched: tp (dividing the heads, the KV heads and the devices of a node), ep
 (dividing dp and the routed experts, for an architecture AutoEP splits, with tp 1 and
-ZeRO 1-3; pretraining only), ZeRO stage 0-3, micro batch size (dividing the per-rank
+ZeRO 1-3; GRPO takes only a fixed one), ZeRO stage 0-3, micro batch size (dividing the per-rank
 batch), activation checkpointing; CPU offload only when nothing else fits. Values fixed by the
 config or a parallelism table narrow the search instead of being searched.
 Candidates are ranked by predicted speed (`throughput.predict`, from the catalog
@@ -122,7 +122,12 @@ class Demand:
     expert_parallel: bool = True
     """Whether the stage can split experts (ep > 1). GRPO's generation sends tokens between the
     ranks of an ep group at every forward, so every rank must make the same number of forwards:
-    flat rollouts and the held-out chunks can (`grpo.run.Run.lockstep`), tree rollouts cannot."""
+    flat rollouts and the held-out chunks can (`training.evaluation.in_lockstep`), tree rollouts
+    cannot."""
+    search_ep: bool = True
+    """Whether the search may choose ep > 1 itself. GRPO's may not: the all-to-alls of its
+    generation, two per MoE layer at every decoded token, are not in the throughput model, so
+    GRPO takes the ep that the config (or a table) fixes, and 1 otherwise."""
     extra_bytes: Callable[[ModelShape, Layout], int] = field(default=lambda shape, layout: 0)
     per_token_extra_bytes: Callable[[ModelShape, Layout], int] | None = None
     """GRPO's extra memory where its generation gathers ZeRO-3's partitions per token instead of
@@ -161,7 +166,7 @@ def _eps(demand: Demand, fixed: Fixed, model: ModelShape, tp: int, dp: int) -> l
         return [1]
     if fixed.ep:
         return [fixed.ep] if fixed.ep == 1 or tp == 1 and dp % fixed.ep == 0 else []
-    if tp > 1 or expert_parallel_refusal(model.model_type):
+    if tp > 1 or not demand.search_ep or expert_parallel_refusal(model.model_type):
         return [1]
     return [e for e in _divisors(dp) if model.num_experts % e == 0]
 
@@ -432,7 +437,7 @@ def search(
     best, fitting, warnings = _choose(demand, evaluated, fixed, devices.host_bytes_per_node)
     if (fixed.ep or 1) > 1 and not demand.expert_parallel:
         warnings.append(
-            f"{demand.stage}: trains with ep=1, not parallelism.ep={fixed.ep} (pretraining's): "
+            f"{demand.stage}: trains with ep=1, not parallelism.ep={fixed.ep}: "
             "tree rollouts make different numbers of forwards on each rank, and every rank of "
             "an ep group must make the same; flat rollouts train at the config's ep"
         )

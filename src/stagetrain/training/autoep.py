@@ -31,10 +31,11 @@ RENAMED = {
 AUTOEP_OF = {hf: autoep for autoep, hf in RENAMED.items()}
 GATE, UP, FUSED = "experts.w1", "experts.w3", "experts.gate_up_proj"
 """AutoEP's gate and up halves of transformers' fused projection."""
-ROUTER = "TokenChoiceTopKRouter"
-"""The router of DeepSpeed AutoEP's MoE layer; its forward returns (gate weights, chosen experts,
-tokens per expert), the experts as global ids, one row per token of the layer's input in
-(sequence, position) order. Matched by name, so that nothing here imports DeepSpeed."""
+ROUTER, CHOSEN = "TokenChoiceTopKRouter", 1
+"""The router of DeepSpeed AutoEP's MoE layer, matched by name so that nothing here imports
+DeepSpeed; its forward returns (gate weights, chosen experts, tokens per expert), at CHOSEN
+the experts as global ids, one row per token of the layer's input in (sequence, position)
+order."""
 
 
 def routers(model: Any) -> list[Any]:

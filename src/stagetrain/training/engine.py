@@ -300,7 +300,7 @@ def gathered(engine: DeepSpeedEngine, *, whole: bool = True) -> Iterator[None]:
     would all-gather parameters and ranks that stop early would leave the others
     waiting. TRL's `unwrap_model_for_generation` does the same: gather, remove
     the hooks, generate, put the hooks back. Cost: one full 16-bit copy of the
-    model on every rank while it lasts.
+    model on every rank while it lasts (under AutoEP, with the rank's share of the experts).
     """
     if engine.zero_optimization_stage() != 3 or not whole:
         yield

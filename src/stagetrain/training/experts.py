@@ -241,7 +241,9 @@ def autoep_choices(model: Any) -> Iterator[list[torch.Tensor]]:
     backward pass, so a recomputed forward (activation checkpointing) is not counted twice."""
     chosen: list[torch.Tensor] = []
     handles = [
-        router.register_forward_hook(lambda _m, _args, out: chosen.append(out[1].detach()))
+        router.register_forward_hook(
+            lambda _m, _args, out: chosen.append(out[autoep.CHOSEN].detach())
+        )
         for router in autoep.routers(model)
     ]
     try:
