@@ -32,6 +32,7 @@ from harness.training import (
     dp2,
     grpo_config,
     launch,
+    launch_grpo,
     model_config,
     run,
     run_grpo,
@@ -544,9 +545,10 @@ def _grpo_at_ep_2_as_on_one_rank(data: dict[str, str], config: str, start: Path,
     Each generate call is a collective under ep, so the calls run in lockstep; the held-out
     problems (12 of each of three families, in chunks of 4) make 9 chunks, so one rank scores a
     spare one. The routing that AutoEP's routers chose (deepseek_v3's router returns no logits
-    under AutoEP) is what the sampler recorded; both checkpoints consolidate to the same weights."""
+    under AutoEP) is what the sampler recorded; both checkpoints consolidate to the same weights,
+    and the ep=2 run resumed on 1 rank from its step-2 checkpoint ends as the 1-rank run."""
     out.mkdir()
-    cfg = merge(grpo_config(eval_problems=12, curriculum={"families": ["sums"]}),
+    cfg = merge(grpo_config(eval_problems=12, checkpoint_every=1, curriculum={"families": ["sums"]}),
                 {"model": DEEPSEEK, "tasks": _varied_rewards(out)})  # fmt: skip
     layout = {"dp": 1, "tp": 1, "micro_batch_size": 2, "zero_stage": 2}
     grpo = {name: run_grpo({**data, "model_config": config}, str(start), out / name, world=world,
@@ -572,6 +574,18 @@ def _grpo_at_ep_2_as_on_one_rank(data: dict[str, str], config: str, start: Path,
         weights.append(safetensors.torch.load_file(file))
     assert weights[0].keys() == weights[1].keys()
     assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[0]) < PARAM_ATOL
+    # Elastic: the ep=2 run, its last checkpoint made unreadable, resumes on 1 rank without AutoEP.
+    folder = Path(grpo["grpo_ep2"]["checkpoint"]["folder"])
+    truncate(sorted((folder / "step00000003").glob("*optim_states.pt"))[-1])
+    proc = launch_grpo({**data, "model_config": config}, str(start), out / "grpo_ep2", world=1, layout=layout,
+                       cfg=cfg, generation_batch=4)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = "2 ranks (dp=2 tp=1 ep=2) ZeRO-3 -> 1 rank (dp=1 tp=1) ZeRO-2: converted step 2"
+    assert line in proc.stdout + proc.stderr
+    again = json.loads((out / "grpo_ep2" / "summary.json").read_text())
+    assert again["resumed_from_step"] == 2 and again["layout"]["ep"] == 1
+    assert again["rewards"] == grpo["grpo1"]["rewards"]
+    assert again["losses"] == pytest.approx(grpo["grpo1"]["losses"], rel=1e-4, abs=1e-9)
 
 
 REWARD = '''
