@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -106,7 +107,8 @@ def token_logprobs(
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
     targets = ids[:, 1:]
     forward = {} if routing is None else {"output_router_logits": True}
-    with autoep_choices(model) as chosen:
+    # A dense policy's forward, every micro batch, need not walk the modules for AutoEP's routers.
+    with autoep_choices(model) if routing is not None else nullcontext([]) as chosen:
         out = model(input_ids=ids, attention_mask=attention, **forward)
     scores = policy_scores(out.logits[:, :-1], temperature, top_p, keep=targets)
     logprobs = scores.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -140,9 +140,8 @@ def setup(spec: GrpoJob) -> Run:
     plan, meta, ds_config, device = engines.join_world(spec)
     cfg = GrpoSettings.from_config(spec["grpo"], "grpo")
     layout = Layout.from_plan(plan, "grpo")
-    if (
-        cfg.rollout == "tree" and layout.ep > 1
-    ):  # the planner never makes this; a plan edited by hand
+    # The planner never makes this plan; one edited by hand could.
+    if cfg.rollout == "tree" and layout.ep > 1:
         raise StageError(f"grpo.rollout: tree rollouts cannot run at ep={layout.ep} (their ranks make different "
                          "numbers of generate calls, and every forward is an all-to-all); plan GRPO at ep=1")  # fmt: skip
     tasks_settings = TasksSettings.from_config(spec["tasks"], "tasks")
