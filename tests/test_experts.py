@@ -33,6 +33,7 @@ from harness.training import (
     grpo_config,
     launch,
     launch_grpo,
+    metric_records,
     model_config,
     run,
     run_grpo,
@@ -556,7 +557,7 @@ def _grpo_at_ep_2_as_on_one_rank(data: dict[str, str], config: str, start: Path,
             for name, world, extra in (("grpo1", 1, {}), ("grpo_ep2", 2, {"dp": 2, "ep": 2, "zero_stage": 3}))}  # fmt: skip
     assert (grpo["grpo_ep2"]["layout"]["ep"], grpo["grpo1"]["layout"]["ep"]) == (2, 1)
     assert len(grpo["grpo1"]["accuracy"]["end_by_family"]) == 3  # 36 problems: 9 chunks of 4
-    one, ep2 = (_grpo_records(out / name) for name in ("grpo1", "grpo_ep2"))
+    one, ep2 = (metric_records(out / name) for name in ("grpo1", "grpo_ep2"))
     assert_learning_signal(out / "grpo1" / "metrics.jsonl")
     assert [r["rollout/lockstep_generate_calls"] for r in ep2[1:]] == [2, 2, 2]
     assert [r["rollout/lockstep_generate_calls"] for r in one[1:]] == [0, 0, 0]
@@ -607,10 +608,6 @@ def _varied_rewards(root: Path) -> dict[str, Any]:
         "name": "sums", "files": [str(root / "sums.jsonl")], "columns": {"prompt": "question", "answer": "solution", "level": "level"},
         "rewards": [{"function": f"{root / 'rewards.py'}:odd"}],
     }]})  # fmt: skip
-
-
-def _grpo_records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_an_aux_loss_coefficient_on_a_dense_model_is_one_line() -> None:

@@ -22,6 +22,7 @@ from harness.training import (
     assert_learning_signal,
     final_params,
     launch_grpo,
+    metric_records,
     run_grpo,
 )
 from harness.training import grpo_config as harness_grpo_config
@@ -50,10 +51,6 @@ def grpo_config(**changes: Any) -> dict[str, Any]:
     return harness_grpo_config(**{"curriculum": {"families": list(SCORING_FAMILIES)}, **changes})
 
 
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_path: Path) -> None:
     """Without weight decay a run whose loss were zero would end where it started (AdamW's
     moments stay zero), so weights that moved are the loss's doing, not the decay's."""
@@ -64,7 +61,7 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
                        cfg=cfg, generation_batch=4)  # fmt: skip
     assert summary["optimizer_steps"] == 6  # 3 steps x 2 passes, each through engine.step
     assert summary["attention"] == "eager"  # the plan's kernel, as the engine ran it
-    records = _records(tmp_path)
+    records = metric_records(tmp_path)
     # the stage generates in the plan's batches: 4 sequences, one prompt's group, not a rank's 8
     assert all(r["rollout/largest_generate_call"] == 4 for r in records[1:])
     assert_learning_signal(tmp_path / "metrics.jsonl")
@@ -104,7 +101,7 @@ def test_zero3_generation_gathering_per_token_makes_what_the_gathered_policy_mak
     )
     summaries = {g: run_grpo(data, model, tmp_path / g, world=2, layout=layout, cfg=cfg, generation_batch=6,
                              gather=g, partition_all=True) for g in ("whole", "per_token")}  # fmt: skip
-    whole, per_token = _records(tmp_path / "whole"), _records(tmp_path / "per_token")
+    whole, per_token = metric_records(tmp_path / "whole"), metric_records(tmp_path / "per_token")
     assert_learning_signal(tmp_path / "whole" / "metrics.jsonl")
     # Two calls per rank and step (a prompt's group of 4 per call): observed on the partitions.
     assert [r["rollout/lockstep_generate_calls"] for r in whole[1:]] == [0, 0]
@@ -138,7 +135,7 @@ def test_tree_rollouts_share_prefixes_under_zero3(start: tuple, tmp_path: Path) 
     # Comparison is in the corpus, not the curriculum: evaluated all the same, to show its cost.
     assert set(summary["accuracy"]["gain"]["by_family"]) == {"counting", "comparison"}
     assert summary["accuracy"]["gain"]["mean"]["families"] == ["counting"]
-    records = _records(tmp_path)[1:]
+    records = metric_records(tmp_path)[1:]
     # The KL term's reference exists under ZeRO-3 too (partitioned like the policy): its
     # DeepSpeed engine's eval() returns None, which once left GRPO under ZeRO-3 without one.
     assert cfg["grpo"]["kl_coef"] > 0 and all(r.get("kl") is not None for r in records), records
@@ -231,7 +228,7 @@ def test_killed_grpo_resumes_to_the_same_result(
     _same_as(resumed, lone)
     assert resumed["curriculum"] == lone["curriculum"]
     assert resumed["levels"] == lone["levels"]
-    records = _records(Path(lone["checkpoint"]["folder"]))
+    records = metric_records(Path(lone["checkpoint"]["folder"]))
     events = [e for r in records for e in r.get("curriculum/events", [])]
     assert events and all(e["family"] in FAMILIES for e in events)
     assert events == sorted(
@@ -319,7 +316,7 @@ def test_two_grpo_runs_at_once_one_trains_the_other_fails_in_one_line(
     }
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from_step"] == 0
-    assert [r["step"] for r in _records(tmp_path)] == list(range(LONE_STEPS + 1))
+    assert [r["step"] for r in metric_records(tmp_path)] == list(range(LONE_STEPS + 1))
     _same_as(summary, lone)
 
 

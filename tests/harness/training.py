@@ -283,6 +283,11 @@ def scoring_model(data: dict[str, str], root: Path) -> str:
     return str(root / "model")
 
 
+def metric_records(out: Path) -> list[dict[str, Any]]:
+    """A training run's metrics.jsonl in `out`, one record per line."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def assert_learning_signal(metrics: Path) -> None:
     """A GRPO run's records show what its comparisons rest on: some reward, and some group whose
     rewards vary (so advantages, and the gradient, are not all zero)."""
