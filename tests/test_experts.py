@@ -50,6 +50,7 @@ from stagetrain.grpo.rollouts import flat_groups
 from stagetrain.model.config import build_config
 from stagetrain.pretrain.summary import PretrainSummary
 from stagetrain.training import reshard
+from stagetrain.training.autoep import autoep_names, gated_shared_expert, transformers_name
 from stagetrain.training.batches import read_windows
 from stagetrain.training.experts import (
     BIAS,
@@ -140,6 +141,27 @@ def test_the_experts_counted_are_the_ones_deepseeks_router_chooses(
     )
     counts = expert_counts([logits], routing, [router.e_score_correction_bias])
     assert counts.tolist() == [torch.bincount(indices.reshape(-1), minlength=8).tolist()]
+
+
+def test_autoeps_names_turn_into_each_architectures_own_and_back() -> None:
+    """AutoEP calls a shared expert `shared_experts.` and its gate `shared_experts_gate.` whatever
+    the model did (training.autoep): a qwen2_moe's gated `shared_expert.` gains its s and loses
+    it again, DeepSeek's ungated `shared_experts.` keeps its name both ways; the router's weight
+    and the fused projection's halves are renamed as for every preset."""
+    layer = "model.layers.0.mlp."
+    qwen = [layer + n for n in ("shared_expert.up_proj.weight", "shared_expert_gate.weight",
+                                "gate.weight", "experts.gate_up_proj", "experts.down_proj")]  # fmt: skip
+    deepseek = [layer + n for n in ("shared_experts.up_proj.weight", "gate.weight",
+                                    "gate.e_score_correction_bias")]  # fmt: skip
+    for names in (qwen, deepseek):
+        autoep = [a for n in names for a in autoep_names(n)]
+        gated = gated_shared_expert(autoep)
+        assert gated == gated_shared_expert(names) == (names is qwen)
+        assert list(dict.fromkeys(transformers_name(a, gated) for a in autoep)) == names
+    assert autoep_names(qwen[0]) == (layer + "shared_experts.up_proj.weight",)
+    assert autoep_names(qwen[1]) == (layer + "shared_experts_gate.weight",)
+    assert autoep_names(qwen[3]) == (layer + "experts.w1", layer + "experts.w3")
+    assert autoep_names(deepseek[0]) == (deepseek[0],)
 
 
 def test_autoeps_choices_give_each_position_the_experts_its_logits_give() -> None:
@@ -507,16 +529,18 @@ def test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep(
 
 
 @pytest.mark.slow
-def test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included(
-    data: dict[str, str], tmp_path: Path
+@pytest.mark.parametrize("moe", [MOE, QWEN_MOE], ids=["mixtral", "qwen2_moe"])
+def test_an_aux_loss_moe_at_ep_2_trains_as_one_rank_does_its_aux_loss_included(
+    moe: dict[str, Any], data: dict[str, str], tmp_path: Path
 ) -> None:
-    """A Mixtral through AutoEP's preset (transformers' output-capture registry lent in the form
-    DeepSpeed 0.19.8 edits: `training.autoep.keyed_output_registry`) on 2 ranks at ep=2 trains as
+    """A Mixtral, and a qwen2_moe (through qwen3_moe's preset, its gated shared expert whole on
+    every rank), through AutoEP (transformers' output-capture registry lent in the form
+    DeepSpeed 0.19.8 edits: `training.autoep.keyed_output_registry`) on 2 ranks at ep=2 train as
     1 rank without AutoEP does: the same losses (fp32) and expert loads, and the same
-    load-balancing loss, read from AutoEP's router as from Mixtral's (coefficient 0.1, so that
-    it moves the weights). The checkpoint consolidates into a folder that loads and generates,
-    and GRPO trains from it at ep=2 as on 1 rank."""
-    model = {**MOE, "router_aux_loss_coef": 0.1}
+    load-balancing loss, read from AutoEP's router as from transformers' (coefficient 0.1, so
+    that it moves the weights). The checkpoint consolidates into a folder that loads and
+    generates. (GRPO at ep=2 is the deepseek_v3 test's, whose router returns no logits.)"""
+    model = {**moe, "router_aux_loss_coef": 0.1}
     config = model_config(tmp_path / "model", **model)
     kwargs = {"model_config": config, "config_changes": {"model": model}}
     layout = {"dp": 1, "tp": 1, "micro_batch_size": 2, "zero_stage": 2}

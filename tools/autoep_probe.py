@@ -2,17 +2,18 @@
 
     python tools/autoep_probe.py
 
-For the tests' tiny Mixtral and DeepSeek-V3 (`tests/harness/models.py:tiny_moe`; DeepSeek's
+For the tests' tiny Mixtral, Qwen2-MoE and DeepSeek-V3 (`tests/harness/models.py:tiny_moe`; DeepSeek's
 routing bias random, so that it moves the choice), 5 AdamW steps on 2 CPU ranks (gloo) with AutoEP
 at ep=2 (ZeRO-1), and the same steps on 1 rank without it, on the same global batch; prints
 both loss curves, their largest relative difference, and whether AutoEP replaced the MoE
-blocks; exits non-zero unless both models pass. The planner's `ep` axis offers the architectures
+blocks; exits non-zero unless every model passes (`python tools/autoep_probe.py qwen2_moe` probes one). The planner's `ep` axis offers the architectures
 that pass here (`model.architectures.EXPERT_PARALLEL`). `deepspeed.initialize` runs inside
 `training.autoep.keyed_output_registry`, as the training engine's does: AutoEP retargets
 Mixtral's router-logit recorder in transformers' output-capture registry as if it were a plain
 dict, which it was up to transformers 5.22, and without the lent registry Mixtral fails on 5.25
-(`_CanRecordRegistry.get() takes 2 positional arguments but 3 were given`). With DeepSpeed
-0.19.8 (2026-12-04) both pass on transformers 5.17 and 5.25 (2 ranks match 1 to 1e-7).
+(`_CanRecordRegistry.get() takes 2 positional arguments but 3 were given`), and Qwen2-MoE with it
+(the same adapter). With DeepSpeed 0.19.8 (2026-12-04) all three pass on transformers 5.17 and
+5.25 (2 ranks match 1 to 1e-7).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def rank(architecture: str, ep: int, out: str) -> None:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_optimization": {"stage": 1}}  # fmt: skip
     if ep > 1:
-        config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": architecture,
-                                     "use_grouped_mm": False}  # fmt: skip
+        # No preset_model: AutoEP finds the preset from the model's model_type, as the stage's
+        # rendered config leaves it to (qwen2_moe's is qwen3_moe's).
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "use_grouped_mm": False}
     from stagetrain.training.autoep import keyed_output_registry
 
     with keyed_output_registry():
@@ -79,7 +81,7 @@ def main() -> None:
     print(f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__}")
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        for architecture in ("mixtral", "deepseek_v3"):
+        for architecture in sys.argv[1:] or ("mixtral", "qwen2_moe", "deepseek_v3"):
             runs = {}
             for ep in (2, 1):
                 out = Path(tmp) / f"{architecture}-{ep}.json"

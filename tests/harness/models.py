@@ -13,6 +13,8 @@ from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedModel,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
 )
 
 
@@ -26,8 +28,9 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def tiny_moe(architecture: str) -> PreTrainedModel:
-    """tiny_llama's shape as a Mixtral or a DeepSeek-V3 (four experts, top two; DeepSeek's first
-    layer MoE too, its routing bias random so that it moves the choice); seeded, in eval mode."""
+    """tiny_llama's shape as a Mixtral, a Qwen2-MoE or a DeepSeek-V3 (four experts, top two;
+    DeepSeek's first layer MoE too, its routing bias random so that it moves the choice); seeded,
+    in eval mode."""
     torch.manual_seed(0)
     common = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "max_position_embeddings": 128, "initializer_range": 0.5, "num_experts_per_tok": 2}  # fmt: skip
@@ -36,6 +39,10 @@ def tiny_moe(architecture: str) -> PreTrainedModel:
             **common, intermediate_size=64, num_key_value_heads=2, num_local_experts=4
         )
         return MixtralForCausalLM(config).eval()
+    if architecture == "qwen2_moe":  # every layer MoE, with its gated shared expert
+        config = Qwen2MoeConfig(**common, intermediate_size=64, num_key_value_heads=2, num_experts=4,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=64)  # fmt: skip
+        return Qwen2MoeForCausalLM(config).eval()
     config = DeepseekV3Config(**common, intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4,
                               n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=0,
                               q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,

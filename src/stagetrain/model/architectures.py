@@ -24,19 +24,20 @@ BIAS_BALANCED = ("deepseek_v3",)
 ROUTER_BIAS_UPDATE_RATE = 1e-3
 """DeepSeek-V3's bias update speed for most of its pretraining: the default of
 `model.router_bias_update_rate`."""
-EXPERT_PARALLEL = ("mixtral", "deepseek_v3")
-"""The architectures `parallelism.ep` > 1 splits (DeepSpeed AutoEP has a preset for each; qwen2_moe
-has none). Mixtral's preset needs `training.autoep.keyed_output_registry` with transformers >= 5.23
-(`python tools/autoep_probe.py` checks both)."""
+EXPERT_PARALLEL = ("mixtral", "qwen2_moe", "deepseek_v3")
+"""The architectures `parallelism.ep` > 1 splits: DeepSpeed AutoEP has a preset for each (qwen2_moe
+takes qwen3_moe's, found from its model_type, its gated shared expert kept whole on every rank).
+Mixtral's and Qwen's presets need `training.autoep.keyed_output_registry` with transformers >= 5.23
+(`python tools/autoep_probe.py` checks all three)."""
 
 
 def expert_parallel_refusal(architecture: str) -> str | None:
     """Why `parallelism.ep` > 1 cannot split `architecture` (transformers' model_type); None if it can."""
     if architecture in EXPERT_PARALLEL:
         return None
-    why = (
+    why = (  # an init_from folder's model_type may be any: say only what is known of it
         "a dense model has no experts to split"
-        if architecture == "llama"
-        else "DeepSpeed AutoEP has no preset for it"
+        if MOE_KEYS.get(architecture) == ()
+        else "not an architecture checked with AutoEP here (tools/autoep_probe.py)"
     )
     return f"ep > 1 (DeepSpeed AutoEP) splits {', '.join(EXPERT_PARALLEL)} only, not {architecture!r}: {why}"

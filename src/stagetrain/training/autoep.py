@@ -9,6 +9,10 @@ Under expert parallelism (ep > 1) AutoEP replaces each `model.layers.N.mlp` with
   transformers, is split in two along its middle dimension, the gate half first (`w1`) and the
   up half (`w3`); the down projection keeps its shape as `w2`.
 
+- a shared expert is `shared_experts.` and its gate `shared_experts_gate.` whatever the model
+  called them: DeepSeek's ungated `shared_experts.` keeps its name, qwen2_moe's gated
+  `shared_expert.` and `shared_expert_gate.` gain an s (`gated_shared_expert`).
+
 A checkpoint written under AutoEP holds these names. A resume that turns AutoEP on or off, and
 consolidation, which writes transformers' names, rename DeepSpeed's universal copy of it
 (`training.reshard`). Checked against transformers 5.25's DeepseekV3 and
@@ -52,9 +56,28 @@ def _layer(name: str, suffixes: Iterable[str]) -> tuple[str, str] | None:
     return None
 
 
-def transformers_name(name: str) -> str:
+SHARED = {
+    ".mlp.shared_experts.": ".mlp.shared_expert.",
+    ".mlp.shared_experts_gate.": ".mlp.shared_expert_gate.",
+}
+"""AutoEP's names of a gated shared expert and its gate -> qwen2_moe's (transformers')."""
+
+
+def gated_shared_expert(names: Iterable[str]) -> bool:
+    """Whether the MoE layers that `names` (a checkpoint's, either side's) come from gate a
+    shared expert, as qwen2_moe's do: only then is AutoEP's `shared_experts.` transformers'
+    `shared_expert.` (DeepSeek's shared experts, ungated, have AutoEP's name already)."""
+    gates = tuple(f"{g}weight" for g in (*SHARED, *SHARED.values()) if "gate" in g)
+    return any(name.endswith(gates) for name in names)
+
+
+def transformers_name(name: str, gated_shared: bool) -> str:
     """transformers' name for AutoEP's `name` (both halves: the fused projection); any other
-    name is its own."""
+    name is its own. `gated_shared`: the model's shared expert is gated (`gated_shared_expert`)."""
+    if gated_shared:
+        for autoep, hf in SHARED.items():
+            if autoep in name:
+                return name.replace(autoep, hf)
     found = _layer(name, (*RENAMED, GATE, UP))
     if found is None:
         return name
@@ -65,6 +88,9 @@ def transformers_name(name: str) -> str:
 def autoep_names(name: str) -> tuple[str, ...]:
     """AutoEP's names for transformers' `name`: the (gate, up) halves of the fused projection,
     the renamed tensor's one name, or `name` itself."""
+    for autoep, hf in SHARED.items():
+        if hf in name:
+            return (name.replace(hf, autoep),)
     found = _layer(name, (*RENAMED.values(), FUSED))
     if found is None:
         return (name,)

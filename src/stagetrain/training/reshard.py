@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 
 from stagetrain.errors import StageError
-from stagetrain.training.autoep import FUSED, autoep_names, transformers_name
+from stagetrain.training.autoep import FUSED, autoep_names, gated_shared_expert, transformers_name
 from stagetrain.training.integrity import ResumePoint, load_file, weights_only_loads
 
 log = logging.getLogger("stagetrain")
@@ -296,10 +296,11 @@ def _rename_experts(folder: Path, *, to_autoep: bool) -> None:
     import torch
 
     zero = folder / "zero"
+    gated = gated_shared_expert(p.name for p in zero.iterdir())
     for param in sorted(p for p in zero.iterdir() if p.is_dir()):
         if not param.is_dir():  # the up half, joined already with its gate half
             continue
-        names = autoep_names(param.name) if to_autoep else (transformers_name(param.name),)
+        names = autoep_names(param.name) if to_autoep else (transformers_name(param.name, gated),)
         if names == (param.name,):  # not an MoE layer's tensor
             continue
         if len(names) == 2:  # transformers' fused projection -> AutoEP's gate and up halves
@@ -328,14 +329,14 @@ def _rename_experts(folder: Path, *, to_autoep: bool) -> None:
         _groups_for_autoep(zero / "optimizer_state.pt")
     for path in sorted(folder.glob("*model_states.pt")):
         states = load_file(path)
-        buffers = [transformers_name(b) if not to_autoep else autoep_names(b)[0]
+        buffers = [transformers_name(b, gated) if not to_autoep else autoep_names(b)[0]
                    for b in states.get("buffer_names", [])]  # fmt: skip
         module = states["module"]
         states["module"] = {new: module[old] for old, new in
                             zip(states.get("buffer_names", []), buffers, strict=True) if old in module}  # fmt: skip
         states["buffer_names"] = buffers
         states["param_shapes"] = [
-            _renamed_shapes(group, to_autoep) for group in states["param_shapes"]
+            _renamed_shapes(group, to_autoep, gated) for group in states["param_shapes"]
         ]
         torch.save(states, path.with_name(path.name + ".new"))
         os.replace(path.with_name(path.name + ".new"), path)
@@ -380,12 +381,14 @@ def _save_param(value: torch.Tensor, path: Path, *, experts: int | None) -> None
     os.replace(path.with_name(path.name + ".new"), path)
 
 
-def _renamed_shapes(group: Mapping[str, torch.Size], to_autoep: bool) -> dict[str, torch.Size]:
+def _renamed_shapes(
+    group: Mapping[str, torch.Size], to_autoep: bool, gated: bool
+) -> dict[str, torch.Size]:
     """A `param_shapes` group under the other names (shapes of whole tensors are not kept here:
     only the names are read back)."""
     out = {}
     for name, shape in group.items():
-        for new in autoep_names(name) if to_autoep else (transformers_name(name),):
+        for new in autoep_names(name) if to_autoep else (transformers_name(name, gated),):
             out[new] = shape
     return out
 
