@@ -14,6 +14,10 @@ and values are those the model computed for the same tokens at the same position
 ids come from the attention mask, as in an uncached call), so outputs differ from an
 uncached call by float rounding at most. Misses (a prompt's first round, a root that widens, a
 node two siblings share) are prefilled in one forward pass per call.
+
+Flat rollouts sample through it too (`rollouts.sample`, keeping nothing): each prompt is then
+prefilled once and its cache repeated to its group's rows, where `generate` alone would
+prefill every row's copy of it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from stagetrain.grpo.sampling import Sampled, generate
+from stagetrain.grpo.sampling import Sampled, cache_argument, generate
 from stagetrain.training.experts import Routing
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -34,7 +38,8 @@ class PrefixCache:
     """Caches of sequences the caller will extend, each used once (then dropped).
 
     One instance serves one rollout (`rollouts.tree_groups`): its entries are the open
-    nodes' caches, so it holds about (open nodes) x (their length) positions per layer.
+    nodes' caches, so it holds about (open nodes) x (their length) positions per layer; or one
+    flat `generate` call (`rollouts.sample`), which keeps none.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -99,7 +104,7 @@ class PrefixCache:
         device = next(self.model.parameters()).device
         cache = DynamicCache()
         self.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position.to(device),
-                   cache=cache, use_cache=True)  # fmt: skip
+                   use_cache=True, **{cache_argument(self.model): cache})  # fmt: skip
         return [
             [(layer.keys[j, :, width - len(s) : width - 1].clone(), layer.values[j, :, width - len(s) : width - 1].clone())
              for layer in cache.layers]
@@ -112,10 +117,9 @@ class PrefixCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values of the rows, left-padded with zeros to `length`
         (the attention mask hides them) and each row repeated n times."""
-        keys, values = rows[0]
-        shape = (len(rows), keys.shape[0], length, keys.shape[-1])
-        k = keys.new_zeros(shape)
-        v = values.new_zeros(shape)
+        keys, values = rows[0]  # DeepSeek's attention (MLA) keeps values narrower than keys
+        k = keys.new_zeros((len(rows), keys.shape[0], length, keys.shape[-1]))
+        v = values.new_zeros((len(rows), values.shape[0], length, values.shape[-1]))
         for j, (key, value) in enumerate(rows):
             if key.shape[1]:
                 k[j, :, length - key.shape[1] :] = key

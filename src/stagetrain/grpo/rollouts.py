@@ -84,10 +84,12 @@ def sample(
 ) -> Sampled:
     """n sampled continuations of each prefix (left-padded batch, KV cache), in prefix order,
     with their tokens' log-probs (and with `routing`, their experts); continuation j of the
-    prefix with key k is drawn from the generator `stream_seed(k, j)`."""
+    prefix with key k is drawn from the generator `stream_seed(k, j)`. Each prefix is
+    prefilled once and its cache repeated to its n rows (`PrefixCache`, keeping nothing)."""
     generation = generation_kwargs(temperature, top_p, eos_id, pad_id)
     seeds = [stream_seed(key, j) for key in keys for j in range(n)]
-    return generate(model, prefixes, n, max_new_tokens, generation, seeds=seeds, routing=routing)
+    return PrefixCache(model).sample(prefixes, n, max_new_tokens, [0] * len(prefixes), generation,
+                                     seeds=seeds, routing=routing)  # fmt: skip
 
 
 def flat_groups(

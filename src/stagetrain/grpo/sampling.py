@@ -21,9 +21,11 @@ each token it drew, so the step can measure what is left of the gap (kernels, KV
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import NamedTuple
+from functools import cache
+from typing import Any, NamedTuple
 
 import torch
 from transformers import Cache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
@@ -48,6 +50,22 @@ def generation_kwargs(
     if greedy:
         return tokens
     return tokens | {"temperature": temperature, "top_p": top_p}
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword under which `model`'s forward and `generate` take a KV cache: `cache` in
+    transformers 5.2x, `past_key_values` before (5.17, the GPU image's). An unknown keyword
+    is swallowed by the forward's `**kwargs`, and the cache then silently left empty."""
+    return _cache_argument(type(getattr(model, "module", model)))  # a DeepSpeed engine's model
+
+
+@cache
+def _cache_argument(model_type: type) -> str:
+    return (
+        "cache"
+        if "cache" in inspect.signature(model_type.forward).parameters
+        else "past_key_values"
+    )
 
 
 def stream_seed(*key: object) -> int:
@@ -196,7 +214,7 @@ def generate(
     pad = generation["pad_token_id"]
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
-    extra = {} if cache is None else {"cache": cache}
+    extra = {} if cache is None else {cache_argument(model): cache}
     generation = dict(generation)
     sampler = None
     if "temperature" in generation:
