@@ -17,9 +17,11 @@ warmup + steps and its checkpoints, metrics and plots sent to a scratch folder.
    curriculum, no judge), doing the same work on the same tokens: one `generate` per step
    of the batch the stage sampled (same prompts, `group_size` rows each, same temperature
    and top-p, transformers' own sampler, as many tokens decoded as the stage's longest
-   completion of the step on that rank), the reference forward when `kl_coef` > 0, and
+   completion of the step on that rank, each prompt prefilled once as the stage's sampler
+   does), the reference forward when `kl_coef` > 0, and
    one forward and backward of the policy per pass over the completions the stage trained
-   on, with DDP's gradient all-reduce and torch's AdamW.
+   on, with DDP's gradient all-reduce and torch's AdamW. Its forwards share each prompt as
+   the stage's do (`grpo.shared_prompts`: two plain transformers forwards).
 
 Prints each phase's seconds per step (the stage's steady steps, after the warmup; the
 evaluation and checkpoint amortised at the config's cadence are shown apart), the bare
@@ -112,7 +114,7 @@ class Timers:
 def _instrument(timers: Timers, trained: list[list[tuple[list[int], list[int]]]]) -> None:
     """Wrap the stage's functions in place (module globals, so its own call sites time them);
     `trained` collects each step's (prompt, completion) pairs for the bare loop."""
-    from stagetrain.grpo import rollouts, steps, train
+    from stagetrain.grpo import prefix_cache, rollouts, steps, train
     from stagetrain.training import checkpoints
 
     def token_logprobs(*args: Any, **kwargs: Any) -> Any:
@@ -131,7 +133,7 @@ def _instrument(timers: Timers, trained: list[list[tuple[list[int], list[int]]]]
     steps.train_on = train_on
     for module, name, phase in (
         (steps, "draw_problems", "draw"), (steps, "step_prompts", "draw"),
-        (rollouts, "generate", "generate"),
+        (rollouts, "generate", "generate"), (prefix_cache.PrefixCache, "sample", "generate"),
         (steps, "grpo_loss", "loss"), (steps, "_token_rows", "loss"), (steps, "completion_mask", "loss"),
         (steps, "_dp_sums", "collectives"), (steps, "_dp_max", "collectives"), (steps, "gather_dp", "collectives"),
         (steps, "step", "other"), (train, "accuracy", "evaluation"), (train, "val_loss", "evaluation"),
@@ -173,7 +175,11 @@ def _bare_floor(
     and per phase."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    # The stage's prompt sharing is two plain transformers forwards; the floor does that work too.
+    from stagetrain.grpo.sampling import cache_argument
+    from stagetrain.grpo.shared_prompts import completion_logits
 
     cfg, spec, pad = run.cfg, run.spec, run.tokenizer.pad_token_id
     dtype, device = next(run.engine.module.parameters()).dtype, run.device
@@ -187,37 +193,41 @@ def _bare_floor(
                                   device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.optimizer.lr)
 
-    def padded(seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def left_padded(seqs: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(map(len, seqs))
-        rows = [
-            ([pad] * (width - len(s)) + s) if left else (s + [pad] * (width - len(s))) for s in seqs
-        ]
-        mask = [([0] * (width - len(s)) + [1] * len(s)) if left else ([1] * len(s) + [0] * (width - len(s)))
-                for s in seqs]  # fmt: skip
+        rows = [[pad] * (width - len(s)) + list(s) for s in seqs]
+        mask = [[0] * (width - len(s)) + [1] * len(s) for s in seqs]
         return torch.tensor(rows, device=device), torch.tensor(mask, device=device)
 
     timers = Timers()
+    keyword, group = cache_argument(policy), cfg.group_size
 
     def one(items: list[tuple[list[int], list[int]]]) -> None:
-        prompts = list(dict.fromkeys(tuple(p) for p, _ in items))
-        ids, mask = padded([list(p) for p in prompts], left=True)
+        ids, mask = left_padded(list(dict.fromkeys(tuple(p) for p, _ in items)))
         decoded = max(len(c) for _, c in items)  # the stage's call decoded as many tokens
         policy.eval()
         with torch.no_grad(), timers.phase("generate"):
-            policy.generate(input_ids=ids.repeat_interleave(cfg.group_size, 0),
-                            attention_mask=mask.repeat_interleave(cfg.group_size, 0),
+            # Each prompt prefilled once (all but its last token), the cache repeated to its
+            # group's rows, as the stage's sampler does.
+            cache = DynamicCache()
+            position = (mask.cumsum(-1) - 1).clamp(min=0)
+            policy(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position[:, :-1],
+                   use_cache=True, **{keyword: cache})  # fmt: skip
+            cache = DynamicCache(ddp_cache_data=[(layer.keys.repeat_interleave(group, 0),
+                                                  layer.values.repeat_interleave(group, 0)) for layer in cache.layers])  # fmt: skip
+            policy.generate(input_ids=ids.repeat_interleave(group, 0), attention_mask=mask.repeat_interleave(group, 0),
                             max_new_tokens=decoded, min_new_tokens=decoded, do_sample=True, temperature=cfg.temperature,
-                            top_p=cfg.top_p, pad_token_id=pad, eos_token_id=run.tokenizer.eos_token_id)  # fmt: skip
+                            top_p=cfg.top_p, pad_token_id=pad, eos_token_id=run.tokenizer.eos_token_id,
+                            **{keyword: cache})  # fmt: skip
         policy.train()
-        ids, mask = padded([p + c for p, c in items], left=False)
         if cfg.kl_coef > 0:
             with torch.no_grad(), timers.phase("no_grad"):
-                reference(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+                completion_logits(reference, items, device, pad)[0].float().log_softmax(-1)
         for _ in range(cfg.passes):
             with timers.phase("forward"):
-                logits = ddp(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-                logp = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-                loss = -(logp * mask[:, 1:]).sum() / mask.sum()
+                logits, tokens = completion_logits(ddp, items, device, pad)
+                logp = logits.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+                loss = -(logp * (tokens != pad)).sum() / (tokens != pad).sum()
             with timers.phase("backward"):
                 loss.backward()
             with timers.phase("optimizer"):

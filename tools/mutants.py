@@ -37,6 +37,9 @@ class Mutant:
 
 
 GRPO = "tests/test_grpo.py::"
+SHARED = (
+    "tests/test_grpo_sampling.py::test_completions_scored_over_their_shared_prompt_match_whole_rows"
+)
 TASKS = "tests/test_task_families.py::"
 EP_GRPO = (
     "tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep"
@@ -46,9 +49,25 @@ MUTANTS = (
            "src/stagetrain/grpo/steps.py", "engine.backward(total * ga * run.layout.dp)", "engine.backward(total * 0.0)",
            (GRPO + "test_flat_grpo_trains_through_the_engine_with_a_reference",)),
     Mutant("sampler-policy", "the loss scores the policy that sampled (temperature, top-p)",
-           "src/stagetrain/grpo/steps.py", "scores = policy_scores(out.logits[:, :-1], temperature, top_p, keep=targets)",
-           "scores = out.logits[:, :-1].float()",
+           "src/stagetrain/grpo/steps.py", "scores = policy_scores(logits, temperature, top_p, keep=tokens)",
+           "scores = logits.float()",
            ("tests/test_grpo_sampling.py::test_the_trainer_scores_the_tokens_as_the_sampler_drew_them",)),
+    Mutant("shared-prompt-positions", "completions scored over their shared prompt's cache sit at their own positions",
+           "src/stagetrain/grpo/shared_prompts.py", "[[len(p) + j for j in range(longest)] for p, _ in items]",
+           "[[width + j for j in range(longest)] for p, _ in items]",
+           (SHARED + "[False]", "tests/test_grpo_sampling.py::test_the_trainer_scores_the_tokens_as_the_sampler_drew_them")),
+    Mutant("shared-prompt-last-logits", "the prompts' forward computes logits at each prompt's last position alone",
+           "src/stagetrain/grpo/shared_prompts.py", "use_cache=True,\n                 logits_to_keep=1, ", "use_cache=True,\n                 ",
+           (SHARED + "[False]",)),
+    Mutant("shared-prompt-checkpointing", "a graph whose layers checkpoint (and drop a cache) scores whole rows",
+           "src/stagetrain/grpo/shared_prompts.py", "    if not torch.is_grad_enabled():\n        return True",
+           "    if True:\n        return True",
+           (SHARED + "[True]",)),
+    Mutant("shared-prefill-rows", "a prompt prefilled once feeds its own group's rows, flat and tree",
+           "src/stagetrain/grpo/prefix_cache.py", "return k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)",
+           "return k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1)",
+           ("tests/test_grpo_sampling.py::test_the_trainer_scores_the_tokens_as_the_sampler_drew_them",
+            "tests/test_grpo_prefix_cache.py")),
     Mutant("global-normaliser", "GRPO's loss is normalised over the global batch (a dp change resumes)",
            "src/stagetrain/grpo/steps.py", "_dp_sums(\n        run, [sum(sizes), sum(kl_sizes), tokens]\n    )", "[sum(sizes), sum(kl_sizes), tokens]",
            ("tests/test_grpo_math.py::test_train_on_makes_the_global_batchs_update_however_dp_and_accumulation_cut_it",)),
@@ -253,6 +272,10 @@ MUTANTS = (
     Mutant("autoep-renamed", "a resume that turns AutoEP on or off, and consolidation, read its weights under the loading side's names",
            "src/stagetrain/training/reshard.py", "        if _autoep(old) != _autoep(new):", "        if False:",
            ("tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep",)),
+    Mutant("autoep-gated-shared", "a qwen2_moe's gated shared expert, AutoEP's shared_experts, is transformers' shared_expert again",
+           "src/stagetrain/training/autoep.py", "    if gated_shared:\n", "    if False:\n",
+           ("tests/test_experts.py::test_autoeps_names_turn_into_each_architectures_own_and_back",
+            "tests/test_experts.py::test_an_aux_loss_moe_at_ep_2_trains_as_one_rank_does_its_aux_loss_included")),
     Mutant("autoep-optimizer-groups", "a copy saved without AutoEP gives AutoEP's experts' group its Adam state (ZeRO 1-2)",
            "src/stagetrain/training/reshard.py", '        _groups_for_autoep(zero / "optimizer_state.pt")', "        pass",
            ("tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep",)),
@@ -351,10 +374,10 @@ MUTANTS = (
     Mutant("autoep-registry-lent", "Mixtral's AutoEP preset edits transformers' output-capture registry in a form it can (ep > 1)",
            "src/stagetrain/training/engine.py", 'with keyed_output_registry() if "expert_parallel" in ds_config else nullcontext():',
            "with nullcontext():",
-           ("tests/test_experts.py::test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
+           ("tests/test_experts.py::test_an_aux_loss_moe_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
     Mutant("autoep-registry-by-model", "transformers reads the lent registry by model, and finds the router logits AutoEP retargeted",
            "src/stagetrain/training/autoep.py", "return super().get(str(key.__class__)) or {}", "return {}",
-           ("tests/test_experts.py::test_a_mixtral_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
+           ("tests/test_experts.py::test_an_aux_loss_moe_at_ep_2_trains_as_one_rank_does_its_aux_loss_included",)),
     Mutant("verify-where-it-fits", "the loss verification uses the GPU only where the model fits in its free memory",
            "src/stagetrain/planning/plan.py", "free is not None and need * 1.2 <= free", "free is not None",
            ("tests/test_consolidate_unit.py::test_the_loss_is_verified_on_the_gpu_only_where_the_model_fits_in_it",)),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from stagetrain.config.settings import CurriculumSettings
+from stagetrain.grpo import shared_prompts
 from stagetrain.grpo.curriculum import (
     Curriculum,
     draw,
@@ -100,19 +101,24 @@ def token_logprobs(
     longest sequence - 1. The log-probs are the sampling policy's (`sampling.policy_scores`: the
     rollouts' temperature and top-p), so the loss scores the distribution that sampled. With
     `routing` (an MoE policy's) the experts each position chose too: from the router logits
-    the forward returns, or under expert parallelism from AutoEP's routers, which return none."""
+    the forward returns, or under expert parallelism from AutoEP's routers, which return none.
+
+    Without a routing to record, each distinct prompt runs once (`shared_prompts`); with one,
+    every row runs in full, as the routing and the aux loss are defined over whole rows."""
+    mask = completion_mask(items, device)
+    if routing is None and shared_prompts.applies(model):
+        logits, tokens = shared_prompts.completion_logits(model, items, device, pad)
+        compact = _policy_logprobs(logits, tokens, temperature, top_p)
+        return Scored(shared_prompts.spread(compact, items, mask.shape[1]), mask)
     seqs = [p + c for p, c in items]
     width = _width(items)
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-    targets = ids[:, 1:]
     forward = {} if routing is None else {"output_router_logits": True}
     # A dense policy's forward, every micro batch, need not walk the modules for AutoEP's routers.
     with autoep_choices(model) if routing is not None else nullcontext([]) as chosen:
         out = model(input_ids=ids, attention_mask=attention, **forward)
-    scores = policy_scores(out.logits[:, :-1], temperature, top_p, keep=targets)
-    logprobs = scores.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    mask = completion_mask(items, logprobs.device)
+    logprobs = _policy_logprobs(out.logits[:, :-1], ids[:, 1:], temperature, top_p)
     if routing is None:
         return Scored(logprobs, mask)
     if chosen:  # expert parallelism: AutoEP's routers return no logits
@@ -122,6 +128,14 @@ def token_logprobs(
         experts = chosen_by_position(out.router_logits, len(items), routing, biases)[:, :-1]
     aux = out.aux_loss.float() if routing.coef is not None else None
     return Scored(logprobs, mask, experts, aux)
+
+
+def _policy_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float
+) -> torch.Tensor:
+    """Each token's log-prob under the sampling policy of the logits that predict it."""
+    scores = policy_scores(logits, temperature, top_p, keep=tokens)
+    return scores.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def routing_flip_sums(
