@@ -524,7 +524,11 @@ def test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep(
     up, log = _resumed_on(data, tmp_path / "one", single, 2, ep2, **kwargs)
     assert up["resumed_from_step"] == 2 and up["layout"]["ep"] == 2
     assert "step00000002.autoep.universal" in log
-    assert up["losses"] == single["losses"]
+    # 2 ranks at ep=2 from step 2 against 1 rank's own steps 3-4: as close as the runs above (on
+    # a Sapphire Rapids step 3 came out 5e-7 apart, on an EPYC equal).
+    assert up["losses"].keys() == single["losses"].keys()
+    for step, loss in single["losses"].items():
+        assert abs(up["losses"][step] - loss) <= 1e-5 * loss, (up["losses"], single["losses"])
     _grpo_at_ep_2_as_on_one_rank(data, config, tmp_path / "hf", tmp_path / "grpo")
 
 
