@@ -90,9 +90,10 @@ def test_cpu_plans_predict_tokens_per_s_from_the_measured_rate() -> None:
         cfg["deepspeed"] = {**cfg["deepspeed"], "precision": precision}
         return plan_for(cfg, _cpu(measured))["stages"]["pretrain"]["throughput"]["tokens_per_s"]
 
+    # Products twice as fast: faster training, but not twice (the non-matrix work stays).
     twice = {**AVX2, "gflops": {k: 2 * v for k, v in AVX2["gflops"].items()}}
-    assert tokens_per_s(twice) / tokens_per_s(AVX2) == pytest.approx(2, rel=0.01)
-    # bf16 products 2.05x fp32's: faster training, but not 2.05x (the other work stays fp32).
+    assert 1.3 < tokens_per_s(twice) / tokens_per_s(AVX2) < 1.9
+    # bf16 products 2.05x fp32's: faster training, but not 2.05x.
     gain = tokens_per_s(AVX512_BF16, "bf16") / tokens_per_s(AVX512_BF16, "fp32")
     assert 1.2 < gain < 204.9 / 99.8
     unmeasured = plan_for(cfg, _cpu(None))["stages"]["pretrain"]["throughput"]
@@ -124,6 +125,50 @@ def test_auto_attention_is_eager_only_where_it_was_measured_clearly_faster() -> 
     assert unmeasured.attention == "sdpa" and "no bf16 attention timing" in unmeasured.reason
     assert attention.choose("auto", gpu=True, speed=measured, precision="bf16").attention == "sdpa"
     assert attention.choose("eager", gpu=True, speed=None, precision="bf16").attention == "eager"
+
+
+# A 2-core Sapphire Rapids with AMX, four detections (2026-12-05, quiet): bf16 products 6.8-6.9x
+# fp32's, its eager bf16 attention 2.1-2.8x faster than sdpa, fp32 sdpa 1.5x faster than eager.
+AMX_FLAGS = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"]
+
+
+def _amx(fp32: float, bf16: float, fp16: float, attention: tuple[float, ...]) -> dict[str, Any]:
+    ms = dict(zip(("fp32 sdpa", "fp32 eager", "bf16 sdpa", "bf16 eager"), attention, strict=True))
+    return {"device": "cpu", "threads": 1, "size": 512, "capability": "AVX512", "flags": AMX_FLAGS,
+            "gflops": {"fp32": fp32, "bf16": bf16, "fp16": fp16},
+            "attention_ms": {p: {k: ms[f"{p} {k}"] for k in ("sdpa", "eager")} for p in ("fp32", "bf16")}}  # fmt: skip
+
+
+AMX = _amx(191.65, 1328.19, 204.31, (5.577, 8.289, 18.855, 9.085))
+EPYC = {**AVX512_BF16, "attention_ms": EPYC_ATTENTION}
+# The default config's pretraining, tokens/s over its 2 ranks as the stage measured it, with the
+# detection its plan used (benchmarks/cpu_throughput.py; the EPYC's bf16 with eager attention from
+# a default run). Measured over predicted was 0.65-1.39 while the non-matrix work was a share of
+# the fp32 product rate and attention went at the matrix rate.
+MEASURED_PRETRAINING = [
+    (EPYC, "fp32", "sdpa", 14_237),  # 2026-11-30
+    (EPYC, "bf16", "sdpa", 17_553),  # 2026-11-30
+    (EPYC, "bf16", "eager", 24_483),  # 2026-12-03
+    (_amx(180.72, 1238.38, 182.74, (5.715, 9.036, 19.261, 7.829)), "fp32", "sdpa", 20_674),
+    (AMX, "bf16", "eager", 28_096),
+    (_amx(169.78, 1182.85, 176.28, (6.1, 9.644, 19.785, 6.965)), "fp32", "sdpa", 19_178),
+    (_amx(171.31, 1163.85, 174.13, (5.895, 8.757, 19.119, 6.716)), "bf16", "eager", 25_394),
+]
+
+
+def test_the_cpu_model_predicts_every_recorded_run_within_30_percent() -> None:
+    """Issue 32's bound, on every CPU kind with a recorded training run: AMX's bf16 products run
+    6.9x fp32's and its training 1.3-1.4x, the EPYC's 2.1x and 1.2-1.7x."""
+    cfg = default_config()
+    ratios = []
+    for measured, precision, kernel, tokens_per_s in MEASURED_PRETRAINING:
+        cfg["deepspeed"] = {**cfg["deepspeed"], "precision": precision, "attention": kernel}
+        plan = plan_for(cfg, _cpu(measured))["stages"]["pretrain"]
+        assert plan["layout"]["micro_batch_size"] == 16  # the measured runs' layout
+        ratios.append(tokens_per_s / plan["throughput"]["tokens_per_s"])
+    assert all(0.7 <= r <= 1.3 for r in ratios), ratios
+    # The attention term is the one that separates the EPYC's two bf16 kernels.
+    assert ratios[2] / ratios[1] < 24_483 / 17_553
 
 
 def test_the_plan_carries_the_attention_kernel_to_every_part() -> None:

@@ -80,6 +80,11 @@ class DriverFacts(TypedDict):
     cuda_driver_version: str | None
 
 
+ATTENTION_SHAPE = (16, 4, 128, 32)
+"""(batch, heads, sequence, head size) of the attention probe (`attention_ms`): a small model's
+training shape."""
+
+
 class SpeedReport(TypedDict):
     """`speed`: what each precision delivers here (`speed.measure`).
 
@@ -93,7 +98,8 @@ class SpeedReport(TypedDict):
     threads: NotRequired[int | None]
     size: NotRequired[int]
     attention_ms: NotRequired[dict[str, dict[str, float]]]
-    """Milliseconds of one attention forward and backward, by precision, then kernel."""
+    """Milliseconds of one causal attention forward and backward at ATTENTION_SHAPE, by
+    precision, then kernel."""
     capability: NotRequired[str]
     flags: NotRequired[list[str]]
     seconds: NotRequired[float]

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stagetrain.hardware.report import HardwareReport, SpeedReport
+from stagetrain.hardware.report import ATTENTION_SHAPE, HardwareReport, SpeedReport
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_SIZE = 512
@@ -81,10 +81,6 @@ def matmul_gflops(
     finally:
         torch.set_num_threads(previous)
     return {name: round(2 * size**3 / s / 1e9, 2) for name, s in best.items()}
-
-
-ATTENTION_SHAPE = (16, 4, 128, 32)
-"""(batch, heads, sequence, head size) of the attention probe: a small model's training shape."""
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -106,9 +106,11 @@ def device_rates(
     devices: Devices,
     speed: SpeedReport | None,
     precision: Precision,
+    attention: str,
     parallelism: ParallelismSettings,
 ) -> Rates | None:
-    """One device's speed in `precision` for the throughput model; None where nothing says it.
+    """One device's speed in `precision` (and `attention`, the plan's kernel) for the throughput
+    model; None where nothing says it.
 
     GPUs run at the catalog's peak (a measurement of one card would not say
     what a described cluster does); CPU ranks at what detect_hardware measured.
@@ -118,7 +120,8 @@ def device_rates(
     gflops = (speed.get("gflops") if speed else None) or {}
     if precision not in gflops:
         return None
-    return Rates.of_cpu_rank(gflops[precision], gflops["fp32"], parallelism.cpu_efficiency)
+    probe = speed.get("attention_ms", {}).get(precision, {}).get(attention) if speed else None
+    return Rates.of_cpu_rank(gflops[precision], parallelism.cpu_efficiency, probe)
 
 
 def generation_batch(grpo: GrpoSettings, dp: int) -> int:
@@ -349,7 +352,7 @@ def resolve(
     precision = choice.precision
     kernel = attentions.choose(settings.deepspeed.attention, gpu=devices.gpu is not None,
                                speed=speed, precision=precision)  # fmt: skip
-    rates = device_rates(devices, speed, precision, settings.parallelism)
+    rates = device_rates(devices, speed, precision, kernel.attention, settings.parallelism)
     shape = _shapes(settings.model, settings.tokenizer.vocab_size, shapes)
     configured = Fixed.of(settings.parallelism)
     heads, kv_heads = shape(1).num_heads, shape(1).num_kv_heads

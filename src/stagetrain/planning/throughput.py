@@ -8,10 +8,14 @@ compute   FLOPs per token 6 N_active + 12 L h s (PaLM, Chowdhery et al. 2022,
           CPU ranks: the GFLOP/s detect_hardware measured in the training
           precision at a rank's thread count, at `cpu_efficiency`, n_half 64,
           plus the work that is not matrix products (norms, activations,
-          softmax, the optimizer, the framework), which runs at fp32 speed
-          whatever the precision: CPU_OTHER_WORK of the fp32 matrix rate.
-          Without that term bf16 would be predicted 2.5x faster on a CPU whose
-          bf16 products are, where training measured far less.
+          the optimizer, the framework) at CPU_OTHER_S_PER_FLOP, whatever
+          the precision and the CPU (two kinds measured). Attention
+          (the 12 L h s) runs at the rate detect_hardware's attention probe
+          measured in the plan's precision and kernel, not the matrix rate:
+          it is small batched products and a softmax, and AMX's bf16 products
+          (6-8x fp32's) or bf16 sdpa on an EPYC (3.3x eager's time) move it
+          far from that rate. Without these terms bf16 would be predicted 2.5x
+          (EPYC) to 6x (AMX) faster where training measured 1.2-1.7x.
 dp comm   ring collectives moving 2 (dp-1)/dp of the 16-bit gradients (ZeRO 0, 1:
           one all-reduce per step; ZeRO 2: a reduce-scatter per micro batch and a
           parameter all-gather per step; ZeRO 3: two parameter all-gathers and a
@@ -34,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagetrain.hardware.catalog import GpuSpec
+from stagetrain.hardware.report import ATTENTION_SHAPE
 from stagetrain.planning.memory import params_per_rank
 from stagetrain.planning.plan import Layout
 from stagetrain.planning.shape import ModelShape
@@ -41,11 +46,16 @@ from stagetrain.planning.shape import ModelShape
 HOST_ADAM_PARAMS_PER_S = 1e9
 GPU_HALF_SATURATION_TOKENS = 256
 CPU_HALF_SATURATION_TOKENS = 64
-CPU_OTHER_WORK = 1.1
-"""Seconds of non-matrix work per model FLOP on a CPU rank, in units of 1 / (fp32 GFLOP/s
-measured). Fitted with `cpu_efficiency` 1.0 to the default config's fp32 and bf16 runs on a
-CPU with avx512_bf16 (benchmarks/cpu_throughput.py, docs/benchmarks.md): there 512x512
-bf16 products ran 2.2x fp32's, and training 1.13x, so most of a step is not matrix products."""
+CPU_OTHER_S_PER_FLOP = 7.8e-12
+"""Seconds of non-matrix work (norms, activations, the optimizer, the framework) per model FLOP
+on a CPU rank, attention's FLOPs aside, whatever the CPU and the precision. Fitted with
+`cpu_efficiency` 1.0 to seven runs of the default config's pretraining on two CPU kinds
+(benchmarks/cpu_throughput.py, tests/test_precision.py): a 2-core EPYC with avx512_bf16 and a
+2-core Sapphire Rapids with AMX, measured over predicted 0.86-1.16. Fixed rather than a share of
+the measured fp32 product rate, as it was up to 2026-12-05: AMX's fp32 products ran 1.7-1.9x the
+EPYC's while this work ran no faster, and in bf16 slower (as a share of the fp32 rate it fitted
+the EPYC at 0.9-1.1 and AMX at 1.45-1.65). A CPU with much slower cores than these will train
+slower than predicted."""
 CPU_SHARED_MEMORY_GBPS = 10.0
 """Gradient reduction between CPU ranks of one machine (DeepSpeed's shared-memory op):
 a memory-bandwidth order of magnitude, which is all a model of a ~1M-parameter
@@ -70,6 +80,9 @@ class Rates:
     """Whether communication can overlap computation (GPUs: yes; CPU ranks: no)."""
     other_s_per_flop: float = 0.0
     """Seconds of work beside the matrix products per model FLOP (GPUs: inside assumed_mfu)."""
+    attention_s_per_flop: float | None = None
+    """Seconds per attention FLOP as the attention probe measured it (CPU ranks); None: attention
+    is counted with the matrix products."""
 
     @classmethod
     def of_gpu(cls, gpu: GpuSpec, assumed_mfu: float) -> Rates:
@@ -81,13 +94,17 @@ class Rates:
         )  # fmt: skip
 
     @classmethod
-    def of_cpu_rank(cls, gflops: float, fp32_gflops: float, cpu_efficiency: float) -> Rates:
-        """One CPU rank at its measured matrix-product rate in the training precision (`gflops`)."""
+    def of_cpu_rank(cls, gflops: float, cpu_efficiency: float, attention_ms: float | None) -> Rates:
+        """One CPU rank at its measured matrix-product rate in the training precision (`gflops`),
+        and `attention_ms` the attention probe's time in that precision and the plan's kernel."""
+        batch, heads, seq, head_size = ATTENTION_SHAPE
+        probe_flops = attention_flops_per_token(heads * head_size, seq, layers=1) * batch * seq
         return cls(
             peak_flops=gflops * 1e9, efficiency=cpu_efficiency,
             half_saturation_tokens=CPU_HALF_SATURATION_TOKENS,
             intra_gbps=CPU_SHARED_MEMORY_GBPS, offload_gbps=CPU_SHARED_MEMORY_GBPS, hides_comm=False,
-            other_s_per_flop=CPU_OTHER_WORK / (fp32_gflops * 1e9),
+            other_s_per_flop=CPU_OTHER_S_PER_FLOP,
+            attention_s_per_flop=None if attention_ms is None else attention_ms * 1e-3 / probe_flops,
         )  # fmt: skip
 
 
@@ -114,7 +131,15 @@ class Throughput:
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """Training FLOPs per token without recomputation: 6 N + 12 L h s."""
-    return 6 * shape.active_params + 12 * shape.num_layers * shape.hidden_size * seq_len
+    return 6 * shape.active_params + attention_flops_per_token(
+        shape.hidden_size, seq_len, layers=shape.num_layers
+    )
+
+
+def attention_flops_per_token(hidden_size: int, seq_len: int, *, layers: int) -> float:
+    """The attention's share of `flops_per_token`: 12 L h s (scores and values, forward and
+    backward)."""
+    return 12 * layers * hidden_size * seq_len
 
 
 def predict(
@@ -130,11 +155,17 @@ def predict(
     peak = rates.peak_flops
     micro_tokens = layout.micro_batch_size * layout.seq_len
     efficiency = rates.efficiency * micro_tokens / (micro_tokens + rates.half_saturation_tokens)
-    model_flops = flops_per_token(shape, layout.seq_len) * layout.tokens_per_step
-    recompute = 4 / 3 if layout.activation_checkpointing else 1.0
-    compute = (
-        model_flops * recompute / layout.world * (1 / (peak * efficiency) + rates.other_s_per_flop)
+    per_token = flops_per_token(shape, layout.seq_len)
+    attention = (
+        0.0
+        if rates.attention_s_per_flop is None
+        else attention_flops_per_token(shape.hidden_size, layout.seq_len, layers=shape.num_layers)
     )
+    seconds_per_token = (per_token - attention) * (
+        1 / (peak * efficiency) + rates.other_s_per_flop
+    ) + attention * (rates.attention_s_per_flop or 0.0)
+    recompute = 4 / 3 if layout.activation_checkpointing else 1.0
+    compute = layout.tokens_per_step * recompute / layout.world * seconds_per_token
 
     n = params_per_rank(shape, layout.tp)
     w = 2 if layout.precision != "fp32" else 4
