@@ -178,7 +178,7 @@ def _bare_floor(
     from transformers import AutoModelForCausalLM, DynamicCache
 
     # The stage's prompt sharing is two plain transformers forwards; the floor does that work too.
-    from stagetrain.grpo.sampling import cache_argument
+    from stagetrain.grpo.sampling import cache_argument, left_padded
     from stagetrain.grpo.shared_prompts import completion_logits
 
     cfg, spec, pad = run.cfg, run.spec, run.tokenizer.pad_token_id
@@ -193,24 +193,19 @@ def _bare_floor(
                                   device_ids=[device] if device.type == "cuda" else None)  # fmt: skip
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.optimizer.lr)
 
-    def left_padded(seqs: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(map(len, seqs))
-        rows = [[pad] * (width - len(s)) + list(s) for s in seqs]
-        mask = [[0] * (width - len(s)) + [1] * len(s) for s in seqs]
-        return torch.tensor(rows, device=device), torch.tensor(mask, device=device)
-
     timers = Timers()
     keyword, group = cache_argument(policy), cfg.group_size
 
     def one(items: list[tuple[list[int], list[int]]]) -> None:
-        ids, mask = left_padded(list(dict.fromkeys(tuple(p) for p, _ in items)))
+        ids, mask, position = left_padded(
+            list(dict.fromkeys(tuple(p) for p, _ in items)), pad, device
+        )
         decoded = max(len(c) for _, c in items)  # the stage's call decoded as many tokens
         policy.eval()
         with torch.no_grad(), timers.phase("generate"):
             # Each prompt prefilled once (all but its last token), the cache repeated to its
             # group's rows, as the stage's sampler does.
             cache = DynamicCache()
-            position = (mask.cumsum(-1) - 1).clamp(min=0)
             policy(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position[:, :-1],
                    use_cache=True, **{keyword: cache})  # fmt: skip
             cache = DynamicCache(ddp_cache_data=[(layer.keys.repeat_interleave(group, 0),

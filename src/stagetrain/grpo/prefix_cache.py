@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from stagetrain.grpo.sampling import Sampled, cache_argument, generate
+from stagetrain.grpo.sampling import Sampled, cache_argument, generate, left_padded
 from stagetrain.training.experts import Routing
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -97,14 +97,12 @@ class PrefixCache:
     def _prefill(self, sequences: list[list[int]]) -> list[KV]:
         """One forward pass over the sequences (left-padded, positions from the mask, as
         `generate` makes them); each row's cache cut to its tokens but the last."""
-        width = max(len(s) for s in sequences)
-        ids = torch.tensor([[0] * (width - len(s)) + s for s in sequences])
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
-        position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         device = next(self.model.parameters()).device
+        ids, mask, position = left_padded(sequences, 0, device)
+        width = ids.shape[1]
         cache = DynamicCache()
-        self.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position.to(device),
-                   use_cache=True, **{cache_argument(self.model): cache})  # fmt: skip
+        self.model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True,
+                   **{cache_argument(self.model): cache})  # fmt: skip
         return [
             [(layer.keys[j, :, width - len(s) : width - 1].clone(), layer.values[j, :, width - len(s) : width - 1].clone())
              for layer in cache.layers]

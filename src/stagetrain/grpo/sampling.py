@@ -68,6 +68,18 @@ def _cache_argument(model_type: type) -> str:
     )
 
 
+def left_padded(
+    rows: Sequence[Sequence[int]], pad: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rows left-padded to one width: (ids, attention mask, position ids), positions
+    counted from each row's first token, as `generate` makes them, so a row's keys and values
+    do not depend on what else shares its batch."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def stream_seed(*key: object) -> int:
     """A generator seed from a key such as (run seed, step, prompt, completion): stable across
     processes and Python versions (unlike `hash`)."""
@@ -210,10 +222,9 @@ def generate(
     like the rows (`PrefixCache`). When `generation` samples, `seeds` has one generator seed
     per continuation, in the same order. With `routing` (an MoE policy's), the experts each
     drawn token's position chose too."""
-    width = max(len(s) for s in sequences)
     pad = generation["pad_token_id"]
-    ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences])
+    ids, mask, _ = left_padded(sequences, pad)
+    width = ids.shape[1]
     extra = {} if cache is None else {cache_argument(model): cache}
     generation = dict(generation)
     sampler = None

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from stagetrain.errors import StageError
-from stagetrain.grpo.sampling import cache_argument
+from stagetrain.grpo.sampling import cache_argument, left_padded
 
 Items = Sequence[tuple[list[int], list[int]]]
 """(prompt, completion) token rows, the rows of one group next to each other."""
@@ -55,13 +55,11 @@ def completion_logits(
     prompts = list(dict.fromkeys(tuple(p) for p, _ in items))
     row_of = {p: i for i, p in enumerate(prompts)}
     which = torch.tensor([row_of[tuple(p)] for p, _ in items], device=device)
-    width = max(map(len, prompts))
     # Left-padded, so that every prompt's last token, whose logits predict its completions'
     # first, is the last column: the LM head runs there alone (`logits_to_keep`), not over
     # every prompt position (prompts x length x vocabulary logits, gigabytes at a large vocab).
-    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
-    seen = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    at = (seen.cumsum(-1) - 1).clamp(min=0)
+    ids, seen, at = left_padded(prompts, pad, device)
+    width = ids.shape[1]
     cache, keyword = DynamicCache(), cache_argument(model)
     head = model(input_ids=ids, attention_mask=seen, position_ids=at, use_cache=True,
                  logits_to_keep=1, **{keyword: cache}).logits[:, -1]  # fmt: skip
