@@ -156,14 +156,15 @@ def predict(
     micro_tokens = layout.micro_batch_size * layout.seq_len
     efficiency = rates.efficiency * micro_tokens / (micro_tokens + rates.half_saturation_tokens)
     per_token = flops_per_token(shape, layout.seq_len)
-    attention = (
-        0.0
-        if rates.attention_s_per_flop is None
-        else attention_flops_per_token(shape.hidden_size, layout.seq_len, layers=shape.num_layers)
-    )
+    attention, attention_s = 0.0, 0.0  # unmeasured: attention counts with the matrix products
+    if rates.attention_s_per_flop is not None:
+        attention = attention_flops_per_token(
+            shape.hidden_size, layout.seq_len, layers=shape.num_layers
+        )
+        attention_s = attention * rates.attention_s_per_flop
     seconds_per_token = (per_token - attention) * (
         1 / (peak * efficiency) + rates.other_s_per_flop
-    ) + attention * (rates.attention_s_per_flop or 0.0)
+    ) + attention_s
     recompute = 4 / 3 if layout.activation_checkpointing else 1.0
     compute = layout.tokens_per_step * recompute / layout.world * seconds_per_token
 
