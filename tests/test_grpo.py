@@ -69,6 +69,10 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(0 <= r["train/sampler_logprob_gap_mean"] < 1e-4 for r in records[1:])  # fp32
     assert all("kl" in r and r["kl"] >= 0 for r in records[1:])
+    longest = cfg["grpo"]["max_new_tokens"]  # a row is clipped only where the longest reached it
+    assert all(r["completions/mean_length"] <= r["completions/max_length"] <= longest
+               and (r["completions/clipped_ratio"] == 0 or r["completions/max_length"] == longest)
+               for r in records[1:])  # fmt: skip
     assert all(set(r["reward/by_level"]) == {"1"} for r in records[1:])
     assert all(r["curriculum/level"] == dict.fromkeys(FAMILIES, 1) for r in records[1:])
     assert all(

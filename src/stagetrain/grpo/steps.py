@@ -386,6 +386,8 @@ class Row(NamedTuple):
     nodes: int
     lengths: list[int]
     """Tokens of each completion."""
+    clipped: int
+    """Completions cut at grpo.max_new_tokens, without an eos."""
     trained: int
     """Prompt and completion tokens one optimisation pass runs through the model."""
     key: str
@@ -473,7 +475,7 @@ def step(
     step_no: int,
 ) -> Stepped:
     """Rollouts, training and the curriculum update of one step; its metrics record."""
-    cfg, judge = run.cfg, run.judge
+    cfg, judge, eos = run.cfg, run.judge, run.tokenizer.eos_token_id
     batch, first = draw_problems(run, curriculum, step_no)
     prompts = [judge.prompt_ids(p) for p in batch]
     keys = [(run.spec["seed"], step_no, first + i) for i in range(len(batch))]
@@ -488,6 +490,7 @@ def step(
         Row(family=p.family, level=p.level, rewards=g.rewards, solved=[judge.solved(p, r) for r in g.rewards],
             varies=g.varies, generated=g.generated_tokens,
             flat=g.flat_tokens, nodes=g.nodes, lengths=[len(c) for c in g.completions],
+            clipped=sum(len(c) >= cfg.max_new_tokens and c[-1] != eos for c in g.completions),
             trained=sum(len(g.prompt) + len(c) for c in g.completions), key=p.key, prompt_ids=g.prompt)
         for g, p in zip(groups, batch, strict=True)
     ], run.dp_rank)  # fmt: skip
@@ -503,6 +506,8 @@ def step(
         "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
+        "completions/max_length": max(n for row in rows for n in row.lengths),
+        "completions/clipped_ratio": sum(row.clipped for row in rows) / len(rewards),
         "rollout/generated_tokens": sum(row.generated for row in rows),
         "rollout/largest_generate_call": int(largest),
         "rollout/lockstep_generate_calls": int(lockstep),
