@@ -20,10 +20,11 @@ SIGMAS = 3
 """How many standard errors of its own measurement the held-out gain at level 1 must exceed. The
 summary measures 280 problems per family before and after, so one se is about 0.04; noise reaches
 3 se about once in a thousand runs, and a GRPO stage that learns nothing gains 0. Measured on the
-default config of 300 steps (docs/benchmarks.md), seed 1234, at kl_coef 0.1 on a Sapphire Rapids
-with AMX: comparison at level 1 gained +0.332 (8.8 se) in bf16 and +0.168 (4.0 se) in fp32, first
-promoted at steps 96 and 238, and +0.132 (3.2 se) in fp32 held to AVX2 kernels, promoted at step
-144; precision auto picks bf16 or fp32 by the CPU, so the bound must hold in both. At kl_coef 0.05 on an EPYC with avx512_bf16: +0.254 (6.5 se) in bf16, +0.279 (7.0 se) in
+default config of 300 steps (docs/benchmarks.md), seed 1234, at kl_coef 0.1 and a cosine schedule
+on a Sapphire Rapids with AMX: comparison at level 1 gained +0.304 (7.9 se) in bf16, +0.257 (6.4 se)
+in fp32 and +0.232 (6.0 se) in fp32 held to AVX2 kernels, first promoted at steps 97, 144 and 141
+(with a constant rate: 8.8, 4.0 and 3.2 se); precision auto picks bf16 or fp32 by the CPU, so the
+bound must hold in both. At kl_coef 0.05 on an EPYC with avx512_bf16: +0.254 (6.5 se) in bf16, +0.279 (7.0 se) in
 fp32, promoted at steps 91 and 230."""
 FORGETTING_SIGMAS = 2
 """The most standard errors of its own gain by which any corpus family may fall over GRPO. At

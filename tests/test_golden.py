@@ -62,10 +62,11 @@ left the samples and the updates alone."""
 def test_twenty_fp32_grpo_steps_give_the_golden_rewards_and_losses(
     data: dict[str, str], scoring_start: str, tmp_path: Path
 ) -> None:
-    # kl_coef pinned at the value the numbers were taken with, not the default's (0.1 since
-    # 2026-12-05): the golden holds the step's maths, not the recipe.
+    # kl_coef and the schedule pinned at what the numbers were taken with, not the default's
+    # (0.1 and cosine since 2026-12-05): the golden holds the step's maths, not the recipe.
     cfg = grpo_config(steps=GRPO_STEPS, eval_every=GRPO_STEPS, checkpoint_every=GRPO_STEPS,
-                      curriculum={"families": SCORING_FAMILIES}, kl_coef=0.05)  # fmt: skip
+                      curriculum={"families": SCORING_FAMILIES}, kl_coef=0.05,
+                      optimizer={"schedule": "constant"})  # fmt: skip
     cfg["deepspeed"]["attention"] = "eager"  # pinned: the described machine's plan would say sdpa
     summary = run_grpo(data, scoring_start, tmp_path, world=1,
                        layout={"dp": 1, "tp": 1, "zero_stage": 0}, cfg=cfg)  # fmt: skip
