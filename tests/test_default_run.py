@@ -24,8 +24,8 @@ default config of 300 steps (docs/benchmarks.md), seed 1234, at kl_coef 0.1 and 
 on a Sapphire Rapids with AMX: comparison at level 1 gained +0.304 (7.9 se) in bf16, +0.257 (6.4 se)
 in fp32 and +0.232 (6.0 se) in fp32 held to AVX2 kernels, first promoted at steps 97, 144 and 141
 (with a constant rate: 8.8, 4.0 and 3.2 se); precision auto picks bf16 or fp32 by the CPU, so the
-bound must hold in both. At kl_coef 0.05 on an EPYC with avx512_bf16: +0.254 (6.5 se) in bf16, +0.279 (7.0 se) in
-fp32, promoted at steps 91 and 230."""
+bound must hold in both. At kl_coef 0.05 and a constant rate on an EPYC with avx512_bf16: +0.254
+(6.5 se) in bf16, +0.279 (7.0 se) in fp32, promoted at steps 91 and 230."""
 FORGETTING_SIGMAS = 2
 """The most standard errors of its own gain by which any corpus family may fall over GRPO. At
 kl_coef 0.05 the Sapphire Rapids' bf16 run lost counting 3.2 se; at 0.1 none."""

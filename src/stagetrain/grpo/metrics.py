@@ -23,7 +23,7 @@ METRICS: dict[str, str] = {
     "train/aux_loss": "the MoE policy's load-balancing loss (unweighted), mean over micro batches and ranks of the last pass; only when router_aux_loss_coef > 0",
     "kl": "mean k3 estimate of KL(policy || reference) per sampled token, every completion of every rank (groups without reward variance too); only when kl_coef > 0",
     "completions/mean_length": "mean completion length in tokens; every record",
-    "completions/max_length": "longest completion of the step in tokens, all ranks: the decoding steps its generate call ran; every record",
+    "completions/max_length": "longest completion of the step in tokens, all ranks: with flat rollouts, the decoding steps of the generate call that drew it (and every row beside it); every record",
     "completions/clipped_ratio": "share of the step's completions cut at grpo.max_new_tokens without an eos, all ranks; every record",
     "rollout/generated_tokens": "tokens generated for the step's rollouts, all ranks; every record",
     "rollout/largest_generate_call": "most sequences one generate call made for the step's rollouts, largest over ranks: at most the plan's generation batch, whose KV cache the plan counted; every record",
