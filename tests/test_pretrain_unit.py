@@ -360,3 +360,18 @@ def test_a_rank_joins_without_building_deepspeeds_inference_comm_op(
     monkeypatch.setattr(type(builder), "load", lambda *_, **__: pytest.fail("the op was built"))
     skip_inference_comm_op()
     assert build_shm_op() is None
+
+
+def test_a_rank_joins_without_probing_every_deepspeed_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed probes every op it has (g++ compiles, package-manager queries) the first time
+    its comm op's check reads the availability dict; a stage's rank makes that dict itself."""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    from stagetrain.training.engine import skip_inference_comm_op
+
+    monkeypatch.delitem(vars(deepspeed.ops), "__compatible_ops__", raising=False)
+    monkeypatch.setattr(deepspeed.ops, "_probe_compatible_ops", lambda: pytest.fail("probed"))
+    skip_inference_comm_op()
+    assert build_shm_op() is None
+    assert deepspeed.ops.__compatible_ops__ == {"deepspeed_shm_comm": False}

@@ -106,11 +106,15 @@ def skip_inference_comm_op() -> None:
     DeepSpeed-Inference's layers, and AutoTP's forward in eval mode. Training never calls it,
     and without the op that all-reduce falls back to the process group's, the same sum.
     DeepSpeed reads the op's availability from `deepspeed.ops.__compatible_ops__`, a dict it
-    probes once and keeps so that edits to it hold.
+    makes on first read and keeps so that edits to it hold. Making it probes every op DeepSpeed
+    has (a g++ compile and link for async I/O, package-manager queries: 0.1-0.2 s a rank), and
+    this op's check is its one reader; so the rank makes the dict itself, the probe never runs,
+    and every op reads as not there (DeepSpeed's `.get(name, False)`).
     """
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    compatible = vars(deepspeed.ops).setdefault("__compatible_ops__", {})
+    compatible["deepspeed_shm_comm"] = False
 
 
 def join_world(spec: JobSpec) -> tuple[PlanPart, TokenizerMeta, DeepSpeedJson, torch.device]:
