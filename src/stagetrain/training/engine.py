@@ -107,7 +107,7 @@ def skip_inference_comm_op() -> None:
     and without the op that all-reduce falls back to the process group's, the same sum.
     DeepSpeed reads the op's availability from `deepspeed.ops.__compatible_ops__`, a dict it
     makes on first read and keeps so that edits to it hold. Making it probes every op DeepSpeed
-    has (a g++ compile and link for async I/O, package-manager queries: 0.1-0.2 s a rank), and
+    has (a g++ compile and link for async I/O, package-manager queries: 0.12-0.16 s a rank), and
     this op's check is its one reader; so the rank makes the dict itself, the probe never runs,
     and every op reads as not there (DeepSpeed's `.get(name, False)`).
     """
