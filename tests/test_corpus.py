@@ -235,6 +235,23 @@ def test_compressed_and_parquet_corpora_read_as_their_json_lines(tmp_path: Path,
     assert other == plain and len(plain[0]) + len(plain[1]) == 300 and plain[1]
 
 
+def test_a_cut_compressed_corpus_file_stops_the_stage_rather_than_adding_nothing(
+    tmp_path: Path,
+) -> None:
+    """A corpus .zst or .gz cut by one byte is one line naming it; it must not read as a
+    file of no documents, which the stage would count as 0 tokens and carry on."""
+    rows = [{"text": f"document {i} of the corpus."} for i in range(300)]
+    for kind, message in (
+        (".jsonl.zst", "truncated zstd stream"),
+        (".jsonl.gz", "Compressed file ended"),
+    ):
+        path = write_rows(tmp_path / f"part{kind}", rows)
+        path.write_bytes(path.read_bytes()[:-1])
+        source = corpus_sources.files(_files(path), 0, 0.25)
+        with pytest.raises(StageError, match=re.escape(f"{path}: cannot read ({message}")):
+            list(source.documents("train"))
+
+
 @pytest.mark.parametrize(
     ("kind", "rows", "message"),
     [

@@ -179,10 +179,71 @@ def test_unreadable_files_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "t.csv").write_text("q,a\n")
     (tmp_path / "t.jsonl.zst").write_bytes(b"not a zstandard frame\n")
     for name, expected in (("t.jsonl.gz", "cannot read"), ("t.parquet", "not a readable parquet file"),
-                           ("t.jsonl.zst", r"cannot read \(zstd decompress error"),
+                           ("t.jsonl.zst", r"cannot read \(zstd decompress"),
                            ("t.csv", "not a task file; expected one of .jsonl, .jsonl.gz, .jsonl.zst, .parquet")):  # fmt: skip
         with pytest.raises(StageError, match=expected):
             load_tasks(tasks(family([str(tmp_path / name)])))
+
+
+def zstd_frames(rows: list[dict[str, Any]], per_frame: int) -> bytes:
+    """`rows` as JSON lines in zstandard frames of `per_frame` rows each, back to back, as
+    `zstd` writes a file compressed in parts (or `cat a.zst b.zst` joins two)."""
+    import json
+
+    import zstandard
+
+    compress = zstandard.ZstdCompressor().compress
+    return b"".join(
+        compress("".join(json.dumps(r) + "\n" for r in rows[i : i + per_frame]).encode())
+        for i in range(0, len(rows), per_frame)
+    )
+
+
+@pytest.mark.parametrize("cut", ["last-byte", "mid-frame"])
+def test_a_truncated_zstd_file_is_refused_not_read_short(tmp_path: Path, cut: str) -> None:
+    """A .zst cut by one byte, or in the middle of its frames, is a one-line error naming the
+    file, as a cut .gz is: zstandard's own stream reader ends such a file early without a
+    word, and every row after the cut would vanish. The whole file reads every frame."""
+    data = zstd_frames(rows(), per_frame=300)
+    whole = tmp_path / "whole.jsonl.zst"
+    whole.write_bytes(data)
+    load_tasks(tasks(family([str(whole)])))
+    pool = get_family("doubles").pool
+    assert pool is not None and sum(map(len, pool.values())) == len(rows())  # all six frames
+    short = tmp_path / "t.jsonl.zst"
+    short.write_bytes(data[:-1] if cut == "last-byte" else data[: len(data) // 2])
+    with pytest.raises(StageError) as err:
+        load_tasks(tasks(family([str(short)])))
+    assert str(err.value) == f"{short}: cannot read (truncated zstd stream)"
+
+
+def test_a_line_past_the_bound_is_refused_before_it_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No JSON line is read past MAX_LINE_BYTES: a small .zst that inflates to one huge line
+    (here 100 MB from about 3 KB) is refused by file and line, and is never held whole."""
+    import tracemalloc
+
+    from stagetrain.tasks import files
+
+    monkeypatch.setattr(files, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "t.jsonl.zst"
+    path.write_bytes(zstd_frames([{"q": "x" * 100_000_000}, *rows(3)], per_frame=4))
+    tracemalloc.start()
+    try:
+        with pytest.raises(StageError) as err:
+            list(files.read_rows(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (
+        str(err.value)
+        == f"{path}:1: a line of more than 1000 bytes; expected one JSON object a line"
+    )
+    assert peak < 50e6, (
+        f"{peak / 1e6:.0f} MB held to refuse the line"
+    )  # the decompressor's 32 MB at most
+    assert len(list(files.read_rows(write_rows(tmp_path / "ok.jsonl.zst", rows(3))))) == 3
 
 
 def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:

@@ -45,6 +45,20 @@ EP_GRPO = (
     "tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep"
 )
 MUTANTS = (
+    Mutant("zstd-truncation", "a .zst file cut short is refused, not read as a clean end of file",
+           "src/stagetrain/tasks/files.py", '                    raise EOFError("truncated zstd stream")\n', "                    pass\n",
+           (TASKS + "test_a_truncated_zstd_file_is_refused_not_read_short",
+            "tests/test_corpus.py::test_a_cut_compressed_corpus_file_stops_the_stage_rather_than_adding_nothing")),
+    Mutant("zstd-every-frame", "every zstandard frame of a file is read, not the first alone",
+           "src/stagetrain/tasks/files.py", "        if self._frame is None or self._frame.eof:\n            self._frame =",
+           "        if self._frame is None:\n            self._frame =",
+           (TASKS + "test_a_truncated_zstd_file_is_refused_not_read_short",)),
+    Mutant("line-bound", "no JSON line is read past MAX_LINE_BYTES",
+           "src/stagetrain/tasks/files.py", "handle.readline(MAX_LINE_BYTES + 1)", "handle.readline()",
+           (TASKS + "test_a_line_past_the_bound_is_refused_before_it_is_held",)),
+    Mutant("line-bound-refused", "a line past MAX_LINE_BYTES is refused, not parsed cut",
+           "src/stagetrain/tasks/files.py", "        if len(line) > MAX_LINE_BYTES:", "        if False:",
+           (TASKS + "test_a_line_past_the_bound_is_refused_before_it_is_held",)),
     Mutant("grpo-trains", "GRPO's loss reaches the weights through the engine",
            "src/stagetrain/grpo/steps.py", "engine.backward(total * ga * run.layout.dp)", "engine.backward(total * 0.0)",
            (GRPO + "test_flat_grpo_trains_through_the_engine_with_a_reference",)),

@@ -3,16 +3,23 @@
 The one reader of the task families' files (`read_rows`) and of the corpus's
 (`read_texts`, one text field of each row). Each row comes with where it is
 ('tasks/sort.parquet:row 12', 'x.jsonl.gz:3') so that every later complaint about
-it names the file and the row. Parquet is read with pyarrow and zstandard streams
+it names the file and the row. Parquet is read with pyarrow and zstandard frames
 with the zstandard package (both maintained readers; Python's own gzip covers
 .gz). Files stream, a line or a record batch at a time; a corpus's parquet file is
 read one column, in batches of `BATCH_ROWS`, so memory does not grow with it.
+
+A compressed stream must prove it reached its end: gzip raises on a cut member by
+itself, and `_ZstdFrames` does the same for zstandard, whose own stream reader
+takes a cut frame for a clean end of file (it also stops after the first frame
+unless told otherwise). No line is read past `MAX_LINE_BYTES`, so a small file that
+decompresses to one huge line is refused before it is held in memory.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -23,6 +30,12 @@ from stagetrain.io import json_lines
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 BATCH_ROWS = 1024
 """Rows of a parquet file decoded at once: at 10 KB a corpus document, 10 MB."""
+MAX_LINE_BYTES = 64 * 2**20
+"""The longest JSON line read: a book-length document is a few MB; a line past this is
+refused rather than held whole in memory (a 65 KB .zst can hold a 2 GiB line)."""
+ZSTD_FEED_BYTES = 1024
+"""Compressed bytes handed to the decompressor at once. zstandard inflates at most about
+32,000 to 1, so one call's output stays under 32 MB whatever the file holds."""
 
 
 def suffix_of(path: str | Path) -> str | None:
@@ -44,10 +57,7 @@ def read_rows(
     if kind == ".parquet":
         yield from _parquet_rows(path, shown, columns)
         return
-    corrupt: tuple[type[Exception], ...] = (
-        OSError,
-        EOFError,
-    )  # a truncated .gz, an unreadable file
+    corrupt: tuple[type[Exception], ...] = (OSError, EOFError)  # a truncated stream, a bad file
     if kind == ".jsonl.zst":
         import zstandard
 
@@ -67,13 +77,72 @@ def _opened(path: Path, kind: str) -> IO[bytes]:
     if kind == ".jsonl.zst":
         import zstandard
 
-        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115 - closed with the reader
-        return io.BufferedReader(reader)  # lines: the bare reader reads only by size
+        return io.BufferedReader(_ZstdFrames(open(path, "rb"), zstandard.ZstdDecompressor()))  # noqa: SIM115 - closed with the reader
     return open(path, "rb")
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstandard frame of `raw`, in order, and EOFError
+    ('truncated zstd stream') when the file ends inside a frame. zstandard's stream reader
+    cannot tell a cut frame from the end of the file, so each frame gets its own
+    decompression object, whose `eof` says whether the frame was whole."""
+
+    def __init__(self, raw: IO[bytes], decompressor: Any) -> None:
+        self._raw, self._decompressor = raw, decompressor
+        self._frame: Any = None  # the frame being decompressed; None before the first byte
+        self._input, self._at = b"", 0  # compressed bytes read and not yet fed, and where
+        self._output = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._output:
+            if not self._decompress_more():
+                return 0
+        n = min(len(buffer), len(self._output))
+        buffer[:n] = self._output[:n]
+        self._output = self._output[n:]
+        return n
+
+    def _decompress_more(self) -> bool:
+        if self._at == len(self._input):
+            self._input, self._at = self._raw.read(64 * ZSTD_FEED_BYTES), 0
+            if not self._input:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("truncated zstd stream")
+                return False
+        if self._frame is None or self._frame.eof:
+            self._frame = self._decompressor.decompressobj()
+        piece = self._input[self._at : self._at + ZSTD_FEED_BYTES]
+        self._at += len(piece)
+        self._output = memoryview(self._frame.decompress(piece))
+        if self._frame.eof and self._frame.unused_data:  # the next frame starts in this piece
+            self._input = self._frame.unused_data + self._input[self._at :]
+            self._at = 0
+        return True
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _bounded_lines(handle: IO[bytes], shown: str) -> Iterator[bytes]:
+    """The lines of `handle`, none read past MAX_LINE_BYTES."""
+    for number in itertools.count(1):
+        line = handle.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES:
+            raise StageError(
+                f"{shown}:{number}: a line of more than {MAX_LINE_BYTES} bytes; "
+                "expected one JSON object a line"
+            )
+        yield line
+
+
 def _json_lines(handle: IO[bytes], shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    for where, row in json_lines(handle, shown):
+    for where, row in json_lines(_bounded_lines(handle, shown), shown):
         if not isinstance(row, dict):
             raise StageError(f"{where}: expected a JSON object, got {type(row).__name__}")
         yield where, row
