@@ -318,6 +318,70 @@ def test_config_mistakes_are_one_line(change: dict[str, Any], expected: str) -> 
     assert expected in str(err.value) and "\n" not in str(err.value), err.value
 
 
+def _fam(rewards: list[dict[str, Any]] | None = None, **changes: Any) -> dict[str, Any]:
+    entry = {"name": "a", "files": ["x.jsonl"], **({"rewards": rewards} if rewards else {})}
+    return {"tasks": {"families": [{**entry, **changes}]}}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"tasks": {"success_at": 0}}, "tasks.success_at: expected a value > 0, got 0"),
+        (_fam(success_at=-1), "tasks.families.0.success_at: expected"),
+        (
+            _fam([{"verifier": "exact", "weight": 0}, {"verifier": "format", "weight": 0.0}]),
+            "tasks.families.0.rewards: every weight is 0",
+        ),
+        (
+            _fam([{"function": "r.py:f", "weight": 0}]),
+            "tasks.families.0.rewards: every weight is 0",
+        ),
+        (
+            _fam([{"verifier": "exact", "weight": 0.5}, {"verifier": "format", "weight": 0.25}]),
+            "tasks.success_at: 1 is above family 'a''s largest reward, 0.75",
+        ),
+        (
+            _fam([{"verifier": "exact"}, {"verifier": "format", "weight": -1}], success_at=1.5),
+            "tasks.families.0.success_at: 1.5 is above family 'a''s largest reward, 1 ",
+        ),
+        (_fam(success_at=1.01), "tasks.families.0.success_at: 1.01 is above family 'a''s largest reward, 1 "),
+        ({"tasks": {"success_at": 2}}, "tasks.success_at: 2 is above family 'counting''s largest reward, 1 "),
+    ],
+    ids=["zero", "negative", "all-verifier-weights-0", "all-function-weights-0", "above-verifier-sum",
+         "negative-weight-adds-nothing", "above-default-verifier", "built-in-family"],
+)  # fmt: skip
+def test_a_success_at_that_fakes_or_forbids_accuracy_is_refused(
+    change: dict[str, Any], expected: str
+) -> None:
+    """success_at must be above 0 (a bar every completion clears scores an untrained model
+    1.0), some weight must count, and a verifier-only family's bar must be reachable: its
+    verifiers score at most 1 each, so the bar is at most the positive weights' sum."""
+    from harness.configs import merge
+
+    with pytest.raises(StageError) as err:
+        stconfig.validate(merge(default_config(), change))
+    assert expected in str(err.value) and "\n" not in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _fam([{"verifier": "exact", "weight": 0.5}, {"verifier": "format", "weight": 0.5}]),
+        _fam(
+            [{"function": "r.py:f", "weight": 0.1}], success_at=5
+        ),  # a function's range is its own
+        _fam([{"verifier": "exact", "weight": 2}], success_at=2),
+        {"tasks": {"success_at": 0.5}},
+    ],
+    ids=["verifier-sum-exactly-1", "function-any-bar", "bar-at-the-sum", "below-1"],
+)
+def test_a_reachable_success_at_is_taken(change: dict[str, Any]) -> None:
+    from harness.configs import merge
+
+    settings = Settings.from_config(stconfig.validate(merge(default_config(), change)))
+    assert settings.tasks.success_at > 0
+
+
 def test_a_tasks_family_may_be_trained_replayed_and_in_the_corpus() -> None:
     """The config check takes a tasks family wherever a family is named (it raised before)."""
     config = default_config()

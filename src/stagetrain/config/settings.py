@@ -226,6 +226,28 @@ class TaskFamilySettings(_Section):
             if "function" in reward:
                 parse_function(reward["function"], f"{key}.rewards.{j}.function")
 
+    def check_success_at(self, key: str, default: float) -> None:
+        """The family's `success_at` can be reached and cannot be reached by nothing: a bar that
+        every completion clears (every weight 0) scores an untrained model 1.0, and a bar above
+        the largest reward its verifiers can give (each scores at most 1) solves nothing, so the
+        curriculum never moves. A user function's range is unknown until it runs (the stage
+        records the largest reward it saw and warns when none reached the bar)."""
+        bar, where = (
+            (default, "tasks.success_at") if self.success_at is None else (self.success_at, f"{key}.success_at")
+        )  # fmt: skip
+        rewards = self.rewards or ()
+        if rewards and all(r["weight"] == 0 for r in rewards):
+            raise StageError(
+                f"{key}.rewards: every weight is 0, so every completion scores 0 and {where} means nothing; give a term a weight"
+            )
+        if all("verifier" in r for r in rewards):
+            reachable = sum(max(r["weight"], 0.0) for r in rewards) if rewards else 1.0
+            if bar > reachable + 1e-9:
+                raise StageError(
+                    f"{where}: {bar:g} is above family {self.name!r}'s largest reward, {reachable:g} "
+                    "(its positive verifier weights summed, each verifier scoring at most 1): nothing could be solved"
+                )
+
 
 @dataclass(frozen=True)
 class TasksSettings(_Section):
@@ -263,6 +285,7 @@ class TasksSettings(_Section):
                     f"{key}.name: {name!r} is a built-in family's name; name your family otherwise"
                 )
             family.check_rewards(key)
+            family.check_success_at(key, self.success_at)
 
 
 @dataclass(frozen=True)
@@ -579,6 +602,14 @@ class Settings(_Section):
                     raise StageError(
                         f"{key}: {name!r} is in grpo.curriculum.families; replay is for the others"
                     )
+        own = {f.name for f in self.tasks.families}
+        builtin = [n for n in (*self.data.generated.families, *curriculum, *(self.grpo.replay.families or ()))
+                   if n in FAMILIES and n not in own]  # fmt: skip
+        if builtin and self.tasks.success_at > 1:  # scored by their own verifier, at most 1
+            raise StageError(
+                f"tasks.success_at: {self.tasks.success_at:g} is above family {builtin[0]!r}'s largest reward, 1 "
+                "(its own verifier, scoring at most 1): nothing could be solved"
+            )
 
     def _check_positions(self) -> None:
         """Sequences no longer than the model's positions (from scratch; an init_from model's
