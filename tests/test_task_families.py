@@ -185,6 +185,30 @@ def test_unreadable_files_are_one_line(tmp_path: Path) -> None:
             load_tasks(tasks(family([str(tmp_path / name)])))
 
 
+@pytest.mark.parametrize(
+    ("change", "edges", "expected"),
+    [
+        ({"a": float("nan")}, None, "column 'a' must be a finite number or text, got nan"),
+        ({"a": float("inf")}, None, "column 'a' must be a finite number or text, got inf"),
+        ({"difficulty": float("nan")}, [2, 3], "column 'difficulty' (the level) must be a finite number, got nan"),
+        ({"difficulty": float("-inf")}, [2, 3], "column 'difficulty' (the level) must be a finite number, got -inf"),
+        ({"difficulty": float("nan")}, None, "column 'difficulty' (the level) must be a finite number, got nan"),
+    ],
+    ids=["nan-answer", "inf-answer", "nan-difficulty", "inf-difficulty", "nan-level"],
+)  # fmt: skip
+def test_a_non_finite_answer_or_level_is_refused_by_row(
+    tmp_path: Path, change: dict[str, float], edges: list[float] | None, expected: str
+) -> None:
+    """JSON's NaN and Infinity are numbers to Python: a NaN answer became the reference "nan",
+    and a NaN difficulty compares false with every edge, so it landed in level 1."""
+    content = rows()
+    content[5] = {**content[5], **change}
+    path = write_rows(tmp_path / "t.jsonl", content)
+    with pytest.raises(StageError) as err:
+        load_tasks(tasks(family([str(path)], level_edges=edges)))
+    assert str(err.value) == f"{path}:6: {expected}"
+
+
 def zstd_frames(rows: list[dict[str, Any]], per_frame: int) -> bytes:
     """`rows` as JSON lines in zstandard frames of `per_frame` rows each, back to back, as
     `zstd` writes a file compressed in parts (or `cat a.zst b.zst` joins two)."""

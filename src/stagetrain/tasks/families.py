@@ -21,6 +21,7 @@ import dataclasses
 import glob
 import hashlib
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,6 +246,10 @@ def _column(row: Mapping[str, Any], where: str, key: str, role: str, column: str
 
 def _text(value: Any, where: str, column: str, *, numbers: bool = False) -> str:
     if numbers and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):  # JSON's NaN would become the reference answer "nan"
+            raise StageError(
+                f"{where}: column {column!r} must be a finite number or text, got {value!r}"
+            )
         value = str(value)
     if not isinstance(value, str) or not value.strip():
         kind = "a non-empty string" + (" or a number" if numbers else "")
@@ -261,6 +266,10 @@ def _text(value: Any, where: str, column: str, *, numbers: bool = False) -> str:
 def _level(value: Any, edges: Sequence[float] | None, where: str, column: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise StageError(f"{where}: column {column!r} (the level) must be a number, got {value!r}")
+    if not math.isfinite(value):  # NaN compares false with every edge: it would land in level 1
+        raise StageError(
+            f"{where}: column {column!r} (the level) must be a finite number, got {value!r}"
+        )
     if edges:
         return 1 + sum(1 for edge in edges if value >= edge)
     if not isinstance(value, int) or value < 1:
