@@ -5,7 +5,12 @@ Without a chat template a prompt is the pipeline's own markup,
 has a chat template (an `init_from` chat model, or `tokenizer.source: pretrained`) and
 `tasks.chat_template` is true, the question is the user turn of a conversation rendered
 by `apply_chat_template(..., add_generation_prompt=True)`, token for token as the model
-was tuned to read it.
+was tuned to read it. That template must render a probe question's text, or it is
+refused: a template that ignores the messages turned every prompt into its own text.
+
+Task text never becomes control tokens: a question holding any special token of the
+tokenizer in use (a chat model's `<|im_start|>` as well as the pipeline's own) is refused,
+since encoding would make it a real turn marker and let a row inject a system turn.
 """
 
 from __future__ import annotations
@@ -16,6 +21,18 @@ from typing import Any
 from stagetrain.errors import StageError
 from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem, prompt
 from stagetrain.tasks.rewards import Completion
+
+PROBE = "What is 2 plus 3?"
+"""The user message a chat template must render, checked once per tokenizer."""
+
+
+def special_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """Every special token of `tokenizer`: its named ones (eos, pad, ...) and the added tokens
+    it marks special (a chat model's turn markers), longest first."""
+    named = set(getattr(tokenizer, "all_special_tokens", ()))
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    named |= {t.content for t in added if getattr(t, "special", False)}
+    return tuple(sorted((t for t in named if t), key=lambda t: (-len(t), t)))
 
 
 class Prompter:
@@ -28,16 +45,38 @@ class Prompter:
         """grpo.max_prompt_len: the prompt tokens the plan counted."""
         stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(PROBLEM_TOKEN)}
         self.stops = stops - {None, tokenizer.unk_token_id}
+        self.specials = special_tokens(tokenizer)
+        if self.chat:
+            self._probe_template()
+
+    def _probe_template(self) -> None:
+        """The chat template renders a user message's text, or one line naming the tokenizer."""
+        folder = getattr(self.tokenizer, "name_or_path", "") or "the tokenizer"
+        try:
+            ids = self._chat_ids(PROBE)
+        except Exception as err:  # Jinja's errors, and whatever a template's own code raises
+            text = str(err).strip().splitlines()
+            raise StageError(f"{folder}: its chat template cannot render a conversation "
+                             f"({type(err).__name__}: {text[0] if text else ''})") from None  # fmt: skip
+        if PROBE not in self.tokenizer.decode(ids, skip_special_tokens=False):
+            raise StageError(f"{folder}: its chat template does not render the messages' text (a user message "
+                             f"{PROBE!r} is not in its output); fix it or set tasks.chat_template: false")  # fmt: skip
+
+    def _chat_ids(self, question: str) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
     def full(self, problem: Problem) -> list[int]:
         """The whole rendered prompt."""
+        marker = next((t for t in self.specials if t in problem.question), None)
+        if marker is not None:
+            where = problem.origin or f"{problem.family} level {problem.level}"
+            raise StageError(f"{where}: the prompt contains {marker!r}, a special token of the tokenizer in use; "
+                             "task text must not become control tokens")  # fmt: skip
         if self.chat:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": problem.question}],
-                add_generation_prompt=True,
-                tokenize=True,
-            )
-            return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+            return self._chat_ids(problem.question)
         return self.tokenizer(prompt(problem), add_special_tokens=False)["input_ids"]
 
     def ids(self, problem: Problem) -> list[int]:
