@@ -230,8 +230,8 @@ class TaskFamilySettings(_Section):
         """The family's `success_at` can be reached and cannot be reached by nothing: a bar that
         every completion clears (every weight 0) scores an untrained model 1.0, and a bar above
         the largest reward its verifiers can give (each scores at most 1) solves nothing, so the
-        curriculum never moves. A user function's range is unknown until it runs (the stage
-        records the largest reward it saw and warns when none reached the bar)."""
+        curriculum never moves. A user function's range is unknown until it runs, so a family
+        with one is not bounded here."""
         bar, where = (
             (default, "tasks.success_at") if self.success_at is None else (self.success_at, f"{key}.success_at")
         )  # fmt: skip

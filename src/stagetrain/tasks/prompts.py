@@ -35,6 +35,11 @@ def special_tokens(tokenizer: Any) -> tuple[str, ...]:
     return tuple(sorted((t for t in named if t), key=lambda t: (-len(t), t)))
 
 
+def _where(problem: Problem) -> str:
+    """How errors name a problem: its file and row, or a generated one's family and level."""
+    return problem.origin or f"{problem.family} level {problem.level}"
+
+
 class Prompter:
     """Prompt token ids of problems for one tokenizer, and completions decoded for rewards."""
 
@@ -72,8 +77,7 @@ class Prompter:
         """The whole rendered prompt."""
         marker = next((t for t in self.specials if t in problem.question), None)
         if marker is not None:
-            where = problem.origin or f"{problem.family} level {problem.level}"
-            raise StageError(f"{where}: the prompt contains {marker!r}, a special token of the tokenizer in use; "
+            raise StageError(f"{_where(problem)}: the prompt contains {marker!r}, a special token of the tokenizer in use; "
                              "task text must not become control tokens")  # fmt: skip
         if self.chat:
             return self._chat_ids(problem.question)
@@ -85,9 +89,8 @@ class Prompter:
         cut to six tokens was " 272?"). `check_lengths` runs first, before any step."""
         ids = self.full(problem)
         if len(ids) > self.limit:
-            where, fix = problem.origin, "shorten the prompt"
-            if not where:  # a generated problem: its level decides its length
-                where = f"{problem.family} level {problem.level}"
+            where, fix = _where(problem), "shorten the prompt"
+            if not problem.origin:  # a generated problem: its level decides its length
                 fix = f"keep the curriculum below level {problem.level} (grpo.curriculum.max_level)"
             raise StageError(f"{where}: its prompt is {len(ids)} tokens{' with the chat template' if self.chat else ''}, "
                              f"more than grpo.max_prompt_len ({self.limit}); raise it or {fix}")  # fmt: skip
