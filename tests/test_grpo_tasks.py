@@ -103,10 +103,10 @@ def tasks_section(root: Path, hub_repo: str | None) -> dict[str, Any]:
     columns = {"prompt": "question", "answer": "solution", "level": "difficulty"}
     return {
         "families": [
-            {"name": "parity", "files": [str(root / "parity.parquet")], "columns": columns, "rewards": weighted},
-            {"name": "remote", "files": [remote], "columns": columns, "rewards": weighted},
+            {"name": "parity", "files": [str(root / "parity.parquet")], "columns": columns, "rewards": weighted,
+             "success_at": 2.5},  # solved: both terms, an i that divides by 6
+            {"name": "remote", "files": [remote], "columns": columns, "rewards": weighted, "success_at": 2.5},
         ],
-        "success_at": 2.5,  # solved: both terms, an i that divides by 6
     }  # fmt: skip
 
 

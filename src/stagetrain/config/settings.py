@@ -608,7 +608,8 @@ class Settings(_Section):
         if builtin and self.tasks.success_at > 1:  # scored by their own verifier, at most 1
             raise StageError(
                 f"tasks.success_at: {self.tasks.success_at:g} is above family {builtin[0]!r}'s largest reward, 1 "
-                "(its own verifier, scoring at most 1): nothing could be solved"
+                "(its own verifier, scoring at most 1): nothing could be solved; set the bar on your own families "
+                "instead (tasks.families[].success_at)"
             )
 
     def _check_positions(self) -> None:
