@@ -36,8 +36,12 @@ def test_publish_pushes_both_models_and_a_card_in_one_commit(
         assert len(commits) == 1  # one commit: a failure half-way cannot leave half a push
         for folder, prefix in (("grpo", ""), ("pretrain", "pretrain/")):
             model = workdir / "results/tiny/model" / folder
-            for path in model.iterdir():
-                assert files[prefix + path.name] == path.read_bytes()
+            listed = [*json.loads((model / "MANIFEST.json").read_text())["files"], "MANIFEST.json"]
+            for name in listed:
+                assert files[prefix + name] == (model / name).read_bytes()
+        assert not [f for f in files if ".snakemake" in f or f.endswith(".log")]
+        # exactly what the manifests list, the card and the repo's own file: no Snakemake marker
+        assert sorted(files) == sorted({*receipt["files"], "notes.txt"})
         assert files["notes.txt"] == b"kept\n"
         card = files["README.md"].decode()
         assert "library_name: transformers" in card and "stagetrain" in card

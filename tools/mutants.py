@@ -41,6 +41,7 @@ SHARED = (
     "tests/test_grpo_sampling.py::test_completions_scored_over_their_shared_prompt_match_whole_rows"
 )
 TASKS = "tests/test_task_families.py::"
+PUSH = "tests/test_publish_push.py::"
 EP_GRPO = (
     "tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep"
 )
@@ -358,6 +359,30 @@ MUTANTS = (
     Mutant("publish-gpu-layouts-only", "a run on CPU ranks publishes no layout table",
            "src/stagetrain/publish/push.py", "    if plan[\"device\"] == CPU:\n        return {}\n", "",
            ("tests/test_publish.py::test_publish_pushes_both_models_and_a_card_in_one_commit",)),
+    Mutant("publish-only-listed-files", "publish pushes what MANIFEST.json lists, not whatever is in the folder (no Snakemake marker)",
+           "src/stagetrain/publish/push.py", "for f in listed_files(Path(folder))]", "for f in sorted(Path(folder).iterdir()) if f.is_file()]",
+           (PUSH + "test_a_folder_leaves_as_its_manifest_lists_it_and_no_marker",)),
+    Mutant("publish-refuses-unlisted", "a file MANIFEST.json does not list refuses the push, naming it",
+           "src/stagetrain/publish/push.py", '("not in MANIFEST.json", sorted(n for n, p in present.items()',
+           '("not in MANIFEST.json", sorted(n for n, p in {}.items()',
+           (PUSH + "test_a_folder_not_as_its_manifest_says_is_refused_in_one_line",)),
+    Mutant("publish-refuses-symlinks", "a symlink in a model folder (its target could be a secret) refuses the push",
+           "src/stagetrain/publish/push.py", '("symlinks", sorted(n for n, p in present.items() if p.is_symlink())),',
+           '("symlinks", []),',
+           (PUSH + "test_a_folder_not_as_its_manifest_says_is_refused_in_one_line",)),
+    Mutant("publish-rehashes", "every listed file is hashed again against MANIFEST.json before it is pushed",
+           "src/stagetrain/publish/push.py", 'return hashlib.file_digest(handle, "sha256").hexdigest() == entry.get("sha256")',
+           "return True",
+           (PUSH + "test_a_folder_not_as_its_manifest_says_is_refused_in_one_line",)),
+    Mutant("publish-deadline", "a push to a hub that never answers ends within STAGETRAIN_HUB_PUSH_TIMEOUT_S",
+           "src/stagetrain/publish/push.py", "with deadline(where):", 'with __import__("contextlib").nullcontext():',
+           (PUSH + "test_a_hub_that_never_answers_fails_within_the_push_deadline",)),
+    Mutant("publish-unreachable-one-line", "a hub that cannot be reached during a push is one line, not a traceback",
+           "src/stagetrain/hub.py", "    except _http().RequestError as err:  # refused", "    except _GiveUp as err:  # refused",
+           (PUSH + "test_an_unreachable_hub_is_one_line",)),
+    Mutant("publish-table-is-an-object", "a repo's layout table that is not a JSON object is one line, not a traceback",
+           "src/stagetrain/publish/push.py", "    if not isinstance(existing, dict):\n", "    if False:\n",
+           (PUSH + "test_a_layout_table_that_is_not_a_json_object_is_one_line",)),
     Mutant("estimates-out-of-parts", "a forced detection that keeps a stage's layout does not rerun the stage",
            "src/stagetrain/planning/derived.py", "if k not in ESTIMATES}", "}",
            ("tests/test_precision.py::test_a_remeasured_machine_that_keeps_the_layouts_keeps_every_plan_part",)),

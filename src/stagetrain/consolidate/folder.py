@@ -50,7 +50,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from stagetrain.config.settings import ConsolidateSettings
-from stagetrain.consolidate.manifest import FiniteCheck, LossCheck, Manifest
+from stagetrain.consolidate.manifest import MANIFEST, FiniteCheck, LossCheck, Manifest
 from stagetrain.consolidate.stored import Reader, Region, Stored
 from stagetrain.consolidate.weights import read_weights
 from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size, write_shards
@@ -65,7 +65,6 @@ from stagetrain.training.summary import EvalBatch, StageSummary
 
 log = logging.getLogger("stagetrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MANIFEST = "MANIFEST.json"
 
 
 def tolerance(output: str, trained: str) -> float:
