@@ -63,6 +63,18 @@ def test_publish_pushes_both_models_and_a_card_in_one_commit(
         assert not (workdir / "results/tiny/publish.json").exists()
 
 
+def test_publish_without_a_repo_fails_the_dry_run_in_one_line(workdir: Path) -> None:
+    """Decided as the DAG is built: no job runs (a fresh workflow, nothing detected yet)."""
+    proc = snakemake(workdir, "-n", "publish", check=False, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()]
+    assert errors == [
+        "error: publish.repo: expected the hub repo to push to (namespace/name); none is set, "
+        "so the publish target cannot run"
+    ]
+    assert "Traceback" not in proc.stderr and not (workdir / "results").exists()
+
+
 PUSH = """
 import json, sys
 from pathlib import Path

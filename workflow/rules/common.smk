@@ -106,6 +106,18 @@ def code_of(script):
     return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root, STATE / "stagetrain-imports")
 
 
+def publish_repo(wildcards):
+    """No file: the first input of `publish`. Snakemake evaluates it as it builds the DAG, on a
+    dry run (-n) too, so `snakemake publish` without `publish.repo` stops here in one line instead
+    of running the whole pipeline first and refusing at the end."""
+    if SETTINGS.publish.repo is None:
+        sys.exit(
+            "error: publish.repo: expected the hub repo to push to (namespace/name); none is "
+            "set, so the publish target cannot run"
+        )
+    return []
+
+
 def after_detection(wildcards):
     """No file: the first input of every job after detect_hardware, a checkpoint. Each is built
     again once hardware.json is written: its params and resources that need the plan are known

@@ -3,6 +3,7 @@
 # login nodes reach the hub, compute nodes often do not.
 rule publish:
     input:
+        publish_repo,
         after_detection,
         models=expand(f"{RUN}/model/{{stage}}", stage=TRAINING_STAGES),
         summaries=expand(f"{RUN}/{{stage}}/summary.json", stage=TRAINING_STAGES),
