@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -18,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain.config.settings import ConsolidateSettings
+from stagetrain.consolidate import folder as folder_module
+from stagetrain.consolidate import writer
 from stagetrain.consolidate.folder import (
     DTYPES,
     MANIFEST,
@@ -300,6 +303,55 @@ def test_a_loss_that_does_not_match_fails_and_writes_nothing(
     with pytest.raises(StageError, match="validation loss .* differs from .* nothing was written"):
         _consolidate(data, summary, tmp_path / "model")
     assert not (tmp_path / "model").exists() and not (tmp_path / ".model.tmp").exists()
+
+
+class _FullDisk:
+    """A shard file on a disk that fills after `room` bytes: what fits is written, then ENOSPC."""
+
+    def __init__(self, path: Path, mode: str, room: int = 4096) -> None:
+        self.path, self.handle, self.room = path, open(path, mode), room  # noqa: SIM115
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.handle.write(view[: self.room])
+        if len(view) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        self.room -= len(view)
+        return len(view)
+
+    def __enter__(self) -> _FullDisk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+@pytest.mark.parametrize("where", ["shard", "manifest"])
+def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(
+    data: dict[str, str],
+    runs: SharedRuns,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """ENOSPC in the middle of a shard, or at the atomic writer of MANIFEST.json (the last file)."""
+    if where == "shard":
+        monkeypatch.setattr(writer, "open", _FullDisk, raising=False)
+        name = "model-00001-of-00001.safetensors"
+    else:
+
+        def full(path: Path, obj: Any) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        monkeypatch.setattr(folder_module, "atomic_write_json", full)
+        name = MANIFEST
+    with pytest.raises(StageError) as err:
+        _consolidate(data, runs["zero0"], tmp_path / "model")
+    assert str(err.value) == (
+        f"{tmp_path / 'model'}: could not write the consolidated folder ({name}): No space left "
+        "on device; nothing was written (free space there and rerun consolidate)"
+    )
+    assert _nothing_written(tmp_path)
 
 
 def _edit_zero0_weights(

@@ -122,11 +122,10 @@ def consolidate(
 ) -> Manifest:
     """Write the Hugging Face folder `out` for the stage's final checkpoint; return its manifest.
 
-    `cfg` is the config's consolidate section. `on_phase`, if given, is called with
-    "convert", "verify" and "describe" as each phase ends:
-    benchmarks/consolidate_speed.py measures each phase's time, memory and reads
-    through it.
-    """
+    `cfg` is the config's consolidate section. `on_phase`, if given, is called with "convert",
+    "verify" and "describe" as each phase ends (benchmarks/consolidate_speed.py measures each
+    phase's time, memory and reads through it). A write the filesystem refuses (a full disk) is
+    one StageError naming the folder, and nothing is left."""
     summary: StageSummary = read_json(summary_path)
     meta: TokenizerMeta = read_json(meta_path)
     checkpoint = summary["checkpoint"]
@@ -151,9 +150,7 @@ def consolidate(
     try:
         start = time.perf_counter()
         _write(tmp, config, dtype, dtypes, tokenizer_dir, names, shapes, weights, cfg, source)
-        log.info(
-            "wrote %d tensors from %s in %.1f s", len(names), source, time.perf_counter() - start
-        )
+        log.info("wrote %d tensors from %s in %.1f s", len(names), source, time.perf_counter() - start)  # fmt: skip
         phase("convert")
         if cfg.verify == "loss":
             verification: LossCheck | FiniteCheck = _verify_loss(
@@ -166,10 +163,22 @@ def consolidate(
         phase("describe")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno is not None:  # a full disk, a quota, read-only
+            raise StageError(_write_failed(target, err)) from None
         raise
     return manifest
+
+
+def _write_failed(target: Path, err: OSError) -> str:
+    """The one line for a folder the filesystem would not take (ENOSPC and the like): the folder,
+    the file and the system's reason; the temporary folder is already gone."""
+    where = f" ({Path(err.filename).name})" if err.filename else ""
+    return (
+        f"{target}: could not write the consolidated folder{where}: {err.strerror or err}; "
+        "nothing was written (free space there and rerun consolidate)"
+    )
 
 
 def _check_reference(stage: str, summary: StageSummary) -> None:
