@@ -16,7 +16,7 @@ from harness.checkpoints import Crafted, truncate
 from harness.contracts import mismatches
 from harness.training import SharedRuns, final_params
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.consolidate import folder as folder_module
@@ -32,6 +32,8 @@ from stagetrain.consolidate.folder import (
 )
 from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
 from stagetrain.errors import StageError
+from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+from stagetrain.tasks.prompts import Prompter
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.integrity import expected_files, safe_globals, weights_only_loads
 
@@ -217,6 +219,41 @@ def test_the_folder_loads_with_transformers_and_reproduces_the_loss(
     manifest = json.loads((folder / MANIFEST).read_text())
     assert set(manifest["files"]) == {p.name for p in folder.iterdir() if p.name != MANIFEST}
     assert {"torch", "deepspeed", "transformers"} == set(manifest["versions"])
+
+
+def test_a_plain_generate_stops_where_the_pipelines_sampler_does(
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
+) -> None:
+    """generation_config.json ends a completion at eos and at the next problem's marker, the
+    sampler's stops: transformers' own `generate`, forced to begin a new problem, stops there."""
+    _consolidate(data, runs["zero0"], tmp_path / "model")
+    folder = tmp_path / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    marker = tokenizer.convert_tokens_to_ids(PROBLEM_TOKEN)
+    assert marker not in (None, tokenizer.unk_token_id)
+    assert model.generation_config.eos_token_id == [tokenizer.eos_token_id, marker]
+    assert (
+        set(model.generation_config.eos_token_id)
+        == Prompter(tokenizer, chat_template=False, limit=64).stops
+    )
+
+    class NewProblemAt(LogitsProcessor):  # the model goes on to a new problem at its 3rd token
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if ids.shape[1] == prompt_len + 2:
+                scores[:, :] = -math.inf
+                scores[:, marker] = 0.0
+            else:
+                scores[:, list(model.generation_config.eos_token_id)] = -math.inf
+            return scores
+
+    ids = tokenizer(
+        f"{PROBLEM_TOKEN}12+34{ANSWER_TOKEN}", add_special_tokens=False, return_tensors="pt"
+    )
+    prompt_len = ids["input_ids"].shape[1]
+    out = model.generate(**ids, do_sample=False, max_new_tokens=20,
+                         logits_processor=LogitsProcessorList([NewProblemAt()]))  # fmt: skip
+    assert out[0, prompt_len:].tolist()[-1] == marker and out.shape[1] == prompt_len + 3
 
 
 def test_autotp_slices_are_gathered(data: dict[str, str], runs: SharedRuns, tmp_path: Path) -> None:

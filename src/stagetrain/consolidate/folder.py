@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.consolidate.manifest import MANIFEST, FiniteCheck, LossCheck, Manifest
@@ -59,6 +59,7 @@ from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
 from stagetrain.planning.plan import verifies_on_gpu
+from stagetrain.tasks.prompts import stop_ids
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.evaluation import validation_loss
 from stagetrain.training.summary import EvalBatch, StageSummary
@@ -210,10 +211,9 @@ def _write(tmp: Path, config: PretrainedConfig, dtype: torch.dtype, dtypes: Mapp
            weights: Mapping[str, Stored], cfg: ConsolidateSettings, source: str) -> None:  # fmt: skip
     config.dtype = dtype
     config.save_pretrained(tmp)
+    stops = stop_ids(AutoTokenizer.from_pretrained(tokenizer_dir))  # where the sampler stops
     GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=stops, pad_token_id=config.pad_token_id
     ).save_pretrained(tmp)
     for path in sorted(Path(tokenizer_dir).iterdir()):
         if path.is_file() and not path.name.startswith("."):
