@@ -76,12 +76,14 @@ def test_publish_without_a_repo_fails_the_dry_run_in_one_line(workdir: Path) -> 
 
 
 PUSH = """
-import json, sys
+import hashlib, json, sys
 from pathlib import Path
 from stagetrain.publish.push import measured_layouts, push
 folder = Path(sys.argv[1])
 folder.mkdir()
 (folder / "config.json").write_text("{}")
+listed = {"config.json": {"sha256": hashlib.sha256(b"{}").hexdigest(), "bytes": 2}}
+(folder / "MANIFEST.json").write_text(json.dumps({"files": listed}))
 plan = {"device": "H100", "world": 8}
 summary = {"layout": {"dp": 8, "tp": 1, "micro_batch_size": 4}}
 receipt = push(repo="me/tables", revision="main", private=False, models={"grpo": folder},
