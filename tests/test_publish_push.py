@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from harness.hub import DEFAULT_TOKEN, closed_port, commit_sha, hub_call, serve_hub, silent_hub
 
+from stagetrain.publish.card import source_line
+
 REPO = "me/tiny-model"
 FILES = {"config.json": b"{}\n", "model-00001-of-00001.safetensors": b"weights" * 100}
 PUSH = """
@@ -32,7 +34,7 @@ else:
 GPU_LAYOUT = {"H100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 4}}}
 
 
-def model_folder(root: Path) -> Path:
+def model_folder(root: Path, listed: dict[str, bytes] = FILES) -> Path:
     """A consolidated folder as consolidate leaves it: the files, their MANIFEST.json, and the
     timestamp Snakemake writes into a directory output."""
     folder = root / "model"
@@ -55,12 +57,14 @@ def pushed(tmp_path: Path, endpoint: str, folder: Path, layouts: object = None,
 
 
 def test_a_folder_leaves_as_its_manifest_lists_it_and_no_marker(tmp_path: Path) -> None:
-    folder = model_folder(tmp_path)
+    """The GRPO folder's own README.md (listed) gives way to the run's card at the root."""
+    folder = model_folder(tmp_path, {**FILES, "README.md": b"the folder's own card"})
     with serve_hub({}) as hub:
         receipt = pushed(tmp_path, hub.endpoint, folder)
         _, files = hub.repos[REPO]["main"]
     assert sorted(files) == sorted([*FILES, "MANIFEST.json", "README.md"]) == receipt["files"]
     assert all(files[n] == d for n, d in FILES.items())
+    assert files["README.md"] == b"---\nlicense: mit\n---\n"
 
 
 @pytest.mark.parametrize(
@@ -140,3 +144,20 @@ def test_a_layout_table_that_is_not_a_json_object_is_one_line(
         f"publish: pushing to {REPO}@main failed, the repo is as it was: its parallelism_data.json {reason}"
     )
     assert "\n" not in result["error"]
+
+
+def test_the_card_names_each_corpus_source_by_its_files_weight_and_tokens() -> None:
+    """Not "1 local file(s)": each file by name (a hub source at its commit), weight, tokens."""
+    files = {"name": "files.0", "weight": 0.25, "train_tokens": 11651, "val_tokens": 0, "train_documents": 3,
+             "val_documents": 0, "record": {"kind": "files", "path": "data/*.txt", "weight": 0.25,
+                                            "text_field": "text", "files": ["data/a.txt", "data/b.txt"]}}  # fmt: skip
+    hub = {**files, "weight": 0.75, "train_tokens": 1200,
+           "record": {"kind": "hub", "repo": "org/corpus", "files": ["train.jsonl"], "revision": "main",
+                      "weight": 0.75, "text_field": "text", "commit": "c" * 40}}  # fmt: skip
+    assert (
+        source_line(files)
+        == "local files `data/a.txt`, `data/b.txt`: weight 0.25, 11,651 training tokens"
+    )
+    assert source_line(hub) == (
+        f"`org/corpus` at commit `{'c' * 40}` (`train.jsonl`): weight 0.75, 1,200 training tokens"
+    )

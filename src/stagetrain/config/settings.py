@@ -471,6 +471,7 @@ class PublishSettings(_Section):
     repo: str | None
     revision: str
     private: bool
+    license: str | None
 
 
 TrainingSettings = PretrainSettings | GrpoSettings

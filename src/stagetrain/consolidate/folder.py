@@ -57,8 +57,9 @@ from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size,
 from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
-from stagetrain.io import atomic_write_json, read_json
+from stagetrain.io import atomic_write_json, atomic_write_text, read_json
 from stagetrain.planning.plan import verifies_on_gpu
+from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
 from stagetrain.tasks.prompts import stop_ids
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.evaluation import validation_loss
@@ -379,7 +380,9 @@ def _shard_tensors(path: Path, stage: str, dtypes: Mapping[str, torch.dtype]) ->
 
 def _describe(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
               cfg: ConsolidateSettings, verification: LossCheck | FiniteCheck) -> Manifest:  # fmt: skip
-    """MANIFEST.json: what was consolidated, how it was verified, and every file's sha256."""
+    """README.md (`folder_card`), then MANIFEST.json: what was consolidated, how it was verified,
+    and every file's sha256, the card's too."""
+    atomic_write_text(tmp / "README.md", folder_card(stage, summary, cfg, verification))
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     manifest: Manifest = {
         "stage": stage,
@@ -401,3 +404,27 @@ def _describe(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
     }
     atomic_write_json(tmp / MANIFEST, manifest)
     return manifest
+
+
+def folder_card(stage: str, summary: StageSummary, cfg: ConsolidateSettings,
+                verification: LossCheck | FiniteCheck) -> str:  # fmt: skip
+    """The folder's own model card: what it holds, how it was checked, how to load and prompt it
+    (the pipeline's markup; generate stops where its sampler does). `publish` puts the run's full
+    card at the repo's root in place of the GRPO folder's."""
+    checked = (
+        f"its validation loss {verification['eval_loss']:.6f} reproduces the training's "
+        f"{verification['training_eval_loss']:.6f}"
+        if verification["method"] == "loss"
+        else f"{verification['tensors']} tensors read back, all finite"
+    )
+    return "\n".join([
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- stagetrain", "---", "",
+        f"# stagetrain {stage} model", "",
+        f"The {stage} stage's checkpoint `{summary['checkpoint']['tag']}` (step {summary['final_step']}) as a "
+        f"Hugging Face folder in {cfg.dtype}; verified: {checked}. MANIFEST.json holds every file's sha256.", "",
+        "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        "tokenizer = AutoTokenizer.from_pretrained(folder)", "model = AutoModelForCausalLM.from_pretrained(folder)",
+        f'ids = tokenizer("{PROBLEM_TOKEN}12+34{ANSWER_TOKEN}", add_special_tokens=False, return_tensors="pt")',
+        "out = model.generate(**ids, max_new_tokens=64, do_sample=False)  # stops at eos or a new problem",
+        'print(tokenizer.decode(out[0, ids["input_ids"].shape[1]:]))', "```", "",
+    ])  # fmt: skip

@@ -2,9 +2,8 @@
 pushed to a hub repo in one commit.
 
 What a run hands back to the hub: the GRPO model at the repo's root (the pipeline's product) and
-the pretrained one under `pretrain/`; a model card (huggingface_hub's `ModelCard`) that says how
-they were made, from the run's own records (the start, the data with its hub commits, the plan,
-steps and tokens, the hardware, the held-out accuracy before and after GRPO); and
+the pretrained one under `pretrain/`; a model card (`publish.card`: how to use them and how they
+were made, from the run's own records) in place of the GRPO folder's own README.md; and
 `parallelism_data.json`, Psyche's table (GPU key -> GPU count -> {dp, tp, micro_batch_size}),
 with the layout this run trained with merged over the entries the repo already has, so that the
 next run planned on the same GPUs (`parallelism.table_repo`) starts from a layout that ran. Only
@@ -31,21 +30,14 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
-from stagetrain.config.inputs import looks_local
-from stagetrain.config.settings import ModelSettings
 from stagetrain.consolidate.manifest import MANIFEST
-from stagetrain.corpus.meta import SourceShare, TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.hub import HubError, deadline
 from stagetrain.io import read_json
 from stagetrain.planning.plan import LayoutRecord, PlanRecord, TableEntry
 from stagetrain.planning.table import Table
-
-if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
-    from stagetrain.grpo.summary import GrpoSummary
-    from stagetrain.pretrain.summary import PretrainSummary
 
 log = logging.getLogger("stagetrain")
 
@@ -86,83 +78,6 @@ def merged(existing: Mapping[str, Any], ours: Table) -> Table:
     for gpu, counts in ours.items():
         out.setdefault(gpu, {}).update(counts)
     return out
-
-
-def card_text(*, run: str, model: ModelSettings, plan: PlanRecord, meta: TokenizerMeta,
-              pretrain: PretrainSummary, grpo: GrpoSummary, repo: str) -> str:  # fmt: skip
-    """The model card (README.md): metadata for the hub, then how the models were made."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    start = model.init_from
-    datasets = sorted(
-        {s["record"]["repo"] for s in meta["sources"] if s["record"]["kind"] == "hub"}
-    )
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=["stagetrain", "grpo"],
-                         base_model=start if start and not looks_local(start) else None, datasets=datasets or None)  # fmt: skip
-    shape = plan["model"]
-    lines = [
-        f"# {repo.split('/')[-1]}",
-        "",
-        f"Trained with stagetrain (run `{run}`): pretraining, then curriculum GRPO on verifiable tasks. "
-        "The GRPO model is at the root of this repo; the pretrained one under `pretrain/`.",
-        "",
-        "## Model",
-        "",
-        f"- Start: {f'`{start}`' if start else 'from scratch'}; {model.architecture}, "
-        f"{shape['params'] / 1e6:.2f}M parameters ({shape['active_params'] / 1e6:.2f}M active), "
-        f"{shape['num_layers']} layers, hidden {shape['hidden_size']}.",
-        "",
-        "## Data",
-        "",
-        *(f"- {_source(s)}" for s in meta["sources"]),
-        "",
-        "## Training",
-        "",
-        f"- Hardware: {plan['world']} x {plan['device']} on {plan['nodes']} node(s), {plan['precision']}.",
-    ]
-    summaries: tuple[tuple[str, PretrainSummary | GrpoSummary], ...] = (
-        ("pretrain", pretrain),
-        ("grpo", grpo),
-    )
-    for stage, summary in summaries:
-        lay = summary["layout"]
-        tokens = (
-            summary["final_step"] * lay["global_batch"] * lay["seq_len"]
-            if stage == "pretrain"
-            else None
-        )
-        lines.append(
-            f"- {stage}: {summary['final_step']} steps, dp={lay['dp']} tp={lay['tp']}"
-            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''} ZeRO-{lay['zero_stage']} "
-            f"micro batch {lay['micro_batch_size']} x {lay['grad_accum']} accumulation"
-            + (f", {tokens:,} tokens" if tokens else "")
-        )
-    gain = grpo["accuracy"]["gain"]  # None when the metrics lost the step-0 evaluation
-    if gain:
-        lines += ["", "## Held-out accuracy", "",
-                  "Greedy, on problems no stage trained on, before and after GRPO:", "",
-                  "| family | level | before | after | gain | se |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        for family, levels in gain["by_family"].items():
-            for level, e in levels.items():
-                lines.append(
-                    f"| {family} | {level} | {e['start']:.3f} | {e['end']:.3f} | {e['gain']:+.3f} | {e['se']:.3f} |"
-                )
-    body = "\n".join(lines) + "\n"
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
-
-
-def _source(source: SourceShare) -> str:
-    """One corpus source of data/meta.json as the card lists it, with its hub commit."""
-    record = source["record"]
-    if record["kind"] == "generated":
-        what = f"generated task problems ({', '.join(record['families'])})"
-    elif record["kind"] == "files":
-        what = f"{len(record['files'])} local file(s)"
-    elif record["kind"] == "hub":
-        what = f"`{record['repo']}` at commit `{record['commit']}`"
-    else:  # a kind this version does not write
-        what = source["name"]
-    return f"{what}: {source['train_tokens']:,} training tokens"
 
 
 def listed_files(folder: Path) -> list[Path]:
@@ -228,7 +143,8 @@ def push(*, repo: str, revision: str, private: bool, models: Mapping[str, Path],
     for stage, folder in models.items():
         prefix = "" if stage == "grpo" else f"{stage}/"
         operations += [CommitOperationAdd(path_in_repo=f"{prefix}{f.name}", path_or_fileobj=str(f))
-                       for f in listed_files(Path(folder))]  # fmt: skip
+                       for f in listed_files(Path(folder))
+                       if f"{prefix}{f.name}" != "README.md"]  # the root's card is the run's  # fmt: skip
     where = f"publish: pushing to {repo}@{revision} failed, the repo is as it was"
     api = HfApi()
     try:
