@@ -1,7 +1,9 @@
 import collections
 import functools
+import glob
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -83,8 +85,10 @@ REPORT_ONLY = any(a == "--report" or a.startswith("--report=") for a in sys.argv
 
 
 def reported(path, **options):
-    """`report(path, ...)`, except while writing a report of a run that did not make `path`."""
-    if REPORT_ONLY and not Path(path).exists():
+    """`report(path, ...)`, except while writing a report of a run that did not make `path`. A
+    pattern (`evaluate/{stage}.tsv`) is made when a file it matches exists: tested as a name, it
+    never was, and the evaluation table never reached the report."""
+    if REPORT_ONLY and not glob.glob(re.sub(r"\{[^{}]*\}", "*", path)):
         return path
     return report(path, **options)
 
