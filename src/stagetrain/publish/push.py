@@ -167,6 +167,8 @@ def push(*, repo: str, revision: str, private: bool, models: Mapping[str, Path],
 
 
 def _hub_errors() -> type[Exception]:
+    """The hub's refusals (HTTP errors), imported only when a push fails: publishing's imports
+    stay light until it talks to the hub."""
     from huggingface_hub.errors import HfHubHTTPError
 
     return HfHubHTTPError
