@@ -287,3 +287,21 @@ def test_a_report_after_a_run_that_stopped_before_grpo_shows_what_exists(
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (finished_copy / "report.html").read_text()
     assert "filename=loss.png;base64," in report and "filename=reward.png" not in report
+
+
+def test_a_report_after_evaluate_shows_the_evaluation_tables(finished_copy: Path) -> None:
+    """`snakemake --report report.zip evaluate` after the `evaluate` target: each stage's table is
+    in the report, as the rule marks it (a pattern that `reported` once tested as a file name,
+    which never existed, so the tables never were)."""
+    edit_config(finished_copy, "evaluate", problems=8, levels=[1])
+    snakemake(finished_copy, "evaluate")
+    proc = subprocess.run([SNAKEMAKE, "--report", "report.html", "evaluate"], cwd=finished_copy,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (finished_copy / "report.html").read_text()
+    for stage in ("pretrain", "grpo"):
+        table = (finished_copy / f"results/tiny/evaluate/{stage}.tsv").read_bytes()
+        embedded = re.search(rf'filename={stage}\.tsv;base64,([A-Za-z0-9+/=]+)"', report)
+        assert embedded, f"evaluate/{stage}.tsv is not in the report"
+        assert base64.b64decode(embedded.group(1)) == table
+    assert "filename=loss.png;base64," in report and "filename=reward.png;base64," in report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -15,9 +16,11 @@ from harness.checkpoints import Crafted, truncate
 from harness.contracts import mismatches
 from harness.training import SharedRuns, final_params
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from stagetrain.config.settings import ConsolidateSettings
+from stagetrain.consolidate import folder as folder_module
+from stagetrain.consolidate import writer
 from stagetrain.consolidate.folder import (
     DTYPES,
     MANIFEST,
@@ -29,6 +32,8 @@ from stagetrain.consolidate.folder import (
 )
 from stagetrain.consolidate.writer import INDEX, parse_size, plan_shards
 from stagetrain.errors import StageError
+from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+from stagetrain.tasks.prompts import Prompter
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.integrity import expected_files, safe_globals, weights_only_loads
 
@@ -216,6 +221,41 @@ def test_the_folder_loads_with_transformers_and_reproduces_the_loss(
     assert {"torch", "deepspeed", "transformers"} == set(manifest["versions"])
 
 
+def test_a_plain_generate_stops_where_the_pipelines_sampler_does(
+    data: dict[str, str], runs: SharedRuns, tmp_path: Path
+) -> None:
+    """generation_config.json ends a completion at eos and at the next problem's marker, the
+    sampler's stops: transformers' own `generate`, forced to begin a new problem, stops there."""
+    _consolidate(data, runs["zero0"], tmp_path / "model")
+    folder = tmp_path / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    marker = tokenizer.convert_tokens_to_ids(PROBLEM_TOKEN)
+    assert marker not in (None, tokenizer.unk_token_id)
+    assert model.generation_config.eos_token_id == [tokenizer.eos_token_id, marker]
+    assert (
+        set(model.generation_config.eos_token_id)
+        == Prompter(tokenizer, chat_template=False, limit=64).stops
+    )
+
+    class NewProblemAt(LogitsProcessor):  # the model goes on to a new problem at its 3rd token
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if ids.shape[1] == prompt_len + 2:
+                scores[:, :] = -math.inf
+                scores[:, marker] = 0.0
+            else:
+                scores[:, list(model.generation_config.eos_token_id)] = -math.inf
+            return scores
+
+    ids = tokenizer(
+        f"{PROBLEM_TOKEN}12+34{ANSWER_TOKEN}", add_special_tokens=False, return_tensors="pt"
+    )
+    prompt_len = ids["input_ids"].shape[1]
+    out = model.generate(**ids, do_sample=False, max_new_tokens=20,
+                         logits_processor=LogitsProcessorList([NewProblemAt()]))  # fmt: skip
+    assert out[0, prompt_len:].tolist()[-1] == marker and out.shape[1] == prompt_len + 3
+
+
 def test_autotp_slices_are_gathered(data: dict[str, str], runs: SharedRuns, tmp_path: Path) -> None:
     """tp=2 files hold halves of the split layers; the folder holds whole tensors that reproduce the loss."""
     manifest = _consolidate(data, runs["tp2"], tmp_path / "model")
@@ -300,6 +340,55 @@ def test_a_loss_that_does_not_match_fails_and_writes_nothing(
     with pytest.raises(StageError, match="validation loss .* differs from .* nothing was written"):
         _consolidate(data, summary, tmp_path / "model")
     assert not (tmp_path / "model").exists() and not (tmp_path / ".model.tmp").exists()
+
+
+class _FullDisk:
+    """A shard file on a disk that fills after `room` bytes: what fits is written, then ENOSPC."""
+
+    def __init__(self, path: Path, mode: str, room: int = 4096) -> None:
+        self.path, self.handle, self.room = path, open(path, mode), room  # noqa: SIM115
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.handle.write(view[: self.room])
+        if len(view) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        self.room -= len(view)
+        return len(view)
+
+    def __enter__(self) -> _FullDisk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+@pytest.mark.parametrize("where", ["shard", "manifest"])
+def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(
+    data: dict[str, str],
+    runs: SharedRuns,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """ENOSPC in the middle of a shard, or at the atomic writer of MANIFEST.json (the last file)."""
+    if where == "shard":
+        monkeypatch.setattr(writer, "open", _FullDisk, raising=False)
+        name = "model-00001-of-00001.safetensors"
+    else:
+
+        def full(path: Path, obj: Any) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        monkeypatch.setattr(folder_module, "atomic_write_json", full)
+        name = MANIFEST
+    with pytest.raises(StageError) as err:
+        _consolidate(data, runs["zero0"], tmp_path / "model")
+    assert str(err.value) == (
+        f"{tmp_path / 'model'}: could not write the consolidated folder ({name}): No space left "
+        "on device; nothing was written (free space there and rerun consolidate)"
+    )
+    assert _nothing_written(tmp_path)
 
 
 def _edit_zero0_weights(

@@ -12,6 +12,9 @@ from harness.configs import edit_config
 from harness.hub import DEFAULT_TOKEN, commit_sha, hub_call, serve_hub
 from harness.workflow import snakemake
 
+from stagetrain.config import validation as stconfig
+from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+
 pytestmark = pytest.mark.slow
 REPO = "me/tiny-model"
 OTHER_GPU = {"A100-80GB": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 2}}}
@@ -27,7 +30,14 @@ def test_publish_pushes_both_models_and_a_card_in_one_commit(
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
         monkeypatch.setenv("HF_TOKEN", DEFAULT_TOKEN)
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        edit_config(workdir, "publish", repo=REPO)
+        edit_config(workdir, "publish", repo=REPO, license="mit")
+        evaluation = {
+            "accuracy": {
+                "comparison": {"1": {"accuracy": 0.625, "se": 0.05, "problems": 40, "distinct": 40}}
+            }
+        }
+        (workdir / "results/tiny/evaluate").mkdir()  # as the `evaluate` target leaves it
+        (workdir / "results/tiny/evaluate/grpo.json").write_text(json.dumps(evaluation))
         proc = snakemake(workdir, "publish")
         receipt = json.loads((workdir / "results/tiny/publish.json").read_text())
         sha, files = hub.repos[REPO]["main"]
@@ -36,12 +46,22 @@ def test_publish_pushes_both_models_and_a_card_in_one_commit(
         assert len(commits) == 1  # one commit: a failure half-way cannot leave half a push
         for folder, prefix in (("grpo", ""), ("pretrain", "pretrain/")):
             model = workdir / "results/tiny/model" / folder
-            for path in model.iterdir():
-                assert files[prefix + path.name] == path.read_bytes()
+            listed = [*json.loads((model / "MANIFEST.json").read_text())["files"], "MANIFEST.json"]
+            for name in listed:  # the GRPO folder's own card gives way to the run's at the root
+                if prefix + name != "README.md":
+                    assert files[prefix + name] == (model / name).read_bytes()
+            assert "README.md" in listed  # the folder's own card, in its manifest
+            stops = json.loads(files[prefix + "generation_config.json"])["eos_token_id"]
+            assert isinstance(stops, list) and len(stops) == 2  # eos and the next problem's marker
+        assert not [f for f in files if ".snakemake" in f or f.endswith(".log")]
+        # exactly what the manifests list, the card and the repo's own file: no Snakemake marker
+        assert sorted(files) == sorted({*receipt["files"], "notes.txt"})
         assert files["notes.txt"] == b"kept\n"
         card = files["README.md"].decode()
         assert "library_name: transformers" in card and "stagetrain" in card
         assert "| comparison | 1 |" in card  # the held-out accuracy before and after GRPO
+        assert_card_tells_the_run(card, workdir)
+        assert "| grpo | comparison | 1 | 0.625 | 0.050 | 40 |" in card  # the evaluate target's
         # On CPU ranks no GPU layout was measured: no table, and the log says so.
         assert "parallelism_data.json" not in files and receipt["table"] is None
         assert "measures no GPU layout" in proc.stdout + proc.stderr
@@ -59,13 +79,58 @@ def test_publish_pushes_both_models_and_a_card_in_one_commit(
         assert not (workdir / "results/tiny/publish.json").exists()
 
 
+def assert_card_tells_the_run(card: str, workdir: Path) -> None:
+    """Every item the card owes, checked against the run's own files: the license, the usage
+    (both models, the prompt markup), each corpus source's files, weight and tokens, each
+    curriculum family and the level it reached, the GRPO settings and the tokens generated."""
+    results = workdir / "results/tiny"
+    config = stconfig.load(workdir / "config/config.yaml")
+    grpo, summary = config["grpo"], json.loads((results / "grpo/summary.json").read_text())
+    assert "license: mit" in card.split("---")[1]
+    assert 'from_pretrained(repo, subfolder="pretrain")' in card and "from_pretrained(repo)" in card
+    assert f"{PROBLEM_TOKEN}12+34{ANSWER_TOKEN}" in card
+    assert "Prompts are the pipeline's own markup" in card  # its trained tokenizer has no template
+    for source in json.loads((results / "data/meta.json").read_text())["sources"]:
+        line = next(
+            x
+            for x in card.splitlines()
+            if x.startswith("- ") and f"{source['train_tokens']:,} training tokens" in x
+        )
+        assert f"weight {source['weight']:g}" in line
+        assert all(
+            f"`{f}`" in line for f in source["record"].get("files", []) if isinstance(f, str)
+        )
+    for family in grpo["curriculum"]["families"]:
+        assert f"| {family} | " in card and f" | {summary['curriculum'][family]['level']} |" in card
+    generated = sum(json.loads(x).get("rollout/generated_tokens", 0)
+                    for x in (results / "grpo/metrics.jsonl").read_text().splitlines() if x.strip())  # fmt: skip
+    assert generated > 0
+    assert (f"loss `{grpo['loss_type']}`, group size {grpo['group_size']}, KL coefficient {grpo['kl_coef']:g}, "
+            f"{grpo['prompts_per_step']} prompts per step, {summary['final_step']} steps") in card  # fmt: skip
+    assert f"completion tokens generated: {generated:,}." in card
+
+
+def test_publish_without_a_repo_fails_the_dry_run_in_one_line(workdir: Path) -> None:
+    """Decided as the DAG is built: no job runs (a fresh workflow, nothing detected yet)."""
+    proc = snakemake(workdir, "-n", "publish", check=False, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()]
+    assert errors == [
+        "error: publish.repo: expected the hub repo to push to (namespace/name); none is set, "
+        "so the publish target cannot run"
+    ]
+    assert "Traceback" not in proc.stderr and not (workdir / "results").exists()
+
+
 PUSH = """
-import json, sys
+import hashlib, json, sys
 from pathlib import Path
 from stagetrain.publish.push import measured_layouts, push
 folder = Path(sys.argv[1])
 folder.mkdir()
 (folder / "config.json").write_text("{}")
+listed = {"config.json": {"sha256": hashlib.sha256(b"{}").hexdigest(), "bytes": 2}}
+(folder / "MANIFEST.json").write_text(json.dumps({"files": listed}))
 plan = {"device": "H100", "world": 8}
 summary = {"layout": {"dp": 8, "tp": 1, "micro_batch_size": 4}}
 receipt = push(repo="me/tables", revision="main", private=False, models={"grpo": folder},

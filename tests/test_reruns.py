@@ -154,6 +154,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "evaluate.tasks": {"evaluate.tasks": ["hellaswag"]},
     "publish.repo": {"publish.repo": "me/model"},
     "publish.revision": {"publish.revision": "dev"},
+    "publish.license": {"publish.license": "mit"},
 }  # fmt: skip
 
 

@@ -29,6 +29,8 @@ import importlib
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache
@@ -40,6 +42,10 @@ from stagetrain.errors import StageError
 
 TIMEOUT_ENV = "STAGETRAIN_HUB_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 30.0
+PUSH_TIMEOUT_ENV = "STAGETRAIN_HUB_PUSH_TIMEOUT_S"
+DEFAULT_PUSH_TIMEOUT_S = 600.0
+"""The bound on a whole `publish` (create the repo, read the layout table, upload the commit):
+longer than a fetch's, as the commit carries the model's weights."""
 LONGEST_PAUSE_S = 8.0
 """huggingface_hub's longest pause between two retries (without a Retry-After header)."""
 REFUSED = (401, 403, 404)
@@ -77,17 +83,18 @@ class _Watch:
 _WATCH: ContextVar[_Watch | None] = ContextVar("stagetrain_hub_watch", default=None)
 
 
-def timeout_s() -> float:
-    """The bound on one fetch's total wait, from STAGETRAIN_HUB_TIMEOUT_S."""
-    raw = os.environ.get(TIMEOUT_ENV)
+def timeout_s(env: str = TIMEOUT_ENV, default: float = DEFAULT_TIMEOUT_S) -> float:
+    """The bound on one fetch's total wait, from STAGETRAIN_HUB_TIMEOUT_S (or another bound's
+    variable `env`, e.g. the push's)."""
+    raw = os.environ.get(env)
     if raw is None or not raw.strip():
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise StageError(f"{TIMEOUT_ENV}: expected a positive number of seconds, got {raw!r}")
+        raise StageError(f"{env}: expected a positive number of seconds, got {raw!r}")
     return value
 
 
@@ -172,6 +179,29 @@ def _install() -> None:
     huggingface_hub.set_client_factory(
         lambda: watched(event_hooks=hooks, follow_redirects=follow, timeout=timeout)
     )
+
+
+@contextmanager
+def deadline(
+    where: str, env: str = PUSH_TIMEOUT_ENV, default: float = DEFAULT_PUSH_TIMEOUT_S
+) -> Iterator[None]:
+    """Every hub request made inside holds to one deadline, `timeout_s(env, default)` seconds
+    from entry, as `fetch`'s do: a hub that accepts and never answers ends the block as one
+    HubError naming `where` and the limit, instead of the client's per-request waits and
+    retries (a write to a silent hub waited 153 s and more)."""
+    watch = _Watch(timeout_s(env, default))
+    _install()
+    reset = _WATCH.set(watch)
+    try:
+        yield
+    except _GiveUp as err:
+        raise HubError(
+            f"{where}: hub unreachable ({err}; gave up within the {watch.limit_s:g} s limit of {env})"
+        ) from None
+    except _http().RequestError as err:  # refused, DNS, a reset: the client's retries are spent
+        raise HubError(f"{where}: hub unreachable ({type(err).__name__})") from None
+    finally:
+        _WATCH.reset(reset)
 
 
 def _reason(err: Exception, filename: str) -> str:

@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ Revisions = Mapping[str, tuple[str, Files]]
 
 DEFAULT_TOKEN = "hf_loopback_test_token"
 TIMEOUT_ENV = "STAGETRAIN_HUB_TIMEOUT_S"
+PUSH_TIMEOUT_ENV = "STAGETRAIN_HUB_PUSH_TIMEOUT_S"
 NO_BACKOFF_SLEEP = """
 import time
 time.sleep = lambda seconds: None  # the client's retry backoff (1+2+4+8+8 s); requests stay real
@@ -343,6 +345,38 @@ def serve_hub(
         hub.stop()
 
 
+@contextmanager
+def silent_hub(limit_s: float = 60.0) -> Iterator[str]:
+    """The HF_ENDPOINT of a loopback server that accepts every connection and never answers (a
+    hub that hangs). It stops itself after `limit_s` seconds whatever happens (closing what it
+    holds), and on exit."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.05)
+    stop = threading.Event()
+
+    def hold() -> None:
+        held: list[socket.socket] = []
+        end = time.monotonic() + limit_s
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+        for conn in held:
+            conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
 def hub_call(
     tmp_path: Path,
     endpoint: str,
@@ -354,16 +388,19 @@ def hub_call(
     cache: Path | None = None,
     prelude: str = "",
     timeout_s: float | str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Any:
     """Run `code` (with `args`) in a fresh interpreter against `endpoint`; its JSON output.
 
-    `timeout_s` sets stagetrain's bound on one fetch (STAGETRAIN_HUB_TIMEOUT_S).
+    `timeout_s` sets stagetrain's bound on one fetch (STAGETRAIN_HUB_TIMEOUT_S); `env` adds
+    variables (e.g. the push's bound, STAGETRAIN_HUB_PUSH_TIMEOUT_S).
     """
+    extra = dict(env or {})
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("HF_", "HUGGING_FACE", "HUGGINGFACE"))
-        and k not in ("TRANSFORMERS_OFFLINE", TIMEOUT_ENV)
+        and k not in ("TRANSFORMERS_OFFLINE", TIMEOUT_ENV, PUSH_TIMEOUT_ENV)
     }
     env.update(
         HF_ENDPOINT=endpoint,
@@ -377,6 +414,7 @@ def hub_call(
         env["HF_HUB_OFFLINE"] = "1"
     if timeout_s is not None:
         env[TIMEOUT_ENV] = str(timeout_s)
+    env.update(extra)
     proc = subprocess.run(
         [sys.executable, "-c", prelude + code, *args],
         env=env,

@@ -1,7 +1,9 @@
 import collections
 import functools
+import glob
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -83,8 +85,10 @@ REPORT_ONLY = any(a == "--report" or a.startswith("--report=") for a in sys.argv
 
 
 def reported(path, **options):
-    """`report(path, ...)`, except while writing a report of a run that did not make `path`."""
-    if REPORT_ONLY and not Path(path).exists():
+    """`report(path, ...)`, except while writing a report of a run that did not make `path`. A
+    pattern (`evaluate/{stage}.tsv`) is made when a file it matches exists: tested as a name, it
+    never was, and the evaluation table never reached the report."""
+    if REPORT_ONLY and not glob.glob(re.sub(r"\{[^{}]*\}", "*", path)):
         return path
     return report(path, **options)
 
@@ -104,6 +108,18 @@ def code_of(script):
     so an edited library module reruns exactly the stages that run it."""
     root = Path(stagetrain.__file__).resolve().parent.parent
     return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root, STATE / "stagetrain-imports")
+
+
+def publish_repo(wildcards):
+    """No file: the first input of `publish`. Snakemake evaluates it as it builds the DAG, on a
+    dry run (-n) too, so `snakemake publish` without `publish.repo` stops here in one line instead
+    of running the whole pipeline first and refusing at the end."""
+    if SETTINGS.publish.repo is None:
+        sys.exit(
+            "error: publish.repo: expected the hub repo to push to (namespace/name); none is "
+            "set, so the publish target cannot run"
+        )
+    return []
 
 
 def after_detection(wildcards):

@@ -494,6 +494,7 @@ class PublishSettings(_Section):
     repo: str | None
     revision: str
     private: bool
+    license: str | None
 
 
 TrainingSettings = PretrainSettings | GrpoSettings

@@ -47,25 +47,26 @@ import numpy as np
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from stagetrain.config.settings import ConsolidateSettings
-from stagetrain.consolidate.manifest import FiniteCheck, LossCheck, Manifest
+from stagetrain.consolidate.manifest import MANIFEST, FiniteCheck, LossCheck, Manifest
 from stagetrain.consolidate.stored import Reader, Region, Stored
 from stagetrain.consolidate.weights import read_weights
 from stagetrain.consolidate.writer import INDEX, SAFETENSORS_DTYPES, parse_size, write_shards
 from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.corpus.shards import sha256_file
 from stagetrain.errors import StageError
-from stagetrain.io import atomic_write_json, read_json
+from stagetrain.io import atomic_write_json, atomic_write_text, read_json
 from stagetrain.planning.plan import verifies_on_gpu
+from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+from stagetrain.tasks.prompts import stop_ids
 from stagetrain.training.engine import load_model_config
 from stagetrain.training.evaluation import validation_loss
 from stagetrain.training.summary import EvalBatch, StageSummary
 
 log = logging.getLogger("stagetrain")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MANIFEST = "MANIFEST.json"
 
 
 def tolerance(output: str, trained: str) -> float:
@@ -123,11 +124,10 @@ def consolidate(
 ) -> Manifest:
     """Write the Hugging Face folder `out` for the stage's final checkpoint; return its manifest.
 
-    `cfg` is the config's consolidate section. `on_phase`, if given, is called with
-    "convert", "verify" and "describe" as each phase ends:
-    benchmarks/consolidate_speed.py measures each phase's time, memory and reads
-    through it.
-    """
+    `cfg` is the config's consolidate section. `on_phase`, if given, is called with "convert",
+    "verify" and "describe" as each phase ends (benchmarks/consolidate_speed.py measures each
+    phase's time, memory and reads through it). A write the filesystem refuses (a full disk) is
+    one StageError naming the folder, and nothing is left."""
     summary: StageSummary = read_json(summary_path)
     meta: TokenizerMeta = read_json(meta_path)
     checkpoint = summary["checkpoint"]
@@ -152,9 +152,7 @@ def consolidate(
     try:
         start = time.perf_counter()
         _write(tmp, config, dtype, dtypes, tokenizer_dir, names, shapes, weights, cfg, source)
-        log.info(
-            "wrote %d tensors from %s in %.1f s", len(names), source, time.perf_counter() - start
-        )
+        log.info("wrote %d tensors from %s in %.1f s", len(names), source, time.perf_counter() - start)  # fmt: skip
         phase("convert")
         if cfg.verify == "loss":
             verification: LossCheck | FiniteCheck = _verify_loss(
@@ -167,10 +165,22 @@ def consolidate(
         phase("describe")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno is not None:  # a full disk, a quota, read-only
+            raise StageError(_write_failed(target, err)) from None
         raise
     return manifest
+
+
+def _write_failed(target: Path, err: OSError) -> str:
+    """The one line for a folder the filesystem would not take (ENOSPC and the like): the folder,
+    the file and the system's reason; the temporary folder is already gone."""
+    where = f" ({Path(err.filename).name})" if err.filename else ""
+    return (
+        f"{target}: could not write the consolidated folder{where}: {err.strerror or err}; "
+        "nothing was written (free space there and rerun consolidate)"
+    )
 
 
 def _check_reference(stage: str, summary: StageSummary) -> None:
@@ -202,10 +212,9 @@ def _write(tmp: Path, config: PretrainedConfig, dtype: torch.dtype, dtypes: Mapp
            weights: Mapping[str, Stored], cfg: ConsolidateSettings, source: str) -> None:  # fmt: skip
     config.dtype = dtype
     config.save_pretrained(tmp)
+    stops = stop_ids(AutoTokenizer.from_pretrained(tokenizer_dir))  # where the sampler stops
     GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=stops, pad_token_id=config.pad_token_id
     ).save_pretrained(tmp)
     for path in sorted(Path(tokenizer_dir).iterdir()):
         if path.is_file() and not path.name.startswith("."):
@@ -371,7 +380,9 @@ def _shard_tensors(path: Path, stage: str, dtypes: Mapping[str, torch.dtype]) ->
 
 def _describe(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
               cfg: ConsolidateSettings, verification: LossCheck | FiniteCheck) -> Manifest:  # fmt: skip
-    """MANIFEST.json: what was consolidated, how it was verified, and every file's sha256."""
+    """README.md (`folder_card`), then MANIFEST.json: what was consolidated, how it was verified,
+    and every file's sha256, the card's too."""
+    atomic_write_text(tmp / "README.md", folder_card(stage, summary, cfg, verification))
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     manifest: Manifest = {
         "stage": stage,
@@ -393,3 +404,27 @@ def _describe(tmp: Path, stage: str, summary: StageSummary, meta: TokenizerMeta,
     }
     atomic_write_json(tmp / MANIFEST, manifest)
     return manifest
+
+
+def folder_card(stage: str, summary: StageSummary, cfg: ConsolidateSettings,
+                verification: LossCheck | FiniteCheck) -> str:  # fmt: skip
+    """The folder's own model card: what it holds, how it was checked, how to load and prompt it
+    (the pipeline's markup; generate stops where its sampler does). `publish` puts the run's full
+    card at the repo's root in place of the GRPO folder's."""
+    checked = (
+        f"its validation loss {verification['eval_loss']:.6f} reproduces the training's "
+        f"{verification['training_eval_loss']:.6f}"
+        if verification["method"] == "loss"
+        else f"{verification['tensors']} tensors read back, all finite"
+    )
+    return "\n".join([
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- stagetrain", "---", "",
+        f"# stagetrain {stage} model", "",
+        f"The {stage} stage's checkpoint `{summary['checkpoint']['tag']}` (step {summary['final_step']}) as a "
+        f"Hugging Face folder in {cfg.dtype}; verified: {checked}. MANIFEST.json holds every file's sha256.", "",
+        "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        "tokenizer = AutoTokenizer.from_pretrained(folder)", "model = AutoModelForCausalLM.from_pretrained(folder)",
+        f'ids = tokenizer("{PROBLEM_TOKEN}12+34{ANSWER_TOKEN}", add_special_tokens=False, return_tensors="pt")',
+        "out = model.generate(**ids, max_new_tokens=64, do_sample=False)  # stops at eos or a new problem",
+        'print(tokenizer.decode(out[0, ids["input_ids"].shape[1]:]))', "```", "",
+    ])  # fmt: skip

@@ -5,6 +5,9 @@ from typing import Literal, TypedDict
 
 from stagetrain.planning.plan import LayoutRecord
 
+MANIFEST = "MANIFEST.json"
+"""The manifest's name in a consolidated folder (publish pushes what it lists)."""
+
 
 class LossCheck(TypedDict):
     """`consolidate.verify: loss`: the reloaded folder's validation loss, the training's, and

@@ -2,9 +2,8 @@
 pushed to a hub repo in one commit.
 
 What a run hands back to the hub: the GRPO model at the repo's root (the pipeline's product) and
-the pretrained one under `pretrain/`; a model card (huggingface_hub's `ModelCard`) that says how
-they were made, from the run's own records (the start, the data with its hub commits, the plan,
-steps and tokens, the hardware, the held-out accuracy before and after GRPO); and
+the pretrained one under `pretrain/`; a model card (`publish.card`: how to use them and how they
+were made, from the run's own records) in place of the GRPO folder's own README.md; and
 `parallelism_data.json`, Psyche's table (GPU key -> GPU count -> {dp, tp, micro_batch_size}),
 with the layout this run trained with merged over the entries the repo already has, so that the
 next run planned on the same GPUs (`parallelism.table_repo`) starts from a layout that ran. Only
@@ -12,31 +11,40 @@ layouts that ran to completion are written, and only GPU ones: a CPU run writes 
 
 Everything goes in one `create_commit`, so a push that fails leaves the repo as it was. The token
 is huggingface_hub's to find (HF_TOKEN, the cached login); nothing here reads or writes it.
+
+What leaves a model folder is what its MANIFEST.json lists, and MANIFEST.json itself (the hashes
+a downloader checks the files against), each file hashed again first (`listed_files`): a stray
+file, a symlink (whose target could be anything, a secrets file), a file missing or changed since
+consolidation refuses the push in one line naming them. Snakemake's own marker in a folder it
+made (`.snakemake_timestamp`) is skipped by name, not refused: Snakemake writes it into every
+directory output, so refusing it would refuse every run; it is never pushed.
+
+The whole push (create the repo, read the layout table, the commit) holds to one deadline,
+STAGETRAIN_HUB_PUSH_TIMEOUT_S seconds (`stagetrain.hub.deadline`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
-from stagetrain.config.inputs import looks_local
-from stagetrain.config.settings import ModelSettings
-from stagetrain.corpus.meta import SourceShare, TokenizerMeta
+from stagetrain.consolidate.manifest import MANIFEST
 from stagetrain.errors import StageError
+from stagetrain.hub import HubError, deadline
+from stagetrain.io import read_json
 from stagetrain.planning.plan import LayoutRecord, PlanRecord, TableEntry
 from stagetrain.planning.table import Table
-
-if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
-    from stagetrain.grpo.summary import GrpoSummary
-    from stagetrain.pretrain.summary import PretrainSummary
 
 log = logging.getLogger("stagetrain")
 
 TABLE = "parallelism_data.json"
 CPU = "cpu"
+SNAKEMAKE_MARKERS = frozenset({".snakemake_timestamp"})
+"""What Snakemake writes into a directory output it made: skipped, never pushed."""
 
 
 class PublishReceipt(TypedDict):
@@ -72,118 +80,120 @@ def merged(existing: Mapping[str, Any], ours: Table) -> Table:
     return out
 
 
-def card_text(*, run: str, model: ModelSettings, plan: PlanRecord, meta: TokenizerMeta,
-              pretrain: PretrainSummary, grpo: GrpoSummary, repo: str) -> str:  # fmt: skip
-    """The model card (README.md): metadata for the hub, then how the models were made."""
-    from huggingface_hub import ModelCard, ModelCardData
+def listed_files(folder: Path) -> list[Path]:
+    """The files of `folder` to push: those its MANIFEST.json lists, each with the sha256 and size
+    recorded there, then MANIFEST.json.
 
-    start = model.init_from
-    datasets = sorted(
-        {s["record"]["repo"] for s in meta["sources"] if s["record"]["kind"] == "hub"}
-    )
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=["stagetrain", "grpo"],
-                         base_model=start if start and not looks_local(start) else None, datasets=datasets or None)  # fmt: skip
-    shape = plan["model"]
-    lines = [
-        f"# {repo.split('/')[-1]}",
-        "",
-        f"Trained with stagetrain (run `{run}`): pretraining, then curriculum GRPO on verifiable tasks. "
-        "The GRPO model is at the root of this repo; the pretrained one under `pretrain/`.",
-        "",
-        "## Model",
-        "",
-        f"- Start: {f'`{start}`' if start else 'from scratch'}; {model.architecture}, "
-        f"{shape['params'] / 1e6:.2f}M parameters ({shape['active_params'] / 1e6:.2f}M active), "
-        f"{shape['num_layers']} layers, hidden {shape['hidden_size']}.",
-        "",
-        "## Data",
-        "",
-        *(f"- {_source(s)}" for s in meta["sources"]),
-        "",
-        "## Training",
-        "",
-        f"- Hardware: {plan['world']} x {plan['device']} on {plan['nodes']} node(s), {plan['precision']}.",
-    ]
-    summaries: tuple[tuple[str, PretrainSummary | GrpoSummary], ...] = (
-        ("pretrain", pretrain),
-        ("grpo", grpo),
-    )
-    for stage, summary in summaries:
-        lay = summary["layout"]
-        tokens = (
-            summary["final_step"] * lay["global_batch"] * lay["seq_len"]
-            if stage == "pretrain"
-            else None
+    Raises:
+        StageError: one line naming every symlink, file the manifest does not list, listed file
+            missing, or file whose bytes changed; nothing is pushed.
+    """
+    manifest_path = folder / MANIFEST
+    if manifest_path.is_symlink():
+        raise StageError(f"{manifest_path}: a symlink; publish pushes no symlink")
+    manifest = read_json(manifest_path)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+        raise StageError(
+            f"{manifest_path}: expected `files`, an object of file name -> {{sha256, bytes}}"
         )
-        lines.append(
-            f"- {stage}: {summary['final_step']} steps, dp={lay['dp']} tp={lay['tp']}"
-            f"{' ep=' + str(lay['ep']) if lay.get('ep', 1) > 1 else ''} ZeRO-{lay['zero_stage']} "
-            f"micro batch {lay['micro_batch_size']} x {lay['grad_accum']} accumulation"
-            + (f", {tokens:,} tokens" if tokens else "")
+    present = {p.name: p for p in folder.iterdir() if p.name not in SNAKEMAKE_MARKERS}
+    problems = [
+        ("symlinks", sorted(n for n, p in present.items() if p.is_symlink())),
+        ("not in MANIFEST.json", sorted(n for n, p in present.items()
+                                        if n not in files and n != MANIFEST and not p.is_symlink())),
+        ("listed but missing", sorted(n for n in files if n not in present)),
+    ]  # fmt: skip
+    if not any(names for _, names in problems):
+        problems.append(
+            ("changed since consolidation (sha256)",
+             sorted(n for n in files if not _matches(present[n], files[n]))),
+        )  # fmt: skip
+    found = "; ".join(f"{what}: {', '.join(names)}" for what, names in problems if names)
+    if found:
+        raise StageError(
+            f"{folder}: refused, publish pushes exactly what {MANIFEST} lists ({found}); "
+            "rerun consolidate (snakemake --forcerun consolidate) or remove the files"
         )
-    gain = grpo["accuracy"]["gain"]  # None when the metrics lost the step-0 evaluation
-    if gain:
-        lines += ["", "## Held-out accuracy", "",
-                  "Greedy, on problems no stage trained on, before and after GRPO:", "",
-                  "| family | level | before | after | gain | se |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        for family, levels in gain["by_family"].items():
-            for level, e in levels.items():
-                lines.append(
-                    f"| {family} | {level} | {e['start']:.3f} | {e['end']:.3f} | {e['gain']:+.3f} | {e['se']:.3f} |"
-                )
-    body = "\n".join(lines) + "\n"
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+    return [present[n] for n in sorted(files)] + [manifest_path]
 
 
-def _source(source: SourceShare) -> str:
-    """One corpus source of data/meta.json as the card lists it, with its hub commit."""
-    record = source["record"]
-    if record["kind"] == "generated":
-        what = f"generated task problems ({', '.join(record['families'])})"
-    elif record["kind"] == "files":
-        what = f"{len(record['files'])} local file(s)"
-    elif record["kind"] == "hub":
-        what = f"`{record['repo']}` at commit `{record['commit']}`"
-    else:  # a kind this version does not write
-        what = source["name"]
-    return f"{what}: {source['train_tokens']:,} training tokens"
+def _matches(path: Path, entry: Mapping[str, Any]) -> bool:
+    """Whether `path` holds the bytes a manifest entry records (size first: no hash needed)."""
+    if path.stat().st_size != entry.get("bytes"):
+        return False
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest() == entry.get("sha256")
 
 
 def push(*, repo: str, revision: str, private: bool, models: Mapping[str, Path], card: str,
          layouts: Table) -> PublishReceipt:  # fmt: skip
     """One commit to `repo`: the models (`grpo` at the root, the others under their stage's
-    folder), README.md and, when this run measured a GPU layout, the merged table.
+    folder; each the files its manifest lists, `listed_files`), README.md and, when this run
+    measured a GPU layout, the merged table; all within STAGETRAIN_HUB_PUSH_TIMEOUT_S.
 
     Raises:
-        StageError: one line when the hub refuses or cannot be reached; the repo is as it was.
+        StageError: one line when a folder is not as its manifest says (nothing is pushed), when
+            the hub refuses, does not answer in time or cannot be reached, or when its layout
+            table is not a JSON object; the repo is as it was.
     """
-    from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RevisionNotFoundError
+    from huggingface_hub import CommitOperationAdd, HfApi
 
+    operations = [CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode())]
+    for stage, folder in models.items():
+        prefix = "" if stage == "grpo" else f"{stage}/"
+        operations += [CommitOperationAdd(path_in_repo=f"{prefix}{f.name}", path_or_fileobj=str(f))
+                       for f in listed_files(Path(folder))
+                       if f"{prefix}{f.name}" != "README.md"]  # the root's card is the run's  # fmt: skip
+    where = f"publish: pushing to {repo}@{revision} failed, the repo is as it was"
     api = HfApi()
     try:
-        api.create_repo(repo, private=private, exist_ok=True)
-        operations = [CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode())]
-        for stage, folder in models.items():
-            prefix = "" if stage == "grpo" else f"{stage}/"
-            operations += [CommitOperationAdd(path_in_repo=f"{prefix}{f.name}", path_or_fileobj=str(f))
-                           for f in sorted(Path(folder).iterdir()) if f.is_file()]  # fmt: skip
-        table = None
-        if layouts:
-            try:
-                existing = json.loads(
-                    Path(hf_hub_download(repo, TABLE, revision=revision)).read_text()
-                )
-            except (EntryNotFoundError, RevisionNotFoundError):
-                existing = {}
-            table = merged(existing, layouts)
-            operations.append(CommitOperationAdd(path_in_repo=TABLE, path_or_fileobj=json.dumps(table, indent=2, sort_keys=True).encode()))  # fmt: skip
-        info = api.create_commit(repo, operations=operations, revision=revision,
-                                 commit_message="stagetrain: models, model card and measured layouts")  # fmt: skip
-    except (HfHubHTTPError, OSError, ValueError) as err:
+        with deadline(where):
+            api.create_repo(repo, private=private, exist_ok=True)
+            table = _table(repo, revision, layouts, where) if layouts else None
+            if table is not None:
+                operations.append(CommitOperationAdd(path_in_repo=TABLE, path_or_fileobj=json.dumps(table, indent=2, sort_keys=True).encode()))  # fmt: skip
+            info = api.create_commit(repo, operations=operations, revision=revision,
+                                     commit_message="stagetrain: models, model card and measured layouts")  # fmt: skip
+    except HubError as err:
+        raise StageError(str(err)) from None
+    except (_hub_errors(), OSError, ValueError) as err:
+        if isinstance(err, StageError):
+            raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise StageError(
-            f"publish: pushing to {repo}@{revision} failed, the repo is as it was: {first}"
-        ) from err
+        raise StageError(f"{where}: {first}") from None
     return PublishReceipt(repo=repo, revision=revision, commit=info.oid, url=info.commit_url,
                           files=sorted(op.path_in_repo for op in operations), table=table)  # fmt: skip
+
+
+def _hub_errors() -> type[Exception]:
+    """The hub's refusals (HTTP errors), imported only when a push fails: publishing's imports
+    stay light until it talks to the hub."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return HfHubHTTPError
+
+
+def _table(repo: str, revision: str, layouts: Table, where: str) -> Table:
+    """This run's layouts merged over the repo's table (none yet: {}).
+
+    Raises:
+        StageError: the repo's table is not JSON, or not an object of GPU -> count -> layout.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, RevisionNotFoundError
+
+    try:
+        raw = Path(hf_hub_download(repo, TABLE, revision=revision)).read_bytes()
+    except (EntryNotFoundError, RevisionNotFoundError):
+        return merged({}, layouts)
+    try:
+        existing = json.loads(raw)
+    except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
+        raise StageError(f"{where}: its {TABLE} is not valid JSON ({err})") from None
+    if not isinstance(existing, dict):
+        raise StageError(
+            f"{where}: its {TABLE} is not a JSON object (GPU -> GPU count -> layout) but a "
+            f"{type(existing).__name__}"
+        )
+    return merged(existing, layouts)

@@ -40,6 +40,15 @@ def _where(problem: Problem) -> str:
     return problem.origin or f"{problem.family} level {problem.level}"
 
 
+def stop_ids(tokenizer: Any) -> list[int]:
+    """The token ids a completion ends at: eos, and the marker of a new problem begun (a model
+    that learnt the corpus goes on to the next problem). The sampler stops at them, and so does a
+    consolidated folder's generation_config.json, so that a plain `generate` stops where the
+    pipeline does. A tokenizer without the marker (a pretrained one) has eos alone."""
+    stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(PROBLEM_TOKEN)]
+    return list(dict.fromkeys(s for s in stops if s is not None and s != tokenizer.unk_token_id))
+
+
 class Prompter:
     """Prompt token ids of problems for one tokenizer, and completions decoded for rewards."""
 
@@ -48,8 +57,7 @@ class Prompter:
         self.chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
         self.limit = limit
         """grpo.max_prompt_len: the prompt tokens the plan counted."""
-        stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(PROBLEM_TOKEN)}
-        self.stops = stops - {None, tokenizer.unk_token_id}
+        self.stops = set(stop_ids(tokenizer))
         self.specials = special_tokens(tokenizer)
         if self.chat:
             self._probe_template()
