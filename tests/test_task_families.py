@@ -65,8 +65,8 @@ def test_every_format_loads_the_same_family(tmp_path: Path, name: str) -> None:
         "0",
         1,
         "0",
-        {"i": 0},
-    )
+        {"q": "What is 0 doubled?", "a": "0", "difficulty": 1, "i": 0},
+    )  # mapped columns too, under their own names, as TRL passes every column
     assert all(split_of(p.key) == split for (_, split), ps in pool.items() for p in ps)
     counts = loaded.record()["doubles"]["problems"]
     assert sum(sum(c.values()) for c in counts.values()) == 1800
@@ -237,7 +237,7 @@ def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
                     "families": [{"name": "a", "files": ["x"], "rewards": [{"function": "r.py"}]}]
                 }
             },
-            "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name', got 'r.py'",
+            "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name' or 'package.module:function_name', got 'r.py'",
         ),
         (
             {"grpo": {"curriculum": {"families": ["mine"]}}},
@@ -327,7 +327,7 @@ def test_user_rewards_get_the_extra_columns_and_are_weighted(tmp_path: Path) -> 
         "CALLS = []\n"
         "def by_column(prompts, completions, answer, level, finished, completion_ids, i, **kw):\n"
         "    CALLS.append({'prompts': prompts, 'completions': completions, 'answer': answer, 'level': level,\n"
-        "                  'finished': finished, 'completion_ids': completion_ids, 'i': i})\n"
+        "                  'finished': finished, 'completion_ids': completion_ids, 'i': i, **kw})\n"
         "    return [1.0 if c == str(2 * n) else None if n % 2 else 0.0 for c, n in zip(completions, i)]\n"
     )
     rewards = [
@@ -517,3 +517,93 @@ def test_no_tasks_is_the_schemas_default_tasks_section() -> None:
     from stagetrain.tasks.families import NO_TASKS
 
     assert TasksSettings.from_config(stconfig.validate_section("tasks", {}), "tasks") == NO_TASKS
+
+
+# --- rewards called as TRL calls them (issue 57; issue 58 items 5, 8, 12, 13) -----------
+
+
+def test_rewards_are_called_by_keyword_only_with_trl_state_logs_and_every_column(
+    tmp_path: Path,
+) -> None:
+    body = (
+        "CALLS = []\n"
+        "def strict(*, prompts, completions, completion_ids, trainer_state, log_extra, log_metric,\n"
+        "           answer, level, finished, q, a, difficulty, i):\n"
+        "    CALLS.append((trainer_state.global_step, trainer_state.max_steps, q, a, difficulty))\n"
+        "    log_metric('seen', float(len(prompts)))\n"
+        "    log_extra('i', i)\n"
+        "    return [float(c == x) for c, x in zip(completions, a)]\n"
+    )
+    judge, problems = judge_for(tmp_path, body, [{"function": "FILE:strict"}])
+    judge.at_step(3, 10)
+    first = problems[1]
+    assert judge.rewards([first, first], [ids(first.answer), ids("no")]) == [1.0, 0.0]
+    from stagetrain.tasks.rewards import _module
+
+    (call,) = _module(str(tmp_path / "reward.py")).CALLS
+    assert call == (3, 10, [first.question] * 2, [first.answer] * 2, [1, 1])
+    assert (
+        judge.context.log.metrics["seen"] == [2.0]
+        and judge.context.log.extra["i"] == [first.columns["i"]] * 2
+    )
+
+
+def test_an_async_reward_is_awaited(tmp_path: Path) -> None:
+    body = (
+        "import asyncio\n"
+        "async def judged(prompts, completions, **kw):\n"
+        "    await asyncio.sleep(0)\n"
+        "    return [float(len(c)) for c in completions]\n"
+    )
+    judge, problems = judge_for(tmp_path, body, [{"function": "FILE:judged"}])
+    assert judge.rewards(problems[:2], [ids("abc"), ids("x")]) == [3.0, 1.0]
+
+
+def test_a_reward_gets_copies_and_cannot_change_the_stored_problems(tmp_path: Path) -> None:
+    body = (
+        "def vandal(prompts, completions, tags, **kw):\n"
+        "    for t in tags:\n"
+        "        t.append('changed')\n"
+        "        t[0] = 'x'\n"
+        "    tags.clear()\n"
+        "    return [float(len(kw['tags_seen'])) if 'tags_seen' in kw else 1.0 for _ in prompts]\n"
+    )
+    (tmp_path / "reward.py").write_text(body)
+    path = write_rows(tmp_path / "t.jsonl", [{**r, "tags": ["a", "b"]} for r in rows()])
+    loaded = load_tasks(
+        tasks(family([str(path)], rewards=[{"function": f"{tmp_path / 'reward.py'}:vandal"}]))
+    )
+    problems = sorted(get_family("doubles").pool[(1, "train")], key=lambda p: p.columns["i"])
+    judge = Judge(loaded, FakeTokenizer(), max_prompt_len=64)
+    for _ in range(2):
+        assert judge.rewards(problems[:2], [ids("0"), ids("0")]) == [1.0, 1.0]
+    assert [p.columns["tags"] for p in problems[:2]] == [["a", "b"], ["a", "b"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "weights", "expected"),
+    [
+        ("import sys\ndef f(prompts, completions, **kw):\n    sys.exit(3)\n", [1.0],
+         "reward FILE:f: raised SystemExit: 3 on the row (T:1) with prompt 'What is 0 doubled?'"),
+        ("def f(prompts, completions, **kw):\n    raise KeyboardInterrupt\n", [1.0],
+         "reward FILE:f: raised KeyboardInterrupt on the row (T:1)"),
+        ("def f(prompts, completions, **kw):\n    return [10 ** 400 for _ in prompts]\n", [1.0],
+         "reward FILE:f: returned 1000000000000000000000000000000000000... on the row (T:1) with prompt 'What is 0 doubled?'; expected a finite number or None"),
+        ("def f(prompts, completions, **kw):\n    return [1.0 for _ in prompts]\n", [1e308, 1e308],
+         "reward FILE:f: weight 1e+308 x 1.0 makes the reward of the row (T:1) with prompt 'What is 0 doubled?' inf; expected a finite sum"),
+    ],
+)  # fmt: skip
+def test_base_exceptions_overflowing_values_and_infinite_sums_are_one_line(
+    tmp_path: Path, body: str, weights: list[float], expected: str
+) -> None:
+    with pytest.raises(StageError) as err:
+        judge, problems = judge_for(
+            tmp_path, body, [{"function": "FILE:f", "weight": w} for w in weights]
+        )
+        judge.rewards(problems[:2], [ids("0"), ids("6")])
+    message = (
+        str(err.value)
+        .replace(str(tmp_path / "reward.py"), "FILE")
+        .replace(str(tmp_path / "t.jsonl"), "T")
+    )
+    assert expected in message and "\n" not in message, message

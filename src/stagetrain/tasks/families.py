@@ -48,6 +48,7 @@ from stagetrain.tasks import rewards as task_rewards
 from stagetrain.tasks.files import read_rows
 from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, split_of
 from stagetrain.tasks.registry import FAMILIES, Family, register
+from stagetrain.tasks.reward_source import is_file
 from stagetrain.tasks.verify import END_MARKERS
 
 log = logging.getLogger("stagetrain")
@@ -120,6 +121,9 @@ def reward_digests(tasks: TasksSettings) -> dict[str, str]:
     fingerprint (an edited reward must not resume a run trained on the old one)."""
     paths = {task_rewards.parse_function(r["function"], KEY)[0]
              for f in tasks.families for r in f.rewards or () if "function" in r}  # fmt: skip
+    paths = {
+        p for p in paths if is_file(p)
+    }  # an installed module is the environment's, as torch is
     out = {}
     for path in sorted(paths):
         try:
@@ -303,7 +307,14 @@ def _problem(entry: TaskFamilySettings, key: str, where: str, row: Mapping[str, 
                 f"{where}: prompt, answer and solution must not contain the control token {marker!r}"
             )
     mapped = {c for c in dataclasses.astuple(columns) if c}
-    extra = {c: v for c, v in row.items() if c not in mapped}
+    # Every column reaches the rewards under its own name, mapped ones too (TRL's
+    # accuracy_reward reads `solution` however the answer is mapped), but for "prompt" (TRL
+    # passes it as `prompts` alone) and a mapped column named as a keyword (`answer`, `level`).
+    extra = {
+        c: v
+        for c, v in row.items()
+        if c != "prompt" and not (c in mapped and c in task_rewards.RESERVED)
+    }
     for name in extra:
         if name in task_rewards.RESERVED:
             raise StageError(f"{where}: column {name!r} is not mapped, and reward functions already get an argument "

@@ -47,7 +47,7 @@ class Problem:
     origin: str = ""
     """Where a file family's problem came from ('tasks/sort.parquet:row 12'), for messages."""
     columns: Mapping[str, Any] = field(default_factory=dict)
-    """A file family's unmapped columns of the row, which its reward functions receive."""
+    """A file family's columns of the row (but "prompt"), which its reward functions receive by name."""
 
     def __post_init__(self) -> None:
         if self.level < 1:
