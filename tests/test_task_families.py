@@ -607,3 +607,77 @@ def test_base_exceptions_overflowing_values_and_infinite_sums_are_one_line(
         .replace(str(tmp_path / "t.jsonl"), "T")
     )
     assert expected in message and "\n" not in message, message
+
+
+def message_of(function: Any, *args: Any) -> str:
+    with pytest.raises(StageError) as err:
+        function(*args)
+    return str(err.value)
+
+
+def test_reward_signatures_are_checked_at_dag_time_files_by_ast_modules_by_signature(
+    tmp_path: Path,
+) -> None:
+    key = "tasks.families.0.rewards.0.function"
+    good = tmp_path / "good.py"
+    good.write_text(
+        "import sys\nsys.exit('the file must not run at DAG time')\n"
+        "def reward_len(completions, **kwargs):\n    return [-abs(20 - len(c)) for c in completions]\n"
+        "def factory(ngram_size, scale=1.0):\n    return reward_len\n"
+        "def narrow(prompts, completions):\n    return [0.0] * len(prompts)\n"
+        "def positional(prompts, completions, /, **kw):\n    return [0.0] * len(prompts)\n"
+        "class Scorer:\n    pass\n"
+    )
+    assert check_function(f"{good}:reward_len", key) == str(good)
+    assert check_function(f"{good}:factory", key, {"ngram_size": 2}) == str(good)
+    assert check_function("trl.rewards:accuracy_reward", key) is None
+    assert check_function("trl.rewards:think_format_reward", key) is None
+    assert (
+        check_function("trl.rewards:get_repetition_penalty_reward", key, {"ngram_size": 2}) is None
+    )
+    refused = [
+        ((f"{good}:narrow", None), f"{good}:narrow cannot take TRL's keyword call: it lacks **kwargs, or parameters completion_ids, trainer_state, log_extra, log_metric, answer, level, finished"),
+        ((f"{good}:positional", None), "it has positional-only parameters (prompts, completions)"),
+        ((f"{good}:Scorer", None), f"{good}:Scorer is a class, expected a function"),
+        ((f"{good}:factory", {"ngram": 2}), "cannot be called with kwargs {'ngram': 2} (no parameter 'ngram'; no value for 'ngram_size')"),
+        (("trl.rewards:get_repetition_penalty_reward", None), "trl.rewards:get_repetition_penalty_reward cannot take TRL's keyword call: it lacks **kwargs, or parameters prompts"),
+        (("trl.rewards:get_repetition_penalty_reward", {"max_penalty": 1.0}), "the factory raised ValueError: max_penalty 1.0 should not be positive"),
+        (("trl.rewards:no_such", None), "module 'trl.rewards' has no attribute 'no_such'"),
+        (("trl.rewards:__name__", None), "trl.rewards:__name__ is a str, expected a function"),
+        (("no_such_package.rewards:f", None), "cannot import module 'no_such_package.rewards' (ModuleNotFoundError"),
+    ]  # fmt: skip
+    assert "(a factory of rewards? give its kwargs)" in message_of(
+        check_function, "trl.rewards:get_repetition_penalty_reward", key
+    )
+    for (spec, kwargs), expected in refused:
+        with pytest.raises(StageError) as err:
+            check_function(spec, key, kwargs)
+        assert (
+            key in str(err.value) and expected in str(err.value) and "\n" not in str(err.value)
+        ), err.value
+
+
+def test_trl_rewards_run_unchanged_from_a_module_and_a_factory(tmp_path: Path) -> None:
+    """TRL's own functions, named as `module:name` (a factory with its kwargs), score as they do
+    when called directly on the same completions."""
+    from trl.rewards import get_repetition_penalty_reward
+
+    body = "def reward_len(completions, **kwargs):\n    return [-abs(20 - len(c)) for c in completions]\n"
+    rewards = [
+        {
+            "function": "trl.rewards:get_repetition_penalty_reward",
+            "kwargs": {"ngram_size": 2},
+            "weight": 1.0,
+        },
+        {"function": "FILE:reward_len", "weight": 0.5},
+    ]
+    judge, problems = judge_for(tmp_path, body, rewards)
+    done = [ids("abababab"), ids("abcdefgh"), ids("aaaa" * 8)]
+    completion_ids = [d[:-1] for d in done]
+    texts = ["".join(map(chr, c)) for c in completion_ids]
+    direct = get_repetition_penalty_reward(ngram_size=2)(completion_ids=completion_ids)
+    lengths = [-abs(20 - len(t)) for t in texts]
+    expected = [r + 0.5 * n for r, n in zip(direct, lengths, strict=True)]
+    assert (
+        judge.rewards(problems[:3], done) == pytest.approx(expected) and direct[0] < 0 == direct[1]
+    )

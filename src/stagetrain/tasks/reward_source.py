@@ -71,12 +71,12 @@ def lacks(params: Params, keywords: tuple[str, ...] = KEYWORDS) -> str | None:
     """What keeps a callable of `params` from taking TRL's keyword call, or None. Required
     parameters outside `keywords` are taken for columns of the rows (not known at DAG time)."""
     if params.positional_only:
-        return f"positional-only parameters ({', '.join(params.positional_only)}): every argument is passed by keyword"
+        return f"it has positional-only parameters ({', '.join(params.positional_only)}): every argument is passed by keyword"
     if params.var_keyword:
         return None
     missing = [k for k in keywords if k not in params.named]
     if missing:
-        return f"**kwargs, or parameters {', '.join(missing)} (every reward is called with them)"
+        return f"it lacks **kwargs, or parameters {', '.join(missing)} (every reward is called with them)"
     return None
 
 
@@ -105,7 +105,12 @@ def signature_params(function: Callable[..., Any]) -> Params:
 def _refuse(key: str, what: str, params: Params, keywords: tuple[str, ...]) -> None:
     reason = lacks(params, keywords)
     if reason:
-        raise StageError(f"config: {key}: {what} cannot take TRL's keyword call: it lacks {reason}")
+        hint = (
+            ""
+            if params.positional_only or params.named & set(keywords)
+            else " (a factory of rewards? give its kwargs)"
+        )
+        raise StageError(f"config: {key}: {what} cannot take TRL's keyword call: {reason}{hint}")
 
 
 def _factory(key: str, what: str, params: Params, kwargs: Mapping[str, Any]) -> None:
@@ -189,10 +194,10 @@ def made(
     try:
         reward = function(**kwargs)
     except Exception as err:
-        raise StageError(f"reward {label}: the factory raised {one_line(err)}") from None
+        raise StageError(f"{label}: the factory raised {one_line(err)}") from None
     if not callable(reward):
         raise StageError(
-            f"reward {label}: the factory returned {type(reward).__name__}, expected a function"
+            f"{label}: the factory returned {type(reward).__name__}, expected a function"
         )
     return reward
 
@@ -210,7 +215,7 @@ def check_function(spec: str, key: str, kwargs: Mapping[str, Any] | None = None,
     what = f"{source}:{name}"
     if kwargs is not None:
         _factory(key, what, signature_params(found), kwargs)
-        found = made(found, kwargs, what)
+        found = made(found, kwargs, f"config: {key}: {what}")
     _refuse(key, what, signature_params(found), keywords)
     return None
 
@@ -246,7 +251,7 @@ def load_function(
             raise StageError(f"{key}: {source} has no function {name!r}")
     else:
         function = import_object(source, name, key)
-    return made(function, kwargs, spec)
+    return made(function, kwargs, f"{key}: {spec}")
 
 
 def one_line(err: BaseException) -> str:
