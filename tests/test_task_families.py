@@ -681,3 +681,67 @@ def test_trl_rewards_run_unchanged_from_a_module_and_a_factory(tmp_path: Path) -
     assert (
         judge.rewards(problems[:3], done) == pytest.approx(expected) and direct[0] < 0 == direct[1]
     )
+
+
+def test_a_conversational_family_is_prompted_through_the_chat_template_and_scored_by_trl_rewards(
+    tmp_path: Path,
+) -> None:
+    """TRL's dataset layout (a `prompt` of messages, a `solution` column mapped as the answer)
+    and TRL's shipped rewards, unchanged: they read `completion[0]["content"]` and `solution`."""
+    from trl.data_utils import is_conversational
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    data = [{"prompt": [{"role": "user", "content": r["q"]}], "solution": r["a"], "difficulty": r["difficulty"]}
+            for r in rows()]  # fmt: skip
+    path = write_rows(tmp_path / "t.jsonl", data)
+    rewards = [
+        {"function": "trl.rewards:accuracy_reward"},
+        {"function": "trl.rewards:think_format_reward", "weight": 0.5},
+    ]
+    config = family(
+        [str(path)],
+        rewards=rewards,
+        columns={"prompt": "prompt", "answer": "solution", "level": "difficulty"},
+    )
+    loaded = load_tasks(tasks(config))
+    problems = sorted(get_family("doubles").pool[(1, "train")], key=lambda p: int(p.answer))[:3]
+    tokenizer = train_bpe([r["q"] + r["a"] for r in rows(200)], 400)
+    judge = Judge(loaded, tokenizer, max_prompt_len=64)
+    assert is_conversational({"prompt": list(problems[0].messages)})
+    for p in problems:  # the pipeline's own markup, through the trained tokenizer's template
+        assert (
+            judge.prompt_ids(p)
+            == tokenizer(f"<|problem|>{p.question}<|answer|>", add_special_tokens=False)[
+                "input_ids"
+            ]
+        )
+    texts = [
+        f"<think>x</think>\\boxed{{{problems[0].answer}}}",
+        f"\\boxed{{{problems[1].answer}}}",
+        "<think>no</think>\\boxed{7}",
+    ]
+    done = [
+        tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for t in texts
+    ]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    solution = [p.columns["solution"] for p in problems]
+    accuracy = accuracy_reward(completions=completions, solution=solution)
+    think = think_format_reward(completions=completions)
+    assert judge.rewards(problems, done) == pytest.approx(
+        [a + 0.5 * t for a, t in zip(accuracy, think, strict=True)]
+    )
+    assert accuracy[:2] == [1.0, 1.0] and accuracy[2] == 0.0 and think == [1.0, 0.0, 1.0]
+    assert judge.context.log.extra  # accuracy_reward logs its parsed answers through log_extra
+    from transformers import AutoTokenizer
+
+    from stagetrain.tokenizer.build import save
+
+    save(
+        tokenizer, tmp_path / "tok"
+    )  # the template travels with the saved folder (consolidate copies it)
+    loaded_tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    rendered = loaded_tok.apply_chat_template(
+        list(problems[0].messages), add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == f"<|problem|>{problems[0].question}<|answer|>"

@@ -2,10 +2,12 @@
 
 Without a chat template a prompt is the pipeline's own markup,
 `<|problem|>question<|answer|>`, which the generated corpus teaches. When the tokenizer
-has a chat template (an `init_from` chat model, or `tokenizer.source: pretrained`) and
-`tasks.chat_template` is true, the question is the user turn of a conversation rendered
-by `apply_chat_template(..., add_generation_prompt=True)`, token for token as the model
-was tuned to read it.
+has a chat template (the pipeline's trained tokenizer's renders that same markup; an
+`init_from` chat model's, or `tokenizer.source: pretrained`) and `tasks.chat_template` is
+true, the question is the user turn of a conversation rendered by
+`apply_chat_template(..., add_generation_prompt=True)`, token for token as the model was
+tuned to read it. A conversational family's prompts (lists of messages, as TRL's datasets
+hold them) are always rendered so.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from stagetrain.errors import StageError
 from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem, prompt
 from stagetrain.tasks.rewards import Completion
+from stagetrain.tokenizer.chat import CHAT_TEMPLATE
 
 
 class Prompter:
@@ -23,22 +26,31 @@ class Prompter:
 
     def __init__(self, tokenizer: Any, *, chat_template: bool, limit: int) -> None:
         self.tokenizer = tokenizer
-        self.chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        # The trained tokenizer's own template renders the plain markup: no chat, as before it had one.
+        self.chat = bool(chat_template and template and template != CHAT_TEMPLATE)
         self.limit = limit
         """grpo.max_prompt_len: the prompt tokens the plan counted."""
         stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(PROBLEM_TOKEN)}
         self.stops = stops - {None, tokenizer.unk_token_id}
 
     def full(self, problem: Problem) -> list[int]:
-        """The whole rendered prompt."""
+        """The whole rendered prompt: a conversational problem's messages always through the
+        chat template (as TRL's `maybe_apply_chat_template`), a plain question where `chat`."""
+        if problem.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise StageError(f"{problem.origin or problem.family}: a conversational prompt (a list of messages) "
+                                 "needs a tokenizer with a chat template; this one has none")  # fmt: skip
+            return self._rendered([dict(m) for m in problem.messages])
         if self.chat:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": problem.question}],
-                add_generation_prompt=True,
-                tokenize=True,
-            )
-            return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+            return self._rendered([{"role": "user", "content": problem.question}])
         return self.tokenizer(prompt(problem), add_special_tokens=False)["input_ids"]
+
+    def _rendered(self, messages: list[dict[str, str]]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
     def ids(self, problem: Problem) -> list[int]:
         """The prompt as the model is given it, refused when longer than `limit`: cut, it would

@@ -4,7 +4,9 @@ A user function is called exactly as TRL's GRPOTrainer calls one, by keyword onl
 reward written for TRL (its shipped `trl.rewards` included) runs here unchanged:
 
 - `prompts`: the questions (the dataset's prompt column), `completions`: the model's text,
-  decoded up to its end token (eos, or the model starting a new problem), without it;
+  decoded up to its end token (eos, or the model starting a new problem), without it; for a
+  conversational problem (its prompt a list of messages) the prompt is its messages and the
+  completion `[{"role": "assistant", "content": text}]`, as TRL passes them;
 - `completion_ids`, `trainer_state` (`global_step`, `max_steps`), `log_extra(column,
   values)`, `log_metric(name, value)`, and stagetrain's own `answer` (the reference, as
   text), `level` and `finished` (the model ended the completion itself, within
@@ -169,8 +171,9 @@ def _call(
     """One call of the user's function, as TRL makes it: keywords only, columns copied."""
     columns = sorted({c for p in problems for c in p.columns})
     kwargs = {
-        "prompts": [p.question for p in problems],
-        "completions": [c.text for c in completions],
+        "prompts": [p.question if p.messages is None else [dict(m) for m in p.messages] for p in problems],
+        "completions": [c.text if p.messages is None else [{"role": "assistant", "content": c.text}]
+                        for p, c in zip(problems, completions, strict=True)],
         "completion_ids": [list(c.ids) for c in completions],
         "trainer_state": context.state, "log_extra": context.log.log_extra, "log_metric": context.log.log_metric,
         "answer": [p.answer for p in problems], "level": [p.level for p in problems],
