@@ -74,6 +74,12 @@ def test_every_local_file_is_listed_sorted_and_hub_ids_are_not(tmp_path: Path) -
          "config: tasks.families.0.files.0: no file matches 'tasks/none.jsonl'"),
         ({"tasks": {"families": [{"name": "mine", "files": ["README.md"], "rewards": [{"function": "tasks/r.py:score"}]}]}},
          "config: tasks.families.0.rewards.0.function: no such reward file 'tasks/r.py'"),
+        ({"tasks": {"families": [{"name": "mine", "files": ["README.md"], "rewards": [{"function": "trl.rewards:accuracy_reward", "kwargs": {"x": 1}}]}]}},
+         "config: tasks.families.0.rewards.0.function: trl.rewards:accuracy_reward cannot be called with kwargs {'x': 1} (no value for 'completions'; no value for 'solution')"),
+        ({"tasks": {"families": [{"name": "mine", "files": ["README.md"], "rewards": [{"function": "operator:add"}]}]}},
+         "config: tasks.families.0.rewards.0.function: operator:add cannot take TRL's keyword call: it has positional-only parameters (a, b): every argument is passed by keyword"),
+        ({"tasks": {"families": [{"name": "mine", "files": ["README.md"], "rewards": [{"verifier": "exact", "kwargs": {}}]}]}},
+         "config: tasks.families.0.rewards.0.kwargs: only a function takes kwargs (a factory's arguments)"),
     ],
 )  # fmt: skip
 def test_a_missing_local_file_is_one_line_naming_its_key(sections: dict, line: str) -> None:

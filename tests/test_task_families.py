@@ -65,8 +65,8 @@ def test_every_format_loads_the_same_family(tmp_path: Path, name: str) -> None:
         "0",
         1,
         "0",
-        {"i": 0},
-    )
+        {"q": "What is 0 doubled?", "a": "0", "difficulty": 1, "i": 0},
+    )  # mapped columns too, under their own names, as TRL passes every column
     assert all(split_of(p.key) == split for (_, split), ps in pool.items() for p in ps)
     counts = loaded.record()["doubles"]["problems"]
     assert sum(sum(c.values()) for c in counts.values()) == 1800
@@ -322,7 +322,7 @@ def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
                     "families": [{"name": "a", "files": ["x"], "rewards": [{"function": "r.py"}]}]
                 }
             },
-            "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name', got 'r.py'",
+            "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name' or 'package.module:function_name', got 'r.py'",
         ),
         (
             {"grpo": {"curriculum": {"families": ["mine"]}}},
@@ -476,7 +476,7 @@ def test_user_rewards_get_the_extra_columns_and_are_weighted(tmp_path: Path) -> 
         "CALLS = []\n"
         "def by_column(prompts, completions, answer, level, finished, completion_ids, i, **kw):\n"
         "    CALLS.append({'prompts': prompts, 'completions': completions, 'answer': answer, 'level': level,\n"
-        "                  'finished': finished, 'completion_ids': completion_ids, 'i': i})\n"
+        "                  'finished': finished, 'completion_ids': completion_ids, 'i': i, **kw})\n"
         "    return [1.0 if c == str(2 * n) else None if n % 2 else 0.0 for c, n in zip(completions, i)]\n"
     )
     rewards = [
@@ -715,3 +715,231 @@ def test_no_tasks_is_the_schemas_default_tasks_section() -> None:
     from stagetrain.tasks.families import NO_TASKS
 
     assert TasksSettings.from_config(stconfig.validate_section("tasks", {}), "tasks") == NO_TASKS
+
+
+# --- rewards called as TRL calls them (issue 57; issue 58 items 5, 8, 12, 13) -----------
+
+
+def test_rewards_are_called_by_keyword_only_with_trl_state_logs_and_every_column(
+    tmp_path: Path,
+) -> None:
+    body = (
+        "CALLS = []\n"
+        "def strict(*, prompts, completions, completion_ids, trainer_state, log_extra, log_metric,\n"
+        "           answer, level, finished, q, a, difficulty, i):\n"
+        "    CALLS.append((trainer_state.global_step, trainer_state.max_steps, q, a, difficulty))\n"
+        "    log_metric('seen', float(len(prompts)))\n"
+        "    log_extra('i', i)\n"
+        "    return [float(c == x) for c, x in zip(completions, a)]\n"
+    )
+    judge, problems = judge_for(tmp_path, body, [{"function": "FILE:strict"}])
+    judge.at_step(3, 10)
+    first = problems[1]
+    assert judge.rewards([first, first], [ids(first.answer), ids("no")]) == [1.0, 0.0]
+    from stagetrain.tasks.rewards import _module
+
+    (call,) = _module(str(tmp_path / "reward.py")).CALLS
+    assert call == (3, 10, [first.question] * 2, [first.answer] * 2, [1, 1])
+    assert (
+        judge.context.log.metrics["seen"] == [2.0]
+        and judge.context.log.extra["i"] == [first.columns["i"]] * 2
+    )
+
+
+def test_an_async_reward_is_awaited(tmp_path: Path) -> None:
+    body = (
+        "import asyncio\n"
+        "async def judged(prompts, completions, **kw):\n"
+        "    await asyncio.sleep(0)\n"
+        "    return [float(len(c)) for c in completions]\n"
+    )
+    judge, problems = judge_for(tmp_path, body, [{"function": "FILE:judged"}])
+    assert judge.rewards(problems[:2], [ids("abc"), ids("x")]) == [3.0, 1.0]
+
+
+def test_a_reward_gets_copies_and_cannot_change_the_stored_problems(tmp_path: Path) -> None:
+    body = (
+        "def vandal(prompts, completions, tags, **kw):\n"
+        "    for t in tags:\n"
+        "        t.append('changed')\n"
+        "        t[0] = 'x'\n"
+        "    tags.clear()\n"
+        "    return [float(len(kw['tags_seen'])) if 'tags_seen' in kw else 1.0 for _ in prompts]\n"
+    )
+    (tmp_path / "reward.py").write_text(body)
+    path = write_rows(tmp_path / "t.jsonl", [{**r, "tags": ["a", "b"]} for r in rows()])
+    loaded = load_tasks(
+        tasks(family([str(path)], rewards=[{"function": f"{tmp_path / 'reward.py'}:vandal"}]))
+    )
+    problems = sorted(get_family("doubles").pool[(1, "train")], key=lambda p: p.columns["i"])
+    judge = Judge(loaded, FakeTokenizer(), max_prompt_len=64)
+    for _ in range(2):
+        assert judge.rewards(problems[:2], [ids("0"), ids("0")]) == [1.0, 1.0]
+    assert [p.columns["tags"] for p in problems[:2]] == [["a", "b"], ["a", "b"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "weights", "expected"),
+    [
+        ("import sys\ndef f(prompts, completions, **kw):\n    sys.exit(3)\n", [1.0],
+         "reward FILE:f: raised SystemExit: 3 on the row (T:1) with prompt 'What is 0 doubled?'"),
+        ("def f(prompts, completions, **kw):\n    raise KeyboardInterrupt\n", [1.0],
+         "reward FILE:f: raised KeyboardInterrupt on the row (T:1)"),
+        ("def f(prompts, completions, **kw):\n    return [10 ** 400 for _ in prompts]\n", [1.0],
+         "reward FILE:f: returned 1000000000000000000000000000000000000... on the row (T:1) with prompt 'What is 0 doubled?'; expected a finite number or None"),
+        ("def f(prompts, completions, **kw):\n    return [1.0 for _ in prompts]\n", [1e308, 1e308],
+         "reward FILE:f: weight 1e+308 x 1.0 makes the reward of the row (T:1) with prompt 'What is 0 doubled?' inf; expected a finite sum"),
+    ],
+)  # fmt: skip
+def test_base_exceptions_overflowing_values_and_infinite_sums_are_one_line(
+    tmp_path: Path, body: str, weights: list[float], expected: str
+) -> None:
+    with pytest.raises(StageError) as err:
+        judge, problems = judge_for(
+            tmp_path, body, [{"function": "FILE:f", "weight": w} for w in weights]
+        )
+        judge.rewards(problems[:2], [ids("0"), ids("6")])
+    message = (
+        str(err.value)
+        .replace(str(tmp_path / "reward.py"), "FILE")
+        .replace(str(tmp_path / "t.jsonl"), "T")
+    )
+    assert expected in message and "\n" not in message, message
+
+
+def message_of(function: Any, *args: Any) -> str:
+    with pytest.raises(StageError) as err:
+        function(*args)
+    return str(err.value)
+
+
+def test_reward_signatures_are_checked_at_dag_time_files_by_ast_modules_by_signature(
+    tmp_path: Path,
+) -> None:
+    key = "tasks.families.0.rewards.0.function"
+    good = tmp_path / "good.py"
+    good.write_text(
+        "import sys\nsys.exit('the file must not run at DAG time')\n"
+        "def reward_len(completions, **kwargs):\n    return [-abs(20 - len(c)) for c in completions]\n"
+        "def factory(ngram_size, scale=1.0):\n    return reward_len\n"
+        "def narrow(prompts, completions):\n    return [0.0] * len(prompts)\n"
+        "def positional(prompts, completions, /, **kw):\n    return [0.0] * len(prompts)\n"
+        "class Scorer:\n    pass\n"
+    )
+    assert check_function(f"{good}:reward_len", key) == str(good)
+    assert check_function(f"{good}:factory", key, {"ngram_size": 2}) == str(good)
+    assert check_function("trl.rewards:accuracy_reward", key) is None
+    assert check_function("trl.rewards:think_format_reward", key) is None
+    assert (
+        check_function("trl.rewards:get_repetition_penalty_reward", key, {"ngram_size": 2}) is None
+    )
+    refused = [
+        ((f"{good}:narrow", None), f"{good}:narrow cannot take TRL's keyword call: it lacks **kwargs, or parameters completion_ids, trainer_state, log_extra, log_metric, answer, level, finished"),
+        ((f"{good}:positional", None), "it has positional-only parameters (prompts, completions)"),
+        ((f"{good}:Scorer", None), f"{good}:Scorer is a class, expected a function"),
+        ((f"{good}:factory", {"ngram": 2}), "cannot be called with kwargs {'ngram': 2} (no parameter 'ngram'; no value for 'ngram_size')"),
+        (("trl.rewards:get_repetition_penalty_reward", None), "trl.rewards:get_repetition_penalty_reward cannot take TRL's keyword call: it lacks **kwargs, or parameters prompts"),
+        (("trl.rewards:get_repetition_penalty_reward", {"max_penalty": 1.0}), "the factory raised ValueError: max_penalty 1.0 should not be positive"),
+        (("trl.rewards:no_such", None), "module 'trl.rewards' has no attribute 'no_such'"),
+        (("trl.rewards:__name__", None), "trl.rewards:__name__ is a str, expected a function"),
+        (("no_such_package.rewards:f", None), "cannot import module 'no_such_package.rewards' (ModuleNotFoundError"),
+    ]  # fmt: skip
+    assert "(a factory of rewards? give its kwargs)" in message_of(
+        check_function, "trl.rewards:get_repetition_penalty_reward", key
+    )
+    for (spec, kwargs), expected in refused:
+        with pytest.raises(StageError) as err:
+            check_function(spec, key, kwargs)
+        assert (
+            key in str(err.value) and expected in str(err.value) and "\n" not in str(err.value)
+        ), err.value
+
+
+def test_trl_rewards_run_unchanged_from_a_module_and_a_factory(tmp_path: Path) -> None:
+    """TRL's own functions, named as `module:name` (a factory with its kwargs), score as they do
+    when called directly on the same completions."""
+    from trl.rewards import get_repetition_penalty_reward
+
+    body = "def reward_len(completions, **kwargs):\n    return [-abs(20 - len(c)) for c in completions]\n"
+    rewards = [
+        {
+            "function": "trl.rewards:get_repetition_penalty_reward",
+            "kwargs": {"ngram_size": 2},
+            "weight": 1.0,
+        },
+        {"function": "FILE:reward_len", "weight": 0.5},
+    ]
+    judge, problems = judge_for(tmp_path, body, rewards)
+    done = [ids("abababab"), ids("abcdefgh"), ids("aaaa" * 8)]
+    completion_ids = [d[:-1] for d in done]
+    texts = ["".join(map(chr, c)) for c in completion_ids]
+    direct = get_repetition_penalty_reward(ngram_size=2)(completion_ids=completion_ids)
+    lengths = [-abs(20 - len(t)) for t in texts]
+    expected = [r + 0.5 * n for r, n in zip(direct, lengths, strict=True)]
+    assert (
+        judge.rewards(problems[:3], done) == pytest.approx(expected) and direct[0] < 0 == direct[1]
+    )
+
+
+def test_a_conversational_family_is_prompted_through_the_chat_template_and_scored_by_trl_rewards(
+    tmp_path: Path,
+) -> None:
+    """TRL's dataset layout (a `prompt` of messages, a `solution` column mapped as the answer)
+    and TRL's shipped rewards, unchanged: they read `completion[0]["content"]` and `solution`."""
+    from trl.data_utils import is_conversational
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    data = [{"prompt": [{"role": "user", "content": r["q"]}], "solution": r["a"], "difficulty": r["difficulty"]}
+            for r in rows()]  # fmt: skip
+    path = write_rows(tmp_path / "t.jsonl", data)
+    rewards = [
+        {"function": "trl.rewards:accuracy_reward"},
+        {"function": "trl.rewards:think_format_reward", "weight": 0.5},
+    ]
+    config = family(
+        [str(path)],
+        rewards=rewards,
+        columns={"prompt": "prompt", "answer": "solution", "level": "difficulty"},
+    )
+    loaded = load_tasks(tasks(config))
+    problems = sorted(get_family("doubles").pool[(1, "train")], key=lambda p: int(p.answer))[:3]
+    tokenizer = train_bpe([r["q"] + r["a"] for r in rows(200)], 400)
+    judge = Judge(loaded, tokenizer, max_prompt_len=64)
+    assert is_conversational({"prompt": list(problems[0].messages)})
+    for p in problems:  # the pipeline's own markup, through the trained tokenizer's template
+        assert (
+            judge.prompt_ids(p)
+            == tokenizer(f"<|problem|>{p.question}<|answer|>", add_special_tokens=False)[
+                "input_ids"
+            ]
+        )
+    texts = [
+        f"<think>x</think>\\boxed{{{problems[0].answer}}}",
+        f"\\boxed{{{problems[1].answer}}}",
+        "<think>no</think>\\boxed{7}",
+    ]
+    done = [
+        tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for t in texts
+    ]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    solution = [p.columns["solution"] for p in problems]
+    accuracy = accuracy_reward(completions=completions, solution=solution)
+    think = think_format_reward(completions=completions)
+    assert judge.rewards(problems, done) == pytest.approx(
+        [a + 0.5 * t for a, t in zip(accuracy, think, strict=True)]
+    )
+    assert accuracy[:2] == [1.0, 1.0] and accuracy[2] == 0.0 and think == [1.0, 0.0, 1.0]
+    assert judge.context.log.extra  # accuracy_reward logs its parsed answers through log_extra
+    from transformers import AutoTokenizer
+
+    from stagetrain.tokenizer.build import save
+
+    save(
+        tokenizer, tmp_path / "tok"
+    )  # the template travels with the saved folder (consolidate copies it)
+    loaded_tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    rendered = loaded_tok.apply_chat_template(
+        list(problems[0].messages), add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == f"<|problem|>{problems[0].question}<|answer|>"

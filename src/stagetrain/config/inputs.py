@@ -60,7 +60,9 @@ def local_inputs(config: Settings) -> dict[str, list[str]]:
 
     Kinds: `table` (parallelism.table_path), `data_files` (data.files globs),
     `task_files` (the local files of tasks.families), `reward_files` (their reward functions'
-    files, read here without running them: each must define its function), `tokenizer` (a local
+    files, read here without running them: each must define its function, whose parameters
+    take TRL's keyword call; a reward of an installed module is imported and its signature
+    checked, and is no file of the run), `tokenizer` (a local
     tokenizer.path, read only by a pretrained source), `init_from` (the files of a local model.init_from folder)
     and `init_from_config` (those of them that are not weights).
     """
@@ -90,7 +92,9 @@ def local_inputs(config: Settings) -> dict[str, list[str]]:
             tasks.update(matches)
         for i, reward in enumerate(family.rewards or ()):
             if "function" in reward:
-                rewards.add(check_function(reward["function"], f"{key}.rewards.{i}.function"))
+                where = f"{key}.rewards.{i}.function"
+                path = check_function(reward["function"], where, reward.get("kwargs"))
+                rewards.update([path] if path else [])  # an installed module is no file of the run
     found["task_files"], found["reward_files"] = sorted(tasks), sorted(rewards)
     tokenizer = config.tokenizer.path
     if config.tokenizer.source == "pretrained" and tokenizer:

@@ -179,10 +179,12 @@ class DataSettings(_Section):
 
 class RewardSpec(TypedDict):
     """One tasks.families.N.rewards entry: a built-in verifier or a function of the user's
-    ('path/file.py:name'), exactly one of them (`TaskFamilySettings.check_rewards`), weighted."""
+    ('path/file.py:name' or 'package.module:name'; with `kwargs`, a factory of the reward),
+    exactly one of them (`TaskFamilySettings.check_rewards`), weighted."""
 
     verifier: NotRequired[Literal["exact", "numeric", "format", "math"]]
     function: NotRequired[str]
+    kwargs: dict[str, Any] | None
     weight: float
 
 
@@ -225,6 +227,10 @@ class TaskFamilySettings(_Section):
                 raise StageError(f"{key}.rewards.{j}: expected exactly one of verifier or function")
             if "function" in reward:
                 parse_function(reward["function"], f"{key}.rewards.{j}.function")
+            elif reward.get("kwargs") is not None:
+                raise StageError(
+                    f"{key}.rewards.{j}.kwargs: only a function takes kwargs (a factory's arguments)"
+                )
 
     def check_success_at(self, key: str, default: float) -> None:
         """The family's `success_at` can be reached and cannot be reached by nothing: a bar that

@@ -477,6 +477,7 @@ def step(
     """Rollouts, training and the curriculum update of one step; its metrics record."""
     cfg, judge, eos = run.cfg, run.judge, run.tokenizer.eos_token_id
     batch, first = draw_problems(run, curriculum, step_no)
+    judge.at_step(step_no - 1, cfg.steps)  # TRL counts the steps completed before this one
     prompts = [judge.prompt_ids(p) for p in batch]
     keys = [(run.spec["seed"], step_no, first + i) for i in range(len(batch))]
 

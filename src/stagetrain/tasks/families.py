@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import json
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ from stagetrain.tasks import rewards as task_rewards
 from stagetrain.tasks.files import read_rows
 from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, split_of
 from stagetrain.tasks.registry import FAMILIES, Family, register
+from stagetrain.tasks.reward_source import is_file
 from stagetrain.tasks.verify import END_MARKERS
 
 log = logging.getLogger("stagetrain")
@@ -121,6 +123,9 @@ def reward_digests(tasks: TasksSettings) -> dict[str, str]:
     fingerprint (an edited reward must not resume a run trained on the old one)."""
     paths = {task_rewards.parse_function(r["function"], KEY)[0]
              for f in tasks.families for r in f.rewards or () if "function" in r}  # fmt: skip
+    paths = {
+        p for p in paths if is_file(p)
+    }  # an installed module is the environment's, as torch is
     out = {}
     for path in sorted(paths):
         try:
@@ -281,7 +286,11 @@ def _level(value: Any, edges: Sequence[float] | None, where: str, column: str) -
 def _problem(entry: TaskFamilySettings, key: str, where: str, row: Mapping[str, Any]) -> Problem:
     """One row of the user's file as a problem, checked; `row` is the file's, any columns."""
     columns = entry.columns
-    question = _text(_column(row, where, key, "prompt", columns.prompt), where, columns.prompt)
+    raw_prompt = _column(row, where, key, "prompt", columns.prompt)
+    messages = (
+        _messages(raw_prompt, where, columns.prompt) if is_conversational(raw_prompt) else None
+    )
+    question = messages[-1]["content"] if messages else _text(raw_prompt, where, columns.prompt)
     answer = _text(
         _column(row, where, key, "answer", columns.answer),
         where,
@@ -301,24 +310,70 @@ def _problem(entry: TaskFamilySettings, key: str, where: str, row: Mapping[str, 
         solution = _text(
             _column(row, where, key, "solution", columns.solution), where, columns.solution
         )
-    size = len(question) + len(answer) + len(solution)
+    asked = "".join(m["content"] for m in messages) if messages else question
+    size = len(asked) + len(answer) + len(solution)
     if size > MAX_ROW_CHARACTERS:
         raise StageError(
             f"{where}: a row of {size:,} characters; a task row holds at most {MAX_ROW_CHARACTERS:,}"
         )
     for marker in CONTROL_TOKENS:
-        if marker in question or marker in answer or marker in solution:
+        if marker in asked or marker in answer or marker in solution:
             raise StageError(
                 f"{where}: prompt, answer and solution must not contain the control token {marker!r}"
             )
     mapped = {c for c in dataclasses.astuple(columns) if c}
-    extra = {c: v for c, v in row.items() if c not in mapped}
+    # Every column reaches the rewards under its own name, mapped ones too (TRL's
+    # accuracy_reward reads `solution` however the answer is mapped), but for "prompt" (TRL
+    # passes it as `prompts` alone) and a mapped column named as a keyword (`answer`, `level`).
+    extra = {
+        c: v
+        for c, v in row.items()
+        if c != "prompt" and not (c in mapped and c in task_rewards.RESERVED)
+    }
     for name in extra:
         if name in task_rewards.RESERVED:
             raise StageError(f"{where}: column {name!r} is not mapped, and reward functions already get an argument "
                              f"of that name; rename the column or map it in {key}.columns")  # fmt: skip
+    identity = (
+        question if not messages or len(messages) == 1 else json.dumps(messages, sort_keys=True)
+    )
     return Problem(family=entry.name, level=level, question=question, answer=answer, solution=solution,
-                   key=question, origin=where, columns=extra)  # fmt: skip
+                   key=identity, origin=where, messages=messages, columns=extra)  # fmt: skip
+
+
+def is_conversational(prompt: Any) -> bool:
+    """TRL's test of a prompt (`trl.data_utils.is_conversational`): a list whose first item is
+    a mapping with a "role"."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and isinstance(prompt[0], Mapping)
+        and "role" in prompt[0]
+    )
+
+
+def _messages(value: list[Any], where: str, column: str) -> tuple[dict[str, str], ...]:
+    """A conversational prompt checked: {role, content} strings, ending with a user message."""
+    out = []
+    for i, m in enumerate(value):
+        if (
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise StageError(
+                f"{where}: column {column!r} message {i} must have string role and content, got {m!r}"[
+                    :300
+                ]
+            )
+        out.append(
+            {"role": m["role"], "content": _text(m["content"], where, f"{column}.{i}.content")}
+        )
+    if out[-1]["role"] != "user":
+        raise StageError(
+            f"{where}: column {column!r}: the last message must be the user's (the question), not {out[-1]['role']!r}"
+        )
+    return tuple(out)
 
 
 def held_out_families(grpo: GrpoSettings, data: DataSettings, tasks: TasksSettings) -> list[str]:

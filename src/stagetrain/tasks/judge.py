@@ -13,7 +13,7 @@ from typing import Any
 from stagetrain.tasks.families import TaskSet
 from stagetrain.tasks.problem import Problem
 from stagetrain.tasks.prompts import Prompter
-from stagetrain.tasks.rewards import weighted
+from stagetrain.tasks.rewards import Context, TrainerState, weighted
 
 
 class Judge:
@@ -22,6 +22,13 @@ class Judge:
     def __init__(self, tasks: TaskSet, tokenizer: Any, *, max_prompt_len: int) -> None:
         self.tasks = tasks
         self.prompter = Prompter(tokenizer, chat_template=tasks.chat_template, limit=max_prompt_len)
+        self.context = Context()
+        """What reward functions get as `trainer_state`, `log_extra` and `log_metric`."""
+
+    def at_step(self, step: int, max_steps: int) -> None:
+        """The optimizer steps done when the next rewards are scored, of the run's `max_steps`
+        (TRL's `trainer_state`: 0 while the first step's completions are scored)."""
+        self.context.state = TrainerState(global_step=step, max_steps=max_steps)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The prompt's token ids as the model is given them."""
@@ -36,9 +43,8 @@ class Judge:
         out = [0.0] * len(problems)
         for family in dict.fromkeys(p.family for p in problems):
             rows = [i for i, p in enumerate(problems) if p.family == family]
-            scores = weighted(
-                self.tasks.rewards(family), [problems[i] for i in rows], [decoded[i] for i in rows]
-            )
+            scores = weighted(self.tasks.rewards(family), [problems[i] for i in rows],
+                              [decoded[i] for i in rows], self.context)  # fmt: skip
             for i, value in zip(rows, scores, strict=True):
                 out[i] = value
         return out

@@ -46,8 +46,12 @@ class Problem:
     """The problem's identity: two problems with the same key are the same problem."""
     origin: str = ""
     """Where a file family's problem came from ('tasks/sort.parquet:row 12'), for messages."""
+    messages: tuple[Mapping[str, str], ...] | None = None
+    """A conversational family's prompt, its chat messages (the prompt column holds a list of
+    {role, content}, as TRL's `is_conversational` decides); `question` is then the last user
+    message's content. None: the prompt is plain text."""
     columns: Mapping[str, Any] = field(default_factory=dict)
-    """A file family's unmapped columns of the row, which its reward functions receive."""
+    """A file family's columns of the row (but "prompt"), which its reward functions receive by name."""
 
     def __post_init__(self) -> None:
         if self.level < 1:

@@ -2,15 +2,17 @@
 
 Without a chat template a prompt is the pipeline's own markup,
 `<|problem|>question<|answer|>`, which the generated corpus teaches. When the tokenizer
-has a chat template (an `init_from` chat model, or `tokenizer.source: pretrained`) and
-`tasks.chat_template` is true, the question is the user turn of a conversation rendered
-by `apply_chat_template(..., add_generation_prompt=True)`, token for token as the model
-was tuned to read it. That template must render a probe question's text, or it is
+has a chat template (the pipeline's trained tokenizer's renders that same markup; an
+`init_from` chat model's, or `tokenizer.source: pretrained`) and `tasks.chat_template` is
+true, the question is the user turn of a conversation rendered by
+`apply_chat_template(..., add_generation_prompt=True)`, token for token as the model was
+tuned to read it. A conversational family's prompts (lists of messages, as TRL's datasets
+hold them) are always rendered so. A template must render a probe question's text, or it is
 refused: a template that ignores the messages turned every prompt into its own text.
 
-Task text never becomes control tokens: a question holding any special token of the
-tokenizer in use (a chat model's `<|im_start|>` as well as the pipeline's own) is refused,
-since encoding would make it a real turn marker and let a row inject a system turn.
+Task text never becomes control tokens: a question or message holding any special token of
+the tokenizer in use (a chat model's `<|im_start|>` as well as the pipeline's own) is
+refused, since encoding would make it a real turn marker and let a row inject a system turn.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from stagetrain.errors import StageError
 from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem, prompt
 from stagetrain.tasks.rewards import Completion
+from stagetrain.tokenizer.chat import CHAT_TEMPLATE
 
 PROBE = "What is 2 plus 3?"
 """The user message a chat template must render, checked once per tokenizer."""
@@ -54,19 +57,24 @@ class Prompter:
 
     def __init__(self, tokenizer: Any, *, chat_template: bool, limit: int) -> None:
         self.tokenizer = tokenizer
-        self.chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        # The trained tokenizer's own template renders the plain markup: no chat, as before it had one.
+        self.chat = bool(chat_template and template and template != CHAT_TEMPLATE)
         self.limit = limit
         """grpo.max_prompt_len: the prompt tokens the plan counted."""
         self.stops = set(stop_ids(tokenizer))
         self.specials = special_tokens(tokenizer)
+        self._probed = False
         if self.chat:
             self._probe_template()
 
     def _probe_template(self) -> None:
-        """The chat template renders a user message's text, or one line naming the tokenizer."""
+        """The chat template renders a user message's text, or one line naming the tokenizer;
+        checked once, before the first prompt it renders."""
+        self._probed = True
         folder = getattr(self.tokenizer, "name_or_path", "") or "the tokenizer"
         try:
-            ids = self._chat_ids(PROBE)
+            ids = self._rendered([{"role": "user", "content": PROBE}])
         except Exception as err:  # Jinja's errors, and whatever a template's own code raises
             text = str(err).strip().splitlines()
             raise StageError(f"{folder}: its chat template cannot render a conversation "
@@ -75,21 +83,34 @@ class Prompter:
             raise StageError(f"{folder}: its chat template does not render the messages' text (a user message "
                              f"{PROBE!r} is not in its output); fix it or set tasks.chat_template: false")  # fmt: skip
 
-    def _chat_ids(self, question: str) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-        )
-        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-
     def full(self, problem: Problem) -> list[int]:
-        """The whole rendered prompt."""
-        marker = next((t for t in self.specials if t in problem.question), None)
+        """The whole rendered prompt: a conversational problem's messages always through the
+        chat template (as TRL's `maybe_apply_chat_template`), a plain question where `chat`."""
+        texts = (
+            [problem.question]
+            if problem.messages is None
+            else [m["content"] for m in problem.messages]
+        )
+        marker = next((t for t in self.specials for text in texts if t in text), None)
         if marker is not None:
             raise StageError(f"{_where(problem)}: the prompt contains {marker!r}, a special token of the tokenizer in use; "
                              "task text must not become control tokens")  # fmt: skip
+        if problem.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise StageError(f"{_where(problem)}: a conversational prompt (a list of messages) "
+                                 "needs a tokenizer with a chat template; this one has none")  # fmt: skip
+            if not self._probed:
+                self._probe_template()
+            return self._rendered([dict(m) for m in problem.messages])
         if self.chat:
-            return self._chat_ids(problem.question)
+            return self._rendered([{"role": "user", "content": problem.question}])
         return self.tokenizer(prompt(problem), add_special_tokens=False)["input_ids"]
+
+    def _rendered(self, messages: list[dict[str, str]]) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
     def ids(self, problem: Problem) -> list[int]:
         """The prompt as the model is given it, refused when longer than `limit`: cut, it would

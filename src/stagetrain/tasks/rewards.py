@@ -1,47 +1,93 @@
 """A task family's reward: built-in verifiers and the user's Python functions, weighted.
 
-A user function has TRL's signature, `fn(prompts, completions, **columns) -> list[float | None]`,
-so a reward written for TRL runs here unchanged:
+A user function is called exactly as TRL's GRPOTrainer calls one, by keyword only, so a
+reward written for TRL (its shipped `trl.rewards` included) runs here unchanged:
 
 - `prompts`: the questions (the dataset's prompt column), `completions`: the model's text,
-  decoded up to its end token (eos, or the model starting a new problem), without it;
-- keyword lists, one entry per row: `answer` (the reference, as text), `level`, `finished`
-  (the model ended the completion itself, within grpo.max_new_tokens), `completion_ids`, and
-  every column of the family's files that `columns` does not map, under its own name.
+  decoded up to its end token (eos, or the model starting a new problem), without it; for a
+  conversational problem (its prompt a list of messages) the prompt is its messages and the
+  completion `[{"role": "assistant", "content": text}]`, as TRL passes them;
+- `completion_ids`, `trainer_state` (`global_step`, `max_steps`), `log_extra(column,
+  values)`, `log_metric(name, value)`, and stagetrain's own `answer` (the reference, as
+  text), `level` and `finished` (the model ended the completion itself, within
+  grpo.max_new_tokens): one entry per row where a list;
+- every column of the family's files under its own name, mapped ones included (a `solution`
+  column mapped as the answer still reaches `accuracy_reward` as `solution`), each call a
+  fresh copy, so a function that edits its arguments cannot change the stored problems.
 
-`None` means "not applicable to this row" (as in TRL): the row's weighted sum leaves that
-function out, and a row no function applies to scores 0. The reward of a completion is
-sum(weight * value). A reward file is the user's own code, imported and run in every GRPO
-rank for that rank's completions (each rank scores what it sampled, so no rank waits on
-another's scoring and nothing is sent between them) and by `stagetrain.evaluate`.
+An async function is awaited. `None` means "not applicable to this row" (as in TRL): the
+row's weighted sum leaves that function out, and a row no function applies to scores 0. The
+reward of a completion is sum(weight * value), which must stay finite. A reward file is the
+user's own code, imported and run in every GRPO rank for that rank's completions (each rank
+scores what it sampled, so no rank waits on another's scoring and nothing is sent between
+them) and by `stagetrain.evaluate`.
 
-A user function that raises, returns the wrong number of values, or a value that is not a
-finite number or None is bad input: the stage stops with one line naming the file, the
-function and the first bad row, before the step's update is applied. Built-in verifiers
-never raise (`verify.score`): one odd completion must not stop a run.
+A user function that raises (anything, SystemExit included), returns the wrong number of
+values, or a value that is not a finite number or None is bad input: the stage stops with
+one line naming the function and the first bad row, before the step's update is applied.
+Built-in verifiers never raise (`verify.score`): one odd completion must not stop a run.
 """
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import importlib.util
+import asyncio
+import copy
+import inspect
 import math
 import numbers
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from functools import cache
-from pathlib import Path
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stagetrain.config.settings import RewardSpec
 from stagetrain.errors import StageError
 from stagetrain.tasks.problem import Problem
+from stagetrain.tasks.reward_source import (  # noqa: F401 (re-exported: the tasks API)
+    KEYWORDS,
+    _module,
+    check_function,
+    load_function,
+    one_line,
+    parse_function,
+)
 from stagetrain.tasks.verify import extract_answer, is_integer, score
 
-RESERVED = ("prompts", "completions", "answer", "level", "finished", "completion_ids")
+RESERVED = KEYWORDS
 """The keyword names every reward call passes; a dataset column may not take one of them."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerState:
+    """TRL's `trainer_state` as rewards read it, for shaping by progress: the GRPO step being
+    scored (0 outside training: the held-out evaluation) and the run's last step."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+@dataclass
+class RewardLog:
+    """Where `log_extra` and `log_metric` put what a reward function logs (TRL's signatures)."""
+
+    extra: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        """Extra per-completion values of a column."""
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """One scalar of a batch, under `name`."""
+        self.metrics[name].append(value)
+
+
+@dataclass
+class Context:
+    """What a reward call passes beside the rows: the trainer's state and the log sinks."""
+
+    state: TrainerState = field(default_factory=TrainerState)
+    log: RewardLog = field(default_factory=RewardLog)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,78 +140,6 @@ class Reward:
     function: Callable[..., Any] | None = None
 
 
-def parse_function(spec: str, key: str) -> tuple[str, str]:
-    """'path/file.py:name' -> (path, name), or a one-line error naming `key`."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".py") or not name.isidentifier():
-        raise StageError(f"{key}: expected 'path/to/file.py:function_name', got {spec!r}")
-    return path, name
-
-
-def check_function(spec: str, key: str) -> str:
-    """The reward file of `spec` if it exists and defines `name` at its top level, read
-    without running it (at DAG time: the user's code runs only in the stage)."""
-    path, name = parse_function(spec, key)
-    try:
-        tree = ast.parse(Path(path).read_bytes(), filename=path)
-    except FileNotFoundError:
-        raise StageError(f"config: {key}: no such reward file {path!r}") from None
-    except (OSError, SyntaxError, ValueError) as err:
-        line = f" line {err.lineno}" if isinstance(err, SyntaxError) else ""
-        raise StageError(
-            f"config: {key}: cannot read reward file {path!r}{line} ({getattr(err, 'msg', err)})"
-        ) from None
-    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
-    defined |= {
-        t.id
-        for n in tree.body
-        if isinstance(n, ast.Assign)
-        for t in n.targets
-        if isinstance(t, ast.Name)
-    }
-    defined |= {
-        (a.asname or a.name).split(".")[0]
-        for n in tree.body
-        if isinstance(n, ast.Import | ast.ImportFrom)
-        for a in n.names
-    }  # a function imported from elsewhere: `from mylib import score`
-    if name not in defined:
-        shown = ", ".join(sorted(defined)) or "none"
-        raise StageError(
-            f"config: {key}: {path} defines no function {name!r} (its top-level names: {shown})"
-        )
-    return path
-
-
-@cache
-def _module(path: str) -> Any:
-    """The reward file imported once per process, under a name of its own."""
-    resolved = Path(path).resolve()
-    name = "stagetrain_reward_" + hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, resolved)
-    if spec is None or spec.loader is None:
-        raise StageError(f"{path}: cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except FileNotFoundError:
-        raise StageError(f"{path}: no such reward file") from None
-    except Exception as err:
-        del sys.modules[name]
-        raise StageError(f"{path}: importing the reward file failed ({_one_line(err)})") from None
-    return module
-
-
-def load_function(spec: str, key: str) -> Callable[..., Any]:
-    """The user's reward function of 'file.py:name', imported."""
-    path, name = parse_function(spec, key)
-    function = getattr(_module(path), name, None)
-    if not callable(function):
-        raise StageError(f"{key}: {path} has no function {name!r}")
-    return function
-
-
 def build(entries: Sequence[RewardSpec] | None, key: str) -> tuple[Reward, ...]:
     """The rewards of one family's `rewards` list (None: its problems' own verifier)."""
     if not entries:
@@ -173,17 +147,13 @@ def build(entries: Sequence[RewardSpec] | None, key: str) -> tuple[Reward, ...]:
     out = []
     for i, entry in enumerate(entries):
         if "function" in entry:
-            out.append(Reward(label=entry["function"], weight=entry["weight"],
-                              function=load_function(entry["function"], f"{key}.{i}.function")))  # fmt: skip
+            kwargs = entry.get("kwargs")
+            function = load_function(entry["function"], f"{key}.{i}.function", kwargs)
+            out.append(Reward(label=entry["function"], weight=entry["weight"], function=function))
         else:
             out.append(Reward(label=f"verifier {entry['verifier']}", weight=entry["weight"],
                               verifier=entry["verifier"]))  # fmt: skip
     return tuple(out)
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _row(problem: Problem) -> str:
@@ -191,40 +161,78 @@ def _row(problem: Problem) -> str:
     return f"row{where} with prompt {problem.question[:60]!r}"
 
 
+async def _awaited(pending: Awaitable[Any]) -> Any:
+    return await pending
+
+
 def _call(
-    reward: Reward, problems: Sequence[Problem], completions: Sequence[Completion]
+    reward: Reward, problems: Sequence[Problem], completions: Sequence[Completion], context: Context
 ) -> list[Any]:
+    """One call of the user's function, as TRL makes it: keywords only, columns copied."""
     columns = sorted({c for p in problems for c in p.columns})
     kwargs = {
+        "prompts": [p.question if p.messages is None else [dict(m) for m in p.messages] for p in problems],
+        "completions": [c.text if p.messages is None else [{"role": "assistant", "content": c.text}]
+                        for p, c in zip(problems, completions, strict=True)],
+        "completion_ids": [list(c.ids) for c in completions],
+        "trainer_state": context.state, "log_extra": context.log.log_extra, "log_metric": context.log.log_metric,
         "answer": [p.answer for p in problems], "level": [p.level for p in problems],
-        "finished": [c.finished for c in completions], "completion_ids": [c.ids for c in completions],
-        **{c: [p.columns.get(c) for p in problems] for c in columns},
+        "finished": [c.finished for c in completions],
+        **{c: [copy.deepcopy(p.columns.get(c)) for p in problems] for c in columns},
     }  # fmt: skip
     assert reward.function is not None
-    return reward.function([p.question for p in problems], [c.text for c in completions], **kwargs)
+    out = reward.function(**kwargs)
+    return asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out
+
+
+def _first_failure(
+    reward: Reward,
+    problems: Sequence[Problem],
+    completions: Sequence[Completion],
+    context: Context,
+    err: BaseException,
+) -> StageError:
+    """The batch's error as one line, naming the first row that raises on its own."""
+    for i in range(len(problems)):
+        try:
+            _call(reward, problems[i : i + 1], completions[i : i + 1], context)
+        except BaseException as row_err:  # noqa: BLE001 (SystemExit from user code is bad input too)
+            return StageError(
+                f"reward {reward.label}: raised {one_line(row_err)} on the {_row(problems[i])}"
+            )
+    return StageError(
+        f"reward {reward.label}: raised {one_line(err)} on a batch of {len(problems)} rows"
+    )
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float, or None where it is not a number or not finite as a float
+    (an int too large for one raises OverflowError)."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def values(
-    reward: Reward, problems: Sequence[Problem], completions: Sequence[Completion]
+    reward: Reward,
+    problems: Sequence[Problem],
+    completions: Sequence[Completion],
+    context: Context | None = None,
 ) -> list[float | None]:
     """One term's value of each row: a verifier's, or the user function's, checked."""
     if reward.verifier is not None:
         return [
             VERIFIERS[reward.verifier](c, p) for c, p in zip(completions, problems, strict=True)
         ]
+    context = context or Context()
     try:
-        out = _call(reward, problems, completions)
-    except Exception as err:
-        for i in range(len(problems)):  # the first row that raises on its own, to name it
-            try:
-                _call(reward, problems[i : i + 1], completions[i : i + 1])
-            except Exception as row_err:
-                raise StageError(
-                    f"reward {reward.label}: raised {_one_line(row_err)} on the {_row(problems[i])}"
-                ) from None
-        raise StageError(
-            f"reward {reward.label}: raised {_one_line(err)} on a batch of {len(problems)} rows"
-        ) from None
+        out = _call(reward, problems, completions, context)
+    except BaseException as err:  # noqa: BLE001 (SystemExit from user code is bad input too)
+        raise _first_failure(reward, problems, completions, context, err) from None
     try:
         out = list(out)
     except TypeError:
@@ -237,21 +245,36 @@ def values(
         )
     checked: list[float | None] = []
     for value, problem in zip(out, problems, strict=True):
-        if value is not None and (not isinstance(value, numbers.Real) or not math.isfinite(value)):
+        number = None if value is None else _finite(value)
+        if value is not None and number is None:
             raise StageError(
-                f"reward {reward.label}: returned {value!r} on the {_row(problem)}; expected a finite number or None"
+                f"reward {reward.label}: returned {_shown(value)} on the {_row(problem)}; expected a finite number or None"
             )
-        checked.append(None if value is None else float(value))
+        checked.append(number)
     return checked
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def weighted(
-    rewards: Sequence[Reward], problems: Sequence[Problem], completions: Sequence[Completion]
+    rewards: Sequence[Reward],
+    problems: Sequence[Problem],
+    completions: Sequence[Completion],
+    context: Context | None = None,
 ) -> list[float]:
-    """sum(weight * value) of each row over the terms that apply to it (0.0 where none does)."""
+    """sum(weight * value) of each row over the terms that apply to it (0.0 where none does),
+    refused where it is not finite (two weights of 1e308 overflow to inf)."""
     total = [0.0] * len(problems)
     for reward in rewards:
-        for i, value in enumerate(values(reward, problems, completions)):
+        for i, value in enumerate(values(reward, problems, completions, context)):
             if value is not None:
                 total[i] += reward.weight * value
+                if not math.isfinite(total[i]):
+                    raise StageError(
+                        f"reward {reward.label}: weight {reward.weight!r} x {value!r} makes the reward of the "
+                        f"{_row(problems[i])} {total[i]}; expected a finite sum (lower the weights)"
+                    )
     return total

@@ -21,8 +21,9 @@ from stagetrain.config.settings import TokenizerSettings
 from stagetrain.errors import StageError
 from stagetrain.io import public_dir
 from stagetrain.tasks import TASK_TOKENS
+from stagetrain.tokenizer.chat import CHAT_TEMPLATE, EOS_TOKEN
 
-SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": EOS_TOKEN, "pad_token": "<|pad|>"}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -42,12 +43,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         **SPECIAL_TOKENS,
         extra_special_tokens=list(TASK_TOKENS),
         clean_up_tokenization_spaces=False,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def load_pretrained(cfg: TokenizerSettings) -> PreTrainedTokenizerFast:
