@@ -219,6 +219,7 @@ def test_the_pattern_keys_are_found() -> None:
         "tasks.families[].name",
         "consolidate.max_shard_size",
         "publish.repo",
+        "publish.license",
     }
 
 
@@ -234,7 +235,9 @@ def _with_value(dotted: str, value: str) -> tuple[dict[str, Any], str]:
 @pytest.mark.parametrize(("dotted", "sub"), PATTERN_KEYS, ids=[d for d, _ in PATTERN_KEYS])
 def test_every_pattern_must_match_the_whole_string(dotted: str, sub: dict[str, Any]) -> None:
     """Python's `$` matches before a final newline: "tiny\\n" would name a results folder."""
-    good = "me/mine" if dotted == "publish.repo" else sub.get("default", "mine")
+    good = {"publish.repo": "me/mine", "publish.license": "apache-2.0"}.get(dotted) or sub.get(
+        "default", "mine"
+    )
     stconfig.validate(_with_value(dotted, good)[0])
     config, key = _with_value(dotted, good + "\n")
     with pytest.raises(StageError, match=f"^config: {re.escape(key)}: expected a string matching"):

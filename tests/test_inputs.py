@@ -222,7 +222,8 @@ def test_a_stage_digests_the_types_it_reads_not_the_code_that_writes_them() -> N
     own = {"pretrain": ("pretrain/",), "grpo": ("grpo/", "consolidate/__init__.py",
            "consolidate/manifest.py", "evaluate/__init__.py", "evaluate/heldout.py"),
            "consolidate": ("consolidate/",),
-           "publish": ("publish/", "pretrain/__init__.py", "pretrain/summary.py", "grpo/summary.py",
+           "publish": ("publish/", "consolidate/__init__.py", "consolidate/manifest.py",  # what it pushes
+                       "pretrain/__init__.py", "pretrain/summary.py", "grpo/summary.py",
                        "grpo/curriculum.py",  # the curriculum's record, in GRPO's summary
                        "evaluate/__init__.py", "evaluate/heldout.py")}  # fmt: skip
     for script, allowed in own.items():

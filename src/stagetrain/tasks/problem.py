@@ -21,6 +21,22 @@ SPLITS: tuple[Split, ...] = ("train", "val", "test")
 PROBLEM_TOKEN = "<|problem|>"
 ANSWER_TOKEN = "<|answer|>"
 TASK_TOKENS = (PROBLEM_TOKEN, ANSWER_TOKEN)
+EOS_TOKEN = "<|eos|>"
+"""The trained tokenizer's end of a document, and of a completion."""
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    f"{{% if m['role'] == 'user' %}}{PROBLEM_TOKEN}{{{{ m['content'] }}}}{ANSWER_TOKEN}"
+    f"{{% elif m['role'] == 'assistant' %}}{{{{ m['content'] }}}}{EOS_TOKEN}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
+"""The trained tokenizer's chat template: a user message is the pipeline's own prompt markup,
+`<|problem|>question<|answer|>` (the generation prompt is already its end), an assistant's is
+its text and eos, a system message its text. So `apply_chat_template` of one user message
+gives exactly the prompt the corpus taught, and a consolidated model folder (which copies the
+tokenizer) is prompted right by plain transformers and by TRL's conversational datasets. It
+lives with the markup, not in tokenizer/, so prompt rendering can tell it from a chat model's
+without the tokenizer stage's code in its digest."""
 
 TRAIN_PERCENT = 90
 VAL_PERCENT = 5

@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from stagetrain.errors import StageError
-from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem, prompt
+from stagetrain.tasks.problem import CHAT_TEMPLATE, PROBLEM_TOKEN, Problem, prompt
 from stagetrain.tasks.rewards import Completion
-from stagetrain.tokenizer.chat import CHAT_TEMPLATE
 
 PROBE = "What is 2 plus 3?"
 """The user message a chat template must render, checked once per tokenizer."""

@@ -13,9 +13,8 @@ import re
 import string
 from collections.abc import Callable
 
-from stagetrain.tasks.problem import PROBLEM_TOKEN, Problem
+from stagetrain.tasks.problem import EOS_TOKEN, PROBLEM_TOKEN, Problem
 
-EOS_TOKEN = "<|eos|>"
 END_MARKERS = (EOS_TOKEN, PROBLEM_TOKEN)
 """Where a completion ends: eos, or the model starting a new problem on its own."""
 

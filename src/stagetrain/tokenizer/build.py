@@ -20,8 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from stagetrain.config.settings import TokenizerSettings
 from stagetrain.errors import StageError
 from stagetrain.io import public_dir
-from stagetrain.tasks import TASK_TOKENS
-from stagetrain.tokenizer.chat import CHAT_TEMPLATE, EOS_TOKEN
+from stagetrain.tasks.problem import CHAT_TEMPLATE, EOS_TOKEN, TASK_TOKENS
 
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": EOS_TOKEN, "pad_token": "<|pad|>"}
 
