@@ -480,6 +480,25 @@ def test_settings_that_would_truncate_or_freeze_silently_are_refused(
     assert str(err.value) == f"config: {message}"
 
 
+@pytest.mark.parametrize("no_replay", ["curriculum-has-all", "no-generated-source"])
+def test_replay_with_nothing_to_replay_fails_the_dry_run(no_replay: str) -> None:
+    """Refused with the config, not in the ranks after pretraining; naming the families keeps it."""
+    config = default_config()
+    config["grpo"]["replay"] = {"share": 0.25}
+    if no_replay == "curriculum-has-all":
+        config["grpo"]["curriculum"]["families"] = ["arithmetic", "counting", "comparison"]
+    else:
+        config["data"]["generated"]["weight"] = 0.0
+        config["data"]["files"] = [{"path": "corpus/*.txt"}]
+    with pytest.raises(
+        StageError, match=r"^config: grpo.replay.share: > 0, but no family to replay"
+    ):
+        stconfig.validate(copy.deepcopy(config))
+    config["grpo"]["curriculum"]["families"] = ["comparison"]
+    config["grpo"]["replay"]["families"] = ["counting"]
+    stconfig.validate(config)
+
+
 @pytest.mark.parametrize(
     ("replay", "message"),
     [

@@ -702,6 +702,43 @@ def test_replay_puts_its_share_of_other_families_in_each_step_and_leaves_the_cur
     assert curriculum.states["comparison"].recent == [0]
 
 
+@pytest.mark.parametrize(("share", "prompts"), [(0.1, 4), (0.375, 4), (0.3, 16)])
+def test_replay_holds_its_share_in_expectation_where_rounding_would_not(
+    share: float, prompts: int
+) -> None:
+    """Rounding replayed none of 4 prompts at 0.1 and half of them at 0.375: a step replays the
+    share's whole prompts and one more with the chance of the fraction, so over many steps the
+    share is the one asked for, each step within one prompt of it."""
+    from stagetrain.grpo.run import Replay
+    from stagetrain.grpo.steps import step_prompts
+
+    cfg = _cfg(start_level=1, max_level=5, earlier_share=0.0)
+    curriculum = Curriculum.start(cfg, ["comparison"])
+    counts = [
+        sum(p.family == "counting" for p in step_prompts(curriculum, cfg, prompts=prompts, seed=3, step=s,
+                                                          replay=Replay(share, {"counting": 1})))
+        for s in range(2000)
+    ]  # fmt: skip
+    exact = share * prompts
+    assert set(counts) == {math.floor(exact), math.floor(exact) + 1}
+    assert sum(counts) / len(counts) / prompts == pytest.approx(share, abs=0.02)
+
+
+def test_a_run_that_solved_nothing_is_warned_with_its_largest_reward() -> None:
+    from stagetrain.grpo.train import nothing_solved
+
+    unsolved = [{"step": 0}] + [
+        {"step": s, "reward/solved": 0.0, "reward/max": m} for s, m in ((1, 0.5), (2, 1.5))
+    ]
+    message = nothing_solved(unsolved)  # type: ignore[arg-type]
+    assert message is not None and "in 2 logged steps (the largest reward was 1.5)" in message
+    assert "tasks.success_at" in message and "\n" not in message
+    assert (
+        nothing_solved([*unsolved, {"step": 3, "reward/solved": 0.125, "reward/max": 2.0}]) is None
+    )  # type: ignore[list-item]
+    assert nothing_solved([{"step": 0}]) is None  # type: ignore[list-item]
+
+
 @pytest.mark.slow
 def test_train_on_makes_the_global_batchs_update_however_dp_and_accumulation_cut_it(
     tmp_path: Path,

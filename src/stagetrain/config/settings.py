@@ -609,6 +609,11 @@ class Settings(_Section):
                     raise StageError(
                         f"{key}: {name!r} is in grpo.curriculum.families; replay is for the others"
                     )
+        replay = self.grpo.replay
+        corpus = self.data.generated.families if self.data.generated.weight > 0 else ()
+        if replay.share and replay.families is None and set(corpus) <= set(curriculum):
+            raise StageError("grpo.replay.share: > 0, but no family to replay: the corpus teaches none the curriculum "
+                             "leaves out (name them in grpo.replay.families, or set the share to 0)")  # fmt: skip
         own = {f.name for f in self.tasks.families}
         builtin = [n for n in (*self.data.generated.families, *curriculum, *(self.grpo.replay.families or ()))
                    if n in FAMILIES and n not in own]  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -50,7 +51,7 @@ def step_prompts(
     replay: Replay | None = None,
 ) -> list[Problem]:
     """The whole prompt batch of `step`, for all data-parallel ranks in rank order: families
-    uniform, each level from its family's curriculum; with `replay`, round(share * prompts)
+    uniform, each level from its family's curriculum; with `replay`, `replayed(share, prompts)`
     of them, at places drawn from a stream of their own, replaced by replay problems.
 
     A pure function of (seed, step, curriculum state), independent of dp, so a
@@ -59,12 +60,21 @@ def step_prompts(
     """
     rng = random.Random(f"{seed}:{step}:prompts")
     drawn = draw(curriculum, config, prompts, rng)
-    if replay is not None and replay.levels and round(replay.share * prompts):
+    if replay is not None and replay.levels:
         other = random.Random(f"{seed}:{step}:replay")
-        for at in sorted(other.sample(range(prompts), round(replay.share * prompts))):
+        for at in sorted(other.sample(range(prompts), replayed(replay.share, prompts, other))):
             family = other.choice(sorted(replay.levels))
             drawn[at] = (family, other.randint(1, replay.levels[family]))
     return [sample(family, level, "train", rng) for family, level in drawn]
+
+
+def replayed(share: float, prompts: int, rng: random.Random) -> int:
+    """How many of a step's `prompts` replay: share * prompts rounded down, plus one with the
+    chance of its fraction, so the expected share is `share` exactly. Rounding to the nearest
+    whole prompt replayed nothing of 4 prompts at 0.1, and half of them at 0.375."""
+    exact = share * prompts
+    whole = math.floor(exact)
+    return whole + (rng.random() < exact - whole)
 
 
 def draw_problems(run: Run, curriculum: Curriculum, step_no: int) -> tuple[list[Problem], int]:
@@ -504,7 +514,8 @@ def step(
     decided = {e["family"]: e["success_rate"] for e in events}  # the window a change emptied
     record: GrpoRecord = {
         "step": step_no, "train/loss": loss, "train/lr": run.engine.get_lr()[0],
-        "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
+        "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)), "reward/max": max(rewards),
+        "reward/solved": sum(sum(row.solved) for row in rows) / len(rewards),
         "frac_reward_zero_std": float(np.mean([not row.varies for row in rows])),
         "completions/mean_length": float(np.mean([n for row in rows for n in row.lengths])),
         "completions/max_length": max(n for row in rows for n in row.lengths),
@@ -521,6 +532,8 @@ def step(
         str(level): float(np.mean([r for row in rows if row.level == level for r in row.rewards]))
         for level in sorted({row.level for row in rows})
     }
+    if run.replay is not None:
+        record["replay/share"] = sum(row.family in run.replay.levels for row in rows) / len(rows)
     if run.tree:
         leaves = len(rewards)
         record["rollout/flat_equivalent_tokens"] = sum(row.flat for row in rows)

@@ -50,6 +50,8 @@ class GrpoSummary(StageSummary):
     losses: dict[int, float]
     final_loss: float | None
     rewards: dict[int, float]
+    reward_max: float | None
+    """The largest reward of any completion over the logged steps, to set against success_at."""
     levels: dict[int, dict[str, int]]
     evaluations: dict[int, dict[str, float]]
     accuracy: Accuracy

@@ -370,6 +370,7 @@ def summarise(
         "optimizer_steps": done.optimizer_steps, "curriculum": done.curriculum,
         "losses": {r["step"]: r["train/loss"] for r in trained}, "final_loss": trained[-1]["train/loss"] if trained else None,
         "rewards": {r["step"]: r["reward/mean"] for r in trained},
+        "reward_max": max((r["reward/max"] for r in trained), default=None),
         "levels": {r["step"]: r["curriculum/level"] for r in trained},
         "evaluations": {**{r["step"]: r["eval/accuracy_by_family"] for r in records if "eval/accuracy_by_family" in r},
                         final_step: final_accuracy},
@@ -383,6 +384,18 @@ def summarise(
         "tasks": run.judge.tasks.record(),
         "dtypes": engines.dtypes(run.engine),
     }  # fmt: skip
+
+
+def nothing_solved(records: list[GrpoRecord]) -> str | None:
+    """The warning for a run in which no completion reached its family's success_at: a bar
+    above what the user's rewards give stalls the curriculum, and a verifier-only bar is
+    refused earlier, with the config; None when something was solved."""
+    logged = [r for r in records if "reward/solved" in r]
+    if not logged or any(r["reward/solved"] for r in logged):
+        return None
+    return (f"grpo: no completion reached its family's success_at in {len(logged)} logged steps (the largest "
+            f"reward was {max(r['reward/max'] for r in logged):g}), so no level could be passed; compare "
+            "tasks.success_at with what the rewards give")  # fmt: skip
 
 
 def sampler_summary(records: list[GrpoRecord], cfg: GrpoSettings) -> SamplerSummary:
@@ -436,6 +449,9 @@ def rank(spec: GrpoJob) -> None:
     done = loop(run)
     final_accuracy, loss = done.final_accuracy or accuracy(run), val_loss(run)
     if dist.get_rank() == 0:
+        warning = nothing_solved(run.loop.records())
+        if warning:
+            log.warning(warning)
         run.loop.write_outputs(
             summarise(run, done, final_accuracy, loss), grpo_steps.reward_plot, spec["reward_plot"]
         )
