@@ -547,3 +547,27 @@ def test_an_ep_refusal_says_only_what_is_known_of_the_architecture() -> None:
     assert expert_parallel_refusal("qwen3_moe").endswith(
         "not 'qwen3_moe': not an architecture checked with AutoEP here (tools/autoep_probe.py)"
     )
+
+
+@pytest.mark.parametrize("path", ["../secrets.jsonl", "data/../../x.jsonl", "/etc/x.jsonl", "data\\x.jsonl",
+                                  "data//x.jsonl", "./x.jsonl", ""])  # fmt: skip
+@pytest.mark.parametrize("where", ["tasks", "data"])
+def test_a_hub_file_outside_its_repo_fails_the_dry_run_in_one_line(path: str, where: str) -> None:
+    """'..' and absolute paths reached huggingface_hub as a traceback; they are refused with
+    the config, naming the key, for task files and corpus files alike."""
+
+    def config(file: str) -> dict[str, Any]:
+        if where == "tasks":
+            return {
+                "tasks": {
+                    "families": [{"name": "mine", "files": [{"repo": "org/tasks", "file": file}]}]
+                }
+            }
+        return {"data": {"hub": [{"repo": "org/corpus", "files": ["data/a.jsonl", file]}]}}
+
+    stconfig.validate(config("data/sub/x.jsonl"))
+    key = "tasks.families.0.files.0.file" if where == "tasks" else "data.hub.0.files.1"
+    with pytest.raises(StageError) as err:
+        stconfig.validate(config(path))
+    assert str(err.value) == (f"config: {key}: {path!r} is not a file of the repo (expected a relative path "
+                              "like data/train.jsonl, without '.', '..' or empty parts)")  # fmt: skip

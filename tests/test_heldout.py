@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,32 @@ def test_evaluate_refuses_a_path_that_is_not_a_model_folder(
         evaluate.main([str(missing)])
     with pytest.raises(SystemExit, match=f"--baseline: {tmp_path} is not a model folder"):
         evaluate.main([str(model_folder), "--baseline", str(tmp_path)])
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["consolidated", "plain-folder"])
+def test_evaluate_on_a_cut_shard_is_one_line_naming_it(
+    model_folder: Path, tmp_path: Path, manifest: bool
+) -> None:
+    """A shard cut short (a copy that stopped, a full disk) was a traceback from inside
+    safetensors; a consolidated folder names the file against its manifest."""
+    folder = tmp_path / "cut"
+    shutil.copytree(model_folder, folder)
+    (shard,) = folder.glob("*.safetensors")
+    size = shard.stat().st_size
+    if manifest:
+        files = {p.name: {"sha256": "-", "bytes": p.stat().st_size} for p in folder.iterdir()}
+        (folder / "MANIFEST.json").write_text(json.dumps({"files": files}))
+    with shard.open("r+b") as handle:
+        handle.truncate(size // 2)
+    with pytest.raises(SystemExit) as err:
+        evaluate.main([str(folder), "--families", "comparison", "--levels", "1", "--problems", "2"])
+    message = str(err.value)
+    assert "\n" not in message
+    if manifest:
+        assert message == (f"error: {shard}: {size // 2:,} bytes, but MANIFEST.json lists {size:,}: "
+                           "cut short or changed since consolidation")  # fmt: skip
+    else:
+        assert message.startswith(f"error: {folder}: cannot load the model (")
 
 
 def test_the_mean_is_over_the_trained_families_and_the_largest_drop_is_named() -> None:

@@ -168,6 +168,14 @@ class HubData(_Section):
     text_field: str
 
 
+def check_repo_path(key: str, path: str) -> None:
+    """A file named in a hub repo is a relative path inside it: '..', an absolute path or a
+    backslash reached huggingface_hub's own checks as a traceback."""
+    if "\\" in path or any(part in ("", ".", "..") for part in path.split("/")):
+        raise StageError(f"{key}: {path!r} is not a file of the repo (expected a relative path like "
+                         "data/train.jsonl, without '.', '..' or empty parts)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class DataSettings(_Section):
     train_tokens: int
@@ -175,6 +183,11 @@ class DataSettings(_Section):
     generated: GeneratedData
     files: tuple[FileData, ...]
     hub: tuple[HubData, ...]
+
+    def __post_init__(self) -> None:
+        for i, source in enumerate(self.hub):
+            for j, path in enumerate(source.files):
+                check_repo_path(f"data.hub.{i}.files.{j}", path)
 
 
 class RewardSpec(TypedDict):
@@ -290,6 +303,9 @@ class TasksSettings(_Section):
                 raise StageError(
                     f"{key}.name: {name!r} is a built-in family's name; name your family otherwise"
                 )
+            for j, entry in enumerate(family.files):
+                if not isinstance(entry, str):
+                    check_repo_path(f"{key}.files.{j}.file", entry["file"])
             family.check_rewards(key)
             family.check_success_at(key, self.success_at)
 

@@ -21,13 +21,14 @@ The default number of problems keeps one standard error <= 0.03 at any accuracy.
 import argparse
 import sys
 from pathlib import Path
-from typing import NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain.config import validation as stconfig
 from stagetrain.config.settings import Settings
+from stagetrain.consolidate.manifest import MANIFEST
 from stagetrain.errors import StageError
 from stagetrain.evaluate.heldout import (
     AccuracyEntry,
@@ -36,7 +37,7 @@ from stagetrain.evaluate.heldout import (
     gains,
     problems_for,
 )
-from stagetrain.io import atomic_write_json
+from stagetrain.io import atomic_write_json, read_json
 from stagetrain.tasks import FAMILIES, get_family, heldout, known
 from stagetrain.tasks.families import NO_TASKS, TaskSet, held_out_families, load_tasks
 from stagetrain.tasks.judge import Judge
@@ -58,14 +59,47 @@ class Report(TypedDict):
     gain: NotRequired[GainReport]
 
 
+def load_model(folder: str) -> tuple[Any, Any]:
+    """The tokenizer and fp32 model of `folder`. A consolidated folder's files are first held
+    to the sizes its MANIFEST.json lists (cheap, and it names the file cut short); whatever
+    else a damaged folder makes transformers or safetensors raise is one line naming it.
+
+    Raises:
+        StageError: one line naming the folder or its file.
+    """
+    manifest = Path(folder) / MANIFEST
+    if manifest.is_file():
+        doc = read_json(manifest)
+        files = doc.get("files") if isinstance(doc, dict) else None
+        for name, entry in (files if isinstance(files, dict) else {}).items():
+            path, listed = (
+                Path(folder) / name,
+                entry.get("bytes") if isinstance(entry, dict) else None,
+            )
+            size = path.stat().st_size if path.is_file() else None
+            if isinstance(listed, int) and size != listed:
+                found = "missing" if size is None else f"{size:,} bytes"
+                raise StageError(f"{path}: {found}, but {MANIFEST} lists {listed:,}: "
+                                 "cut short or changed since consolidation")  # fmt: skip
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except Exception as err:  # safetensors', transformers' and torch's own, on a damaged folder
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise StageError(
+            f"{folder}: cannot load the model ({type(err).__name__}: {first})"
+        ) from None
+    return tokenizer, model
+
+
 def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: int, *,
              tasks: TaskSet | None = None, lengths: tuple[int, int] = (64, 32)) -> Scores:  # fmt: skip
     """Accuracy by (family, level) on `n` held-out problems each (a file family: its held-out
     problems, at most n), for the levels a family has; `tasks` holds the families (default: the
     built-in ones), `lengths` the prompt and completion token limits."""
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer, model = load_model(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(device)
+    model = model.eval().to(device)
     judge = Judge(tasks or load_tasks(), tokenizer, max_prompt_len=lengths[0])
     out = {}
     with torch.no_grad():
