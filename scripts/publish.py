@@ -24,7 +24,7 @@ from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, json_lines, read_json
 from stagetrain.planning.plan import PlanRecord
-from stagetrain.publish.card import RunRecords, card_text, uses_chat_template
+from stagetrain.publish.card import RunRecords, card_text, prompting
 from stagetrain.publish.push import measured_layouts, push
 from stagetrain.workflow.stage import StageIO, run_stage
 
@@ -59,7 +59,7 @@ def main(io: StageIO) -> None:
     records = RunRecords(
         run=RunSettings.from_config(s["run"], "run").name, repo=settings.repo, license=settings.license,
         model=ModelSettings.from_config(s["model"], "model"), grpo_settings=GrpoSettings.from_config(s["grpo"], "grpo"),
-        tasks=tasks, chat=uses_chat_template(tasks, results / "model/grpo"), plan=plan, meta=meta, pretrain=pretrain, grpo=grpo,
+        tasks=tasks, prompting=prompting(tasks, results / "model/grpo"), plan=plan, meta=meta, pretrain=pretrain, grpo=grpo,
         generated_tokens=generated_tokens(Path(io.inputs["metrics"])), evaluations=evaluations(results),
     )  # fmt: skip
     card = card_text(records)

@@ -89,7 +89,9 @@ def assert_card_tells_the_run(card: str, workdir: Path) -> None:
     assert "license: mit" in card.split("---")[1]
     assert 'from_pretrained(repo, subfolder="pretrain")' in card and "from_pretrained(repo)" in card
     assert f"{PROBLEM_TOKEN}12+34{ANSWER_TOKEN}" in card
-    assert "Prompts are the pipeline's own markup" in card  # its trained tokenizer has no template
+    # Its trained tokenizer's template renders the markup, so the card says both ways work.
+    assert "Prompts are the pipeline's own markup" in card
+    assert "The tokenizer's chat template renders the same markup" in card
     for source in json.loads((results / "data/meta.json").read_text())["sources"]:
         line = next(
             x

@@ -89,6 +89,7 @@ READERS: list[tuple[str, set[str]]] = [
     ("tokenizer.", {"prepare_tokenizer"}),
     ("data.", {"prepare_tokenizer"}),
     ("tasks.families", {"prepare_tokenizer", "grpo"}),  # the problems feed the corpus; the rewards only GRPO
+    ("tasks.max_rows", {"prepare_tokenizer", "grpo"}),  # which problems a file family holds
     ("tasks.", {"grpo"}),
     ("hardware.", {"detect_hardware", "plan_parallelism"}),
     # Only a deepseek_v3 may split its experts, so the matrix changes the model with it.

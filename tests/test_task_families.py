@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import random
 import re
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,57 @@ def test_globs_and_level_edges_bucket_a_difficulty(tmp_path: Path) -> None:
         lv: len(ps) for (lv, split), ps in get_family("doubles").pool.items() if split == "train"
     }
     assert set(by_level) == {1, 2, 3} and sum(by_level.values()) > 2000
+
+
+def _kept(loaded_pool: dict[Any, list[Any]]) -> list[int]:
+    return sorted(p.columns["i"] for ps in loaded_pool.values() for p in ps)
+
+
+def test_a_family_past_max_rows_keeps_the_same_sample_in_bounded_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """tasks.max_rows keeps the problems of lowest `sample_rank`, whatever the files' order, with
+    one log line; every row is still checked; memory holds the kept rows, not the file's."""
+    from stagetrain.tasks.families import sample_rank
+
+    content = rows(6000)
+    write_rows(tmp_path / "a.jsonl", content[:3000])
+    write_rows(tmp_path / "b.jsonl", content[3000:])
+    load_tasks(tasks(family([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])))
+    everything = [p for ps in get_family("doubles").pool.values() for p in ps]
+    expected = sorted(
+        p.columns["i"] for p in sorted(everything, key=lambda p: sample_rank(p.key))[:1500]
+    )
+    with caplog.at_level("INFO", logger="stagetrain"):
+        loaded = load_tasks(
+            tasks(family([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]), max_rows=1500)
+        )
+    assert _kept(get_family("doubles").pool) == expected
+    assert sum(sum(c.values()) for c in loaded.record()["doubles"]["problems"].values()) == 1500
+    assert "task family doubles: 6000 rows, 1500 kept (tasks.max_rows" in caplog.text
+    load_tasks(tasks(family([str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl")]), max_rows=1500))
+    assert _kept(get_family("doubles").pool) == expected  # the files' order does not choose
+    # A row past the cap is still checked, and a duplicate of a kept row still refused.
+    write_rows(
+        tmp_path / "c.jsonl", [*content[:2999], {"q": "x", "a": "1", "difficulty": 0, "i": -1}]
+    )
+    with pytest.raises(StageError, match=r"c.jsonl:3000: .*difficulty"):
+        load_tasks(tasks(family([str(tmp_path / "c.jsonl")]), max_rows=100))
+    first_kept = next(r for r in content if r["i"] == expected[0])
+    write_rows(tmp_path / "d.jsonl", [*content, first_kept])
+    with pytest.raises(StageError, match=r"d.jsonl:6001: .*duplicate prompt"):
+        load_tasks(tasks(family([str(tmp_path / "d.jsonl")]), max_rows=1500))
+    # Memory: the cap's sample of 40,000 rows holds about what 300 rows hold, not 40,000.
+    write_rows(tmp_path / "big.jsonl", rows(40_000, levels=1))
+    tracemalloc.start()
+    load_tasks(tasks(family([str(tmp_path / "big.jsonl")]), max_rows=300))
+    capped = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    tracemalloc.start()
+    load_tasks(tasks(family([str(tmp_path / "big.jsonl")])))
+    whole = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert capped < whole / 10, (capped, whole)
 
 
 def test_heldout_problems_are_the_test_split_once_each(tmp_path: Path) -> None:

@@ -273,6 +273,7 @@ class TasksSettings(_Section):
     families: tuple[TaskFamilySettings, ...]
     chat_template: bool
     success_at: float
+    max_rows: int
 
     def check(self) -> None:
         """Each family is one kind (a generator, or files), its name its own, and each reward

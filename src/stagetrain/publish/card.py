@@ -20,13 +20,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from stagetrain.config.inputs import looks_local
 from stagetrain.config.settings import GrpoSettings, ModelSettings, TasksSettings
 from stagetrain.corpus.meta import SourceShare, TokenizerMeta
 from stagetrain.planning.plan import PlanRecord
-from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+from stagetrain.tasks.problem import ANSWER_TOKEN, CHAT_TEMPLATE, PROBLEM_TOKEN
 
 if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
     from stagetrain.grpo.summary import GrpoSummary
@@ -43,9 +43,8 @@ class RunRecords:
     model: ModelSettings
     grpo_settings: GrpoSettings
     tasks: TasksSettings
-    chat: bool
-    """Whether the prompts were chat turns: `tasks.chat_template` on and the tokenizer has one
-    (as the sampler's Prompter decides; `uses_chat_template`)."""
+    prompting: Prompting
+    """Whether the prompts were chat turns or the pipeline's markup (`prompting`)."""
     plan: PlanRecord
     meta: TokenizerMeta
     pretrain: PretrainSummary
@@ -92,27 +91,36 @@ def card_text(records: RunRecords) -> str:
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 
 
-def uses_chat_template(tasks: TasksSettings, folder: Path) -> bool:
-    """Whether the run prompted with chat turns: `tasks.chat_template` on and the folder's
-    tokenizer has a template (its own file, or in tokenizer_config.json)."""
-    if not tasks.chat_template:
-        return False
-    if (folder / "chat_template.jinja").exists():
-        return True
-    config = folder / "tokenizer_config.json"
-    return config.exists() and bool(json.loads(config.read_text()).get("chat_template"))
+Prompting = Literal["chat", "markup", "markup-template"]
+"""How the run prompted: chat turns through a chat model's template, or the pipeline's markup,
+which the trained tokenizer's own template renders too ("markup-template")."""
+
+
+def prompting(tasks: TasksSettings, folder: Path) -> Prompting:
+    """How the run prompted, as `tasks.prompts.Prompter` decides: chat turns where
+    `tasks.chat_template` is on and the folder's tokenizer has a template (its own file, or in
+    tokenizer_config.json) other than the trained tokenizer's."""
+    jinja, config = folder / "chat_template.jinja", folder / "tokenizer_config.json"
+    if jinja.exists():
+        template = jinja.read_text()
+    else:
+        template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
+    if template == CHAT_TEMPLATE:
+        return "markup-template"
+    return "chat" if template and tasks.chat_template else "markup"
 
 
 def _usage(r: RunRecords) -> list[str]:
     """Loading both models and prompting them as the pipeline does."""
-    chat = (
-        "The tokenizer has a chat template and the run used it (`tasks.chat_template`): render the "
-        "question as the user turn with `apply_chat_template(..., add_generation_prompt=True)`."
-        if r.chat
-        else f"Prompts are the pipeline's own markup, `{PROBLEM_TOKEN}question{ANSWER_TOKEN}`; "
-        "the completion is the worked answer."
-    )
-    return ["", "## Usage", "", chat, "", "```python",
+    chat = {
+        "chat": "The tokenizer has a chat template and the run used it (`tasks.chat_template`): render "
+                "the question as the user turn with `apply_chat_template(..., add_generation_prompt=True)`.",
+        "markup": f"Prompts are the pipeline's own markup, `{PROBLEM_TOKEN}question{ANSWER_TOKEN}`; "
+                  "the completion is the worked answer.",
+    }  # fmt: skip
+    chat["markup-template"] = (chat["markup"] + " The tokenizer's chat template renders the same markup, so a "
+                               "user turn through `apply_chat_template(..., add_generation_prompt=True)` is the same prompt.")  # fmt: skip
+    return ["", "## Usage", "", chat[r.prompting], "", "```python",
             "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
             f'repo = "{r.repo}"',
             "tokenizer = AutoTokenizer.from_pretrained(repo)",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import heapq
 import json
 import logging
 import math
@@ -113,9 +114,12 @@ def data_part(tasks: Mapping[str, Any]) -> dict[str, Any]:
     section in and out: Snakemake compares a rule's params as given, lists and absent keys
     included, so a typed copy would rerun the stage on every run made before it."""
     keep = ("name", "generator", "files", "columns", "level_edges")
-    return {
+    part: dict[str, Any] = {
         "families": [{k: v for k, v in f.items() if k in keep} for f in tasks.get("families", [])]
     }
+    if "max_rows" in tasks:
+        part["max_rows"] = tasks["max_rows"]
+    return part
 
 
 def reward_digests(tasks: TasksSettings) -> dict[str, str]:
@@ -137,7 +141,7 @@ def reward_digests(tasks: TasksSettings) -> dict[str, str]:
     return out
 
 
-NO_TASKS = TasksSettings(families=(), chat_template=True, success_at=1.0)
+NO_TASKS = TasksSettings(families=(), chat_template=True, success_at=1.0, max_rows=100_000)
 """The tasks section's defaults: the built-in families, rendered with a chat template."""
 
 
@@ -160,7 +164,7 @@ def load_tasks(
             out[entry.name] = TaskFamily(key=key, rewards=entry.rewards, success_at=success_at,
                                          family=FAMILIES[entry.generator])  # fmt: skip
             continue
-        family, record = _file_family(entry, key, pins or {})
+        family, record = _file_family(entry, key, pins or {}, tasks.max_rows)
         file_families.append(family)
         out[entry.name] = TaskFamily(key=key, rewards=entry.rewards, success_at=success_at,
                                      family=family, record=record)  # fmt: skip
@@ -199,23 +203,39 @@ def _resolved(
 
 
 def _file_family(
-    entry: TaskFamilySettings, key: str, pins: Mapping[str, str]
+    entry: TaskFamilySettings, key: str, pins: Mapping[str, str], max_rows: int
 ) -> tuple[Family, FamilyRecord]:
-    """The family of `entry`'s files, every row and level checked, and its provenance."""
-    by_key: dict[str, str] = {}
-    pool: dict[tuple[int, str], list[Problem]] = {}
+    """The family of `entry`'s files, every row and level checked, and its provenance: at most
+    `max_rows` problems held, the sample of `sample_rank`, in bounded memory however many rows
+    the files hold."""
+    kept: dict[str, tuple[str, Problem]] = {}  # key -> (where, problem), in file order
+    heap: list[tuple[int, str]] = []  # (-sample rank, key) of the kept: the largest rank on top
+    rows = 0
     files = _resolved(entry, key, pins)
     for path, shown, _ in files:
         for where, row in read_rows(path, shown):
-            problem = _problem(entry, key, where, row)
-            if problem.key in by_key:
+            problem = _problem(entry, key, where, row)  # every row is checked, kept or not
+            rows += 1
+            if problem.key in kept:
                 raise StageError(
-                    f"{where}: {key} ({entry.name}): duplicate prompt, first given at {by_key[problem.key]}"
+                    f"{where}: {key} ({entry.name}): duplicate prompt, first given at {kept[problem.key][0]}"
                 )
-            by_key[problem.key] = where
-            pool.setdefault((problem.level, split_of(problem.key)), []).append(problem)
-    if not by_key:
+            rank = sample_rank(problem.key)
+            if len(heap) < max_rows:
+                heapq.heappush(heap, (-rank, problem.key))
+            elif rank < -heap[0][0]:
+                del kept[heapq.heapreplace(heap, (-rank, problem.key))[1]]
+            else:
+                continue
+            kept[problem.key] = (where, problem)
+    if not kept:
         raise StageError(f"{key} ({entry.name}): its files hold no problem")
+    if rows > max_rows:
+        log.info("task family %s: %d rows, %d kept (tasks.max_rows; the same ones on every run, "
+                 "chosen by a hash of each prompt)", entry.name, rows, max_rows)  # fmt: skip
+    pool: dict[tuple[int, str], list[Problem]] = {}
+    for _, problem in kept.values():
+        pool.setdefault((problem.level, split_of(problem.key)), []).append(problem)
     top = max(level for level, _ in pool)
     counts = {lv: {s: len(pool.get((lv, s), ())) for s in SPLITS} for lv in range(1, top + 1)}
     for level, count in counts.items():
@@ -231,7 +251,7 @@ def _file_family(
     log.info(
         "task family %s: %d problems at levels 1-%d from %d files",
         entry.name,
-        len(by_key),
+        len(kept),
         top,
         len(files),
     )
@@ -239,6 +259,16 @@ def _file_family(
         files=[r for _, _, r in files], problems={str(lv): c for lv, c in counts.items()}
     )
     return Family(name=entry.name, max_level=top, pool=pool), record
+
+
+def sample_rank(key: str) -> int:
+    """Where a problem stands in a capped family's sample: the `tasks.max_rows` problems of
+    lowest rank are kept. A hash of the key, so the sample is the same whatever the files'
+    order, a duplicate of a row left out is left out too (same key, same rank), and it is
+    independent of the split, which hashes the key otherwise."""
+    return int.from_bytes(
+        hashlib.sha256(f"sample:{key}".encode("utf-8", "surrogatepass")).digest()[:8], "big"
+    )
 
 
 def _column(row: Mapping[str, Any], where: str, key: str, role: str, column: str) -> Any:
