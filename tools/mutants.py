@@ -6,8 +6,10 @@
 
 Each mutant is applied to a temporary copy of the working tree (tracked and untracked files
 that git does not ignore), and its tests run there with the copy's `src/` first on the path;
-the mutant is caught when they fail. A mutant whose `before` text is no longer found exactly
-once is stale: the code moved, and the list must follow it. Run it before resolving an issue
+the mutant is caught when they fail. The chosen mutants' tests first run once on the clean
+tree: a mutant whose test fails there is reported broken, never caught. A mutant whose
+`before` text is no longer found exactly once is stale: the code moved, and the list must
+follow it. Run it before resolving an issue
 that touches a guarded area, and give every new guarantee its mutant here.
 """
 
@@ -22,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -619,6 +622,35 @@ def copy_tree(into: Path) -> None:
             shutil.copy2(source, target, follow_symlinks=False)
 
 
+def clean_failures(tests: set[str]) -> set[str]:
+    """The node ids among `tests` that fail on the clean tree (one run for all): a test that
+    fails unmutated (broken, or failing under load) must not count as catching a mutant."""
+    with tempfile.TemporaryDirectory(prefix="mutant-clean-") as tmp:
+        copy = Path(tmp)
+        copy_tree(copy)
+        env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
+                               str(copy / "clean.xml"), *sorted(tests)], cwd=copy, env=env, capture_output=True,
+                              text=True)  # fmt: skip
+        if not (copy / "clean.xml").exists():
+            sys.exit(
+                f"error: the clean tree's tests did not run:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
+        report = ElementTree.parse(copy / "clean.xml")
+    failed = set()
+    for case in report.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            module = case.get("classname", "").replace(".", "/")
+            failed.add(f"{module}.py::{case.get('name')}")
+    return failed
+
+
+def fails(test: str, failed: set[str]) -> bool:
+    """Whether the mutant's test `test` (a file, a function, or a function's parameters) holds a
+    node id of `failed`."""
+    return any(n == test or n.startswith((f"{test}[", f"{test}::")) for n in failed)
+
+
 def run(mutant: Mutant) -> tuple[str, float]:
     """'caught', 'missed' or 'stale', and the seconds its tests took."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
@@ -662,9 +694,11 @@ def main() -> None:
                 + "\n    ".join(m.tests)
             )
         return
+    failed = clean_failures({t for m in chosen for t in m.tests})
     results = []
     for m in chosen:
-        outcome, seconds = run(m)
+        broken = [t for t in m.tests if fails(t, failed)]
+        outcome, seconds = (f"broken: {broken[0]} fails unmutated", 0.0) if broken else run(m)
         results.append((m, outcome))
         print(f"{m.name:<26} {outcome:<8} {seconds:6.0f} s", flush=True)
     print("\n| mutant | guarantee | result |\n| --- | --- | --- |")
