@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 from harness.planning import cpu_hardware, plan_for, preset_config
-from harness.workflow import default_config
+from harness.workflow import REPO, default_config
 
 from stagetrain.config.settings import DeepSpeedSettings, training_settings
 from stagetrain.errors import StageError
@@ -155,7 +158,24 @@ def test_unknown_stage_is_an_error() -> None:
         )
 
 
-def test_rendering_is_deterministic() -> None:
-    cfg = default_config()
-    plan = plan_for(cfg, cpu_hardware())
-    assert json.dumps(_render(cfg, "grpo", plan)) == json.dumps(_render(cfg, "grpo", plan))
+RENDER = """
+import json, sys
+sys.path.insert(0, "tests")
+from harness.planning import cpu_hardware, plan_for
+from harness.workflow import default_config
+from test_deepspeed_config import _render
+cfg = default_config()
+print(json.dumps({stage: _render(cfg, stage, plan_for(cfg, cpu_hardware())) for stage in ("pretrain", "grpo")}))
+"""
+
+
+def test_rendering_is_byte_identical_across_processes_and_hash_seeds() -> None:
+    """A set or dict iterated in hash order would render differently in another process (and
+    rerun every stage after it); one process rendering twice cannot see that."""
+    rendered = {}
+    for seed in ("0", "1", "12345"):
+        done = subprocess.run([sys.executable, "-c", RENDER], cwd=REPO, capture_output=True, text=True,
+                              check=True, env={**os.environ, "PYTHONHASHSEED": seed})  # fmt: skip
+        rendered[seed] = done.stdout.splitlines()[-1]  # DeepSpeed logs its accelerator first
+    assert len(set(rendered.values())) == 1, rendered
+    assert json.loads(rendered["0"])["grpo"]["train_batch_size"] > 0

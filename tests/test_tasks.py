@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,9 +240,19 @@ def test_splits_are_disjoint_and_stable(family: str) -> None:
         assert not keys["val"] & keys["test"]
 
 
+SPLITS_OF = "from stagetrain.tasks import split_of; print(' '.join(split_of(k) for k in {keys!r}))"
+
+
 def test_split_of_is_a_fixed_function_of_the_key() -> None:
-    assert [split_of(k) for k in ("12+34", "10+15", "10+19")] == ["train", "test", "val"]
-    assert split_of("10+15") == split_of("10+15")
+    """The same in every process whatever its hash seed (Python's `hash` of a str is not), and
+    the values it had, so held-out problems stay held out across runs and versions."""
+    keys = ["12+34", "10+15", "10+19", *(f"What is {i} doubled?" for i in range(200))]
+    here = [split_of(k) for k in keys]
+    assert here[:3] == ["train", "test", "val"]
+    for seed in ("0", "1"):
+        there = subprocess.run([sys.executable, "-c", SPLITS_OF.format(keys=keys)], capture_output=True, text=True,
+                               check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()  # fmt: skip
+        assert there == here
 
 
 def test_level1_addition_holds_about_five_percent_out() -> None:
