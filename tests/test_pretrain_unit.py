@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +235,7 @@ group = deepspeed.comm.new_group([0, 1])  # as DeepSpeed makes its gradient-redu
 if dist.get_rank() == 1:
     time.sleep(60)  # alive, connections open, never reduces: a peer behind a dead link
 else:
+    print("reducing", flush=True)
     began = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=group)
@@ -263,8 +266,16 @@ def test_a_group_made_after_the_world_times_out_as_the_world_does(tmp_path: Path
            "LOCAL_RANK": "0", "STAGETRAIN_COLLECTIVE_TIMEOUT_S": "3"}  # fmt: skip
     procs = [subprocess.Popen([sys.executable, "-c", PEER, str(tmp_path)], env={**env, "RANK": str(r)}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for r in (0, 1)]  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in procs[0].stdout], daemon=True
+    ).start()  # type: ignore[union-attr]
     try:
-        out = procs[0].communicate(timeout=50)[0]
+        # Starting two processes that import torch and DeepSpeed takes what the machine's load
+        # makes it; the guarantee is timed from the all-reduce on, by rank 0 itself.
+        while lines.get(timeout=600).strip() != "reducing":  # DeepSpeed logs on stdout first
+            pass
+        out = lines.get(timeout=30)  # 3 s asked; torch's default would be 30 minutes
     finally:
         for proc in procs:
             proc.kill()
