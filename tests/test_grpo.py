@@ -77,6 +77,9 @@ def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_
     # The built-in families' verifiers score 0 or 1 against a success_at of 1: solved is reward.
     assert all(r["reward/solved"] == pytest.approx(r["reward/mean"]) for r in records[1:])
     assert summary["reward_max"] == max(r["reward/max"] for r in records[1:]) == 1.0
+    # One term, the verifier at weight 1: its own mean and std are the reward's (TRL's rewards/<name>/...).
+    assert all(r["rewards"] == {"verifier": {"mean": pytest.approx(r["reward/mean"]), "std": pytest.approx(r["reward/std"])}}
+               for r in records[1:])  # fmt: skip
     assert all(r["curriculum/level"] == dict.fromkeys(FAMILIES, 1) for r in records[1:])
     assert all(
         set(rates) == FAMILIES and all(v is None or 0 <= v <= 1 for v in rates.values())

@@ -724,6 +724,20 @@ def test_replay_holds_its_share_in_expectation_where_rounding_would_not(
     assert sum(counts) / len(counts) / prompts == pytest.approx(share, abs=0.02)
 
 
+def test_each_reward_term_is_logged_by_name_as_trl_does_its_none_rows_left_out() -> None:
+    from stagetrain.grpo.steps import by_reward
+    from stagetrain.training.metrics import scalars
+
+    terms = [("accuracy_reward", 1.0), ("accuracy_reward", 0.0), ("format", math.nan), ("format", 0.5),
+             ("accuracy_reward", 1.0), ("only_none", math.nan)]  # fmt: skip
+    got = by_reward(terms)
+    assert got == {"accuracy_reward": {"mean": pytest.approx(2 / 3), "std": pytest.approx(math.sqrt(2) / 3)},
+                   "format": {"mean": 0.5, "std": 0.0}}  # fmt: skip
+    flat = scalars({"step": 1, "rewards": got})  # type: ignore[typeddict-unknown-key]
+    assert flat == {"rewards/accuracy_reward/mean": pytest.approx(2 / 3), "rewards/accuracy_reward/std": pytest.approx(math.sqrt(2) / 3),
+                    "rewards/format/mean": 0.5, "rewards/format/std": 0.0}  # fmt: skip
+
+
 def test_a_run_that_solved_nothing_is_warned_with_its_largest_reward() -> None:
     from stagetrain.grpo.train import nothing_solved
 

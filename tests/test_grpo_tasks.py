@@ -167,6 +167,13 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(
                                                      add_generation_prompt=True, tokenize=True)["input_ids"]  # fmt: skip
             assert ids == list(rendered) == judge.prompt_ids(problems[key])
     assert {problems[k].family for e in drawn for k in e["prompts"]} == {"parity", "remote"}
+    # Each term by its function's name, unweighted, None rows left out (TRL's rewards/<name>/mean).
+    for entry in drawn:
+        i = [problems[k].columns["i"] for k in entry["prompts"]]
+        logged = records[entry["step"]]["rewards"]
+        evens = [n for n in i if n % 2 == 0]
+        assert logged["thirds"]["mean"] == pytest.approx(sum(n % 3 == 0 for n in i) / len(i))
+        assert ("even" in logged) == bool(evens) and logged.get("even", {}).get("mean", 1.0) == 1.0
     # held-out: solved = i divides by 6 (weighted >= 2.5)
     for moment in ("start_by_family", "end_by_family"):
         for family in ("parity", "remote"):

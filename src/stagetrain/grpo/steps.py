@@ -68,6 +68,18 @@ def step_prompts(
     return [sample(family, level, "train", rng) for family, level in drawn]
 
 
+def by_reward(terms: Sequence[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """{reward name: {mean, std}} of its unweighted values over the step's completions, NaN
+    (a term that gave None) left out, as TRL's rewards/<name>/mean and std; a term that
+    applied to no completion is left out."""
+    out = {}
+    for name in dict.fromkeys(n for n, _ in terms):
+        scored = [v for n, v in terms if n == name and not math.isnan(v)]
+        if scored:
+            out[name] = {"mean": float(np.mean(scored)), "std": float(np.std(scored))}
+    return out
+
+
 def replayed(share: float, prompts: int, rng: random.Random) -> int:
     """How many of a step's `prompts` replay: share * prompts rounded down, plus one with the
     chance of its fraction, so the expected share is `share` exactly. Rounding to the nearest
@@ -494,7 +506,11 @@ def step(
     def reward(i: int, completion: list[int]) -> float:
         return judge.rewards([batch[i]], [completion])[0]
 
+    for sink in (judge.context.terms, judge.context.log.metrics, judge.context.log.extra):
+        sink.clear()  # what the step's scoring adds; log_extra's columns are not kept yet
     groups, counted = _rollouts(run, prompts, reward, keys)
+    terms = gather_dp(judge.context.terms, run.dp_rank)
+    logged = gather_dp(list(judge.context.log.metrics.items()), run.dp_rank)
     largest, lockstep = _dp_max(run, [counted.largest, counted.lockstep])
     loss, clip = train_on(run, groups)
     rows: list[Row] = gather_dp([
@@ -532,6 +548,10 @@ def step(
         str(level): float(np.mean([r for row in rows if row.level == level for r in row.rewards]))
         for level in sorted({row.level for row in rows})
     }
+    record["rewards"] = by_reward(terms)
+    if logged:
+        record["rewards/logged"] = {name: float(np.mean([v for n, vs in logged if n == name for v in vs]))
+                                    for name in dict.fromkeys(n for n, _ in logged)}  # fmt: skip
     if run.replay is not None:
         record["replay/share"] = sum(row.family in run.replay.levels for row in rows) / len(rows)
     if run.tree:

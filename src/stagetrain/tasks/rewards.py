@@ -84,10 +84,13 @@ class RewardLog:
 
 @dataclass
 class Context:
-    """What a reward call passes beside the rows: the trainer's state and the log sinks."""
+    """What a reward call passes beside the rows: the trainer's state and the log sinks; and
+    each term's unweighted values as scored (`weighted` appends, NaN where a term gave None),
+    for the per-reward metrics TRL logs as rewards/<name>/mean and std."""
 
     state: TrainerState = field(default_factory=TrainerState)
     log: RewardLog = field(default_factory=RewardLog)
+    terms: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,9 @@ class Reward:
 
     label: str
     """How errors name it: 'verifier exact' or 'tasks/sort_reward.py:score'."""
+    name: str
+    """How metrics name it, as TRL does: the function's `__name__` (a factory's product's), or
+    the verifier's name."""
     weight: float
     verifier: str | None = None
     function: Callable[..., Any] | None = None
@@ -143,15 +149,20 @@ class Reward:
 def build(entries: Sequence[RewardSpec] | None, key: str) -> tuple[Reward, ...]:
     """The rewards of one family's `rewards` list (None: its problems' own verifier)."""
     if not entries:
-        return (Reward(label="verifier default", weight=1.0, verifier="default"),)
+        return (Reward(label="verifier default", name="verifier", weight=1.0, verifier="default"),)
     out = []
     for i, entry in enumerate(entries):
         if "function" in entry:
             kwargs = entry.get("kwargs")
             function = load_function(entry["function"], f"{key}.{i}.function", kwargs)
-            out.append(Reward(label=entry["function"], weight=entry["weight"], function=function))
+            name = getattr(function, "__name__", type(function).__name__)
+            out.append(
+                Reward(
+                    label=entry["function"], name=name, weight=entry["weight"], function=function
+                )
+            )
         else:
-            out.append(Reward(label=f"verifier {entry['verifier']}", weight=entry["weight"],
+            out.append(Reward(label=f"verifier {entry['verifier']}", name=entry["verifier"], weight=entry["weight"],
                               verifier=entry["verifier"]))  # fmt: skip
     return tuple(out)
 
@@ -270,6 +281,8 @@ def weighted(
     total = [0.0] * len(problems)
     for reward in rewards:
         for i, value in enumerate(values(reward, problems, completions, context)):
+            if context is not None:
+                context.terms.append((reward.name, math.nan if value is None else value))
             if value is not None:
                 total[i] += reward.weight * value
                 if not math.isfinite(total[i]):

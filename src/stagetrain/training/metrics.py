@@ -58,9 +58,10 @@ R = TypeVar("R", bound=StepRecord)
 
 
 def scalars(record: StepRecord) -> dict[str, float]:
-    """The plottable numbers of a record: numbers as they are; {name: number} maps, lists of
-    numbers and lists of such lists (an MoE layer's expert shares) flattened to `key/name`,
-    `key/i` and `key/i/j`; strings, nulls and lists of anything else left out."""
+    """The plottable numbers of a record: numbers as they are; {name: number} maps and maps of
+    them, lists of numbers and lists of such lists (an MoE layer's expert shares) flattened to
+    `key/name`, `key/name/stat`, `key/i` and `key/i/j`; strings, nulls and lists of anything
+    else left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
         if key != "step":
@@ -75,8 +76,8 @@ def _is_number(value: Any) -> bool:
 def _numbers(key: str, value: Any) -> dict[str, float]:
     if _is_number(value):
         return {key: float(value)}
-    if isinstance(value, dict):  # a {name: number} map; deeper maps are left out
-        return {f"{key}/{k}": float(v) for k, v in value.items() if _is_number(v)}
+    if isinstance(value, dict):  # {name: number} maps, and maps of them (rewards/<name>/mean)
+        return {n: v for k, item in value.items() for n, v in _numbers(f"{key}/{k}", item).items()}
     if isinstance(value, list) and all(_is_number(v) or isinstance(v, list) for v in value):
         return {
             k: v for i, item in enumerate(value) for k, v in _numbers(f"{key}/{i}", item).items()
