@@ -8,6 +8,7 @@ tests/test_grpo_tasks.py.
 from __future__ import annotations
 
 import gzip
+import json
 import random
 import re
 import tracemalloc
@@ -72,6 +73,28 @@ def test_every_format_loads_the_same_family(tmp_path: Path, name: str) -> None:
     counts = loaded.record()["doubles"]["problems"]
     assert sum(sum(c.values()) for c in counts.values()) == 1800
     assert first.origin == f"{tmp_path / name}:{'row 1' if name.endswith('parquet') else '1'}"
+
+
+@pytest.mark.parametrize("lines", [True, False], ids=["json-lines", "json-array"])
+def test_a_json_file_as_datasets_writes_it_loads_the_same_family(
+    tmp_path: Path, lines: bool
+) -> None:
+    """`Dataset.to_json` writes JSON lines to a .json file by default, an array with
+    lines=False; both are what the hub's json loader reads, and both load here."""
+    from datasets import Dataset
+
+    content = rows()
+    path = tmp_path / "t.json"
+    Dataset.from_list(content).to_json(str(path), lines=lines, batch_size=len(content))
+    load_tasks(tasks(family([str(path)])))
+    problems = sorted(
+        (p for ps in get_family("doubles").pool.values() for p in ps), key=lambda p: p.columns["i"]
+    )
+    assert [p.question for p in problems] == [r["q"] for r in content]
+    assert problems[1].origin == f"{path}:{'2' if lines else 'item 2'}"
+    path.write_text(json.dumps([*content[:5], [1, 2]]))
+    with pytest.raises(StageError, match=r"t.json:item 6: expected a JSON object, got list$"):
+        load_tasks(tasks(family([str(path)])))
 
 
 def test_globs_and_level_edges_bucket_a_difficulty(tmp_path: Path) -> None:
@@ -232,7 +255,9 @@ def test_unreadable_files_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "t.jsonl.zst").write_bytes(b"not a zstandard frame\n")
     for name, expected in (("t.jsonl.gz", "cannot read"), ("t.parquet", "not a readable parquet file"),
                            ("t.jsonl.zst", r"cannot read \(zstd decompress"),
-                           ("t.csv", "not a task file; expected one of .jsonl, .jsonl.gz, .jsonl.zst, .parquet")):  # fmt: skip
+                           # refused with the config (what snakemake -n checks), before any file is read
+                           ("t.csv", r"^config: tasks.families.0.files.0: '.*t.csv' is not a task file; "
+                                     r"expected one of .jsonl, .jsonl.gz, .jsonl.zst, .json, .parquet$")):  # fmt: skip
         with pytest.raises(StageError, match=expected):
             load_tasks(tasks(family([str(tmp_path / name)])))
 

@@ -278,6 +278,7 @@ class TasksSettings(_Section):
     def check(self) -> None:
         """Each family is one kind (a generator, or files), its name its own, and each reward
         one verifier or one function."""
+        from stagetrain.tasks.files import SUFFIXES, suffix_of
         from stagetrain.tasks.registry import FAMILIES
 
         seen: set[str] = set()
@@ -305,8 +306,16 @@ class TasksSettings(_Section):
                     f"{key}.name: {name!r} is a built-in family's name; name your family otherwise"
                 )
             for j, entry in enumerate(family.files):
+                name = entry if isinstance(entry, str) else entry["file"]
+                where = f"{key}.files.{j}" + ("" if isinstance(entry, str) else ".file")
                 if not isinstance(entry, str):
-                    check_repo_path(f"{key}.files.{j}.file", entry["file"])
+                    check_repo_path(where, name)
+                if suffix_of(name) is None and not (
+                    isinstance(entry, str) and any(c in name for c in "*?[")
+                ):
+                    raise StageError(
+                        f"{where}: {name!r} is not a task file; expected one of {', '.join(SUFFIXES)}"
+                    )
             family.check_rewards(key)
             family.check_success_at(key, self.success_at)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gzip
 import io
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -27,7 +28,10 @@ from typing import IO, Any
 from stagetrain.errors import StageError
 from stagetrain.io import json_lines
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet")
+"""What the readers take, by suffix. `.json` is JSON lines, as `datasets.Dataset.to_json` writes
+by default, or one JSON array of rows (`lines=False`) up to MAX_LINE_BYTES, as the hub's json
+loader reads both."""
 BATCH_ROWS = 1024
 """Rows of a parquet file decoded at once: at 10 KB a corpus document, 10 MB."""
 MAX_LINE_BYTES = 64 * 2**20
@@ -64,7 +68,10 @@ def read_rows(
         corrupt += (zstandard.ZstdError,)
     try:
         with _opened(path, kind) as handle:
-            yield from _json_lines(handle, shown)
+            if kind == ".json" and _starts_array(handle):
+                yield from _json_array(handle, shown)
+            else:
+                yield from _json_lines(handle, shown)
     except corrupt as err:
         raise StageError(
             f"{shown}: cannot read ({getattr(err, 'strerror', None) or err})"
@@ -146,6 +153,32 @@ def _json_lines(handle: IO[bytes], shown: str) -> Iterator[tuple[str, dict[str, 
         if not isinstance(row, dict):
             raise StageError(f"{where}: expected a JSON object, got {type(row).__name__}")
         yield where, row
+
+
+def _starts_array(handle: IO[bytes]) -> bool:
+    """Whether a .json file is one array (its first non-blank byte '['); the handle is left at
+    the start."""
+    head = handle.read(4096).lstrip()
+    handle.seek(0)
+    return head.startswith(b"[")
+
+
+def _json_array(handle: IO[bytes], shown: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The rows of a .json file holding one array of objects, bounded as a line is."""
+    data = handle.read(MAX_LINE_BYTES + 1)
+    if len(data) > MAX_LINE_BYTES:
+        raise StageError(f"{shown}: a JSON array of more than {MAX_LINE_BYTES} bytes; "
+                         "write JSON lines instead (Dataset.to_json's default)")  # fmt: skip
+    try:
+        rows = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise StageError(f"{shown}: not valid JSON ({getattr(err, 'msg', err)})") from None
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise StageError(
+                f"{shown}:item {number}: expected a JSON object, got {type(row).__name__}"
+            )
+        yield f"{shown}:item {number}", row
 
 
 def _parquet_rows(
