@@ -386,3 +386,40 @@ def test_a_rank_joins_without_probing_every_deepspeed_op(monkeypatch: pytest.Mon
     skip_inference_comm_op()
     assert build_shm_op() is None
     assert deepspeed.ops.__compatible_ops__ == {"deepspeed_shm_comm": False}
+
+
+def test_bad_input_met_by_every_rank_is_one_line_not_torchruns_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two ranks under torchrun meet the same bad row: the log has the line once and none of
+    torchrun's ChildFailedError report (which repeated it inside a traceback), and the stage's
+    error is that line."""
+    import os
+
+    from stagetrain.errors import StageError
+    from stagetrain.training.launch import run_ranks
+
+    spec = tmp_path / "spec.json"
+    (tmp_path / "barrier").mkdir()
+    spec.write_text(json.dumps({"file": "tasks/t.jsonl", "barrier": str(tmp_path / "barrier")}))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "tests/dist/bad_input_rank.py",
+        "--spec",
+        str(spec),
+    ]
+    with caplog.at_level("INFO", logger="stagetrain"), pytest.raises(StageError) as err:
+        run_ranks(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, "grpo")
+    line = "tasks/t.jsonl:12: reward f: returned 'x'; expected a finite number or None"
+    assert str(err.value) == line
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged.count(f"error: {line}") == 1, logged
+    assert not [
+        m
+        for m in logged
+        if "ChildFailedError" in m or "Traceback" in m or m.count(line) and m != f"error: {line}"
+    ]

@@ -171,7 +171,12 @@ def rank_environment(env: Mapping[str, str], *, cores: int, ranks_per_node: int)
 
 
 def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
-    """Run the ranks, passing every output line to the log; a failure becomes one line.
+    """Run the ranks, passing their output lines to the log; a failure becomes one line.
+
+    Once a rank has said `error: ...` (bad input, which every rank may meet at once), the log
+    takes only error lines it has not had yet: the same line from the other ranks, and
+    torchrun's `ChildFailedError` report that follows, repeated the one line four times inside a
+    traceback. The stage's own error then says it once more, last.
 
     Raises:
         StageError: the ranks failed; the message is a rank's own `error:` line
@@ -188,12 +193,18 @@ def run_ranks(cmd: Sequence[str], env: Mapping[str, str], stage: str) -> None:
         text=True,
     ) as proc:
         assert proc.stdout is not None
+        said: set[str] = set()
         for line in proc.stdout:
             line = line.rstrip("\n")
-            log.info("%s", line)
-            if first_error is None and line.startswith("error: "):
-                first_error = line.removeprefix("error: ")
             failure.read(line)
+            if line.startswith("error: "):
+                first_error = first_error or line.removeprefix("error: ")
+                if line in said:
+                    continue
+                said.add(line)
+            elif first_error is not None:
+                continue
+            log.info("%s", line)
     if proc.returncode != 0:
         raise StageError(
             first_error
