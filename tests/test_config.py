@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from harness.configs import model_settings
 from harness.workflow import REPO, default_config
 from snakemake.utils import validate as snakemake_validate
@@ -571,3 +572,45 @@ def test_a_hub_file_outside_its_repo_fails_the_dry_run_in_one_line(path: str, wh
         stconfig.validate(config(path))
     assert str(err.value) == (f"config: {key}: {path!r} is not a file of the repo (expected a relative path "
                               "like data/train.jsonl, without '.', '..' or empty parts)")  # fmt: skip
+
+
+KEYWORDS = {"$schema", "$defs", "$ref", "title", "description", "type", "enum", "const", "default", "properties",
+            "additionalProperties", "required", "items", "minItems", "maxItems", "uniqueItems", "minimum", "maximum",
+            "exclusiveMinimum", "exclusiveMaximum", "pattern", "minLength", "maxLength", "oneOf", "anyOf", "allOf",
+            "not", "if", "then", "else", "propertyNames", "minProperties", "maxProperties", "examples"}  # fmt: skip
+
+
+def test_every_schema_description_is_one_string_and_every_key_a_keyword() -> None:
+    """In a YAML flow mapping, `description: a, b: c` is a description "a" and a stray key "b";
+    such a key is no JSON Schema keyword, and the schema would silently not say what it meant."""
+    found: list[str] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{where}[{i}]")
+            return
+        if not isinstance(node, dict):
+            return
+        found.extend(f"{where}.{k}: not a JSON Schema keyword" for k in node if k not in KEYWORDS)
+        if "description" in node and not isinstance(node["description"], str):
+            found.append(f"{where}.description: {node['description']!r} is not one string")
+        for key, value in node.items():
+            if key in ("properties", "$defs"):
+                for name, sub in value.items():
+                    walk(sub, f"{where}.{name}")
+            elif key in (
+                "items",
+                "oneOf",
+                "anyOf",
+                "allOf",
+                "not",
+                "additionalProperties",
+                "if",
+                "then",
+                "else",
+            ):
+                walk(value, f"{where}.{key}")
+
+    walk(yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text()), "schema")
+    assert not found, found
