@@ -298,7 +298,7 @@ def test_file_sources_read_txt_and_jsonl_with_a_stable_split(tmp_path: Path) -> 
         (
             "bad.csv",
             "a,b\n",
-            "bad.csv: expected a .txt file or one of .jsonl, .jsonl.gz, .jsonl.zst, .parquet",
+            "bad.csv: expected a .txt file or one of .jsonl, .jsonl.gz, .jsonl.zst, .json, .parquet",
         ),
     ],
 )

@@ -376,7 +376,11 @@ def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
             "'counting' is a built-in family's name",
         ),
         (
-            {"tasks": {"families": [{"name": "a", "files": ["x"]}, {"name": "a", "files": ["y"]}]}},
+            {
+                "tasks": {
+                    "families": [{"name": "a", "files": ["x.jsonl"]}, {"name": "a", "files": ["y"]}]
+                }
+            },
             "tasks.families.1.name: 'a' is listed twice",
         ),
         (
@@ -385,7 +389,7 @@ def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
                     "families": [
                         {
                             "name": "a",
-                            "files": ["x"],
+                            "files": ["x.jsonl"],
                             "rewards": [{"verifier": "exact", "function": "r.py:f"}],
                         }
                     ]
@@ -396,7 +400,9 @@ def test_task_rows_refuse_every_control_token_the_tokenizer_adds() -> None:
         (
             {
                 "tasks": {
-                    "families": [{"name": "a", "files": ["x"], "rewards": [{"function": "r.py"}]}]
+                    "families": [
+                        {"name": "a", "files": ["x.jsonl"], "rewards": [{"function": "r.py"}]}
+                    ]
                 }
             },
             "tasks.families.0.rewards.0.function: expected 'path/to/file.py:function_name' or 'package.module:function_name', got 'r.py'",
