@@ -394,13 +394,32 @@ def test_weights_split_the_tokens(tokenizer: PreTrainedTokenizerFast, tmp_path: 
     assert 29_990 <= written[0].tokens < 30_020 and 9_990 <= written[1].tokens < 10_020
 
 
-def test_a_short_source_gives_what_it_has(
-    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+def test_a_short_source_is_read_again_to_fill_its_share(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    source = _listed("short", 1.0, ["only one"])
-    written = write_split(tokenizer.backend_tokenizer, [source], "val", 1000, tmp_path / "v.bin",
-                          eos_id=tokenizer.eos_token_id, dtype=np.dtype(np.uint16))  # fmt: skip
-    assert written[0].documents == 1 and written[0].tokens < 10
+    """Weights mean shares: a source that runs out starts over (stopping short left it 1/7 of
+    the split at weight 1 of 2), says so, and counts it; one far too small is refused."""
+    short = _listed("short", 1.0, [f"short document {i}" for i in range(40)])
+    once = sum(
+        len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1
+        for d in short.documents("train")
+    )
+    long = _listed("long", 1.0, [f"long {i}" for i in range(10**5)])
+    with caplog.at_level("INFO", logger="stagetrain"):
+        written = write_split(tokenizer.backend_tokenizer, [short, long], "train", 8 * once, tmp_path / "t.bin",
+                              eos_id=tokenizer.eos_token_id, dtype=np.dtype(np.uint16))  # fmt: skip
+    assert 4 * once <= written[0].tokens < 4 * once + 10 and written[0].repeats == 3
+    assert written[0].documents == 4 * 40 and 4 * once <= written[1].tokens < 4 * once + 10
+    assert "short train: its documents were read 4 times" in caplog.text
+    shard = np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r")[: 2 * once].tolist()
+    assert shard[:once] == shard[once:]  # the same documents, in the same order, again
+    tiny = _listed("tiny", 1.0, ["only one"])
+    with pytest.raises(
+        StageError,
+        match=r"^tiny: its val documents hold \d+ tokens, which would be read [\d,]+ times",
+    ):
+        write_split(tokenizer.backend_tokenizer, [tiny], "val", 10_000, tmp_path / "v.bin",
+                    eos_id=tokenizer.eos_token_id, dtype=np.dtype(np.uint16))  # fmt: skip
 
 
 # --- the whole stage -------------------------------------------------------------

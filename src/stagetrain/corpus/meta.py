@@ -93,6 +93,10 @@ class SourceShare(TypedDict):
     val_tokens: int
     train_documents: int
     val_documents: int
+    train_repeats: int
+    """Times its documents were started over to fill its share of the split (0: read once, or
+    in part); val_repeats the same for the validation split."""
+    val_repeats: int
 
 
 class SpecialIds(TypedDict):

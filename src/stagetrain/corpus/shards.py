@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,8 +22,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from stagetrain.corpus.sources import Source, Split
+from stagetrain.errors import StageError
 
 log = logging.getLogger("stagetrain")
+
+MAX_PASSES = 100
+"""The most times a source's documents are read to fill its share of a split: past that its
+weight asks for a corpus that is mostly one small file over and over, which is refused."""
 BATCH_DOCUMENTS = 4096
 PROGRESS_EVERY_S = 5.0
 
@@ -38,6 +44,8 @@ class Written:
 
     tokens: int = 0
     documents: int = 0
+    repeats: int = 0
+    """Times the source's documents were started over to fill its share."""
 
 
 class _Progress:
@@ -103,7 +111,11 @@ def write_split(
     eos_id: int,
     dtype: np.dtype,
 ) -> list[Written]:
-    """Write one split from every source, each taking its weight's share of `total` tokens."""
+    """Write one split from every source, each taking its weight's share of `total` tokens. A
+    source whose documents run out first is read again from its start, as many times as its
+    share needs, and a log line says so: stopping short made the weights mean less than they say
+    (a file of 1,000 tokens at weight 1 beside the generated corpus at weight 1 was 1,000 of
+    the split's tokens, not half), and the split smaller than the config asked."""
     weights = sum(s.weight for s in sources)
     progress = _Progress(total)
     with open(path, "wb") as out:
@@ -112,11 +124,35 @@ def write_split(
             # A corpus file's "<|eos|>" is text, not the end of a document: special tokens are
             # matched only in the generated corpus, whose task markers are meant as markup.
             tokenizer.encode_special_tokens = not source.controls
+            budget = round(total * source.weight / weights)
+            done = Written()
             try:
-                written.append(write_documents(tokenizer, source.documents(split), round(total * source.weight / weights),
-                                               out, eos_id=eos_id, dtype=dtype, progress=progress))  # fmt: skip
+                while done.tokens < budget:
+                    part = write_documents(tokenizer, source.documents(split), budget - done.tokens,
+                                           out, eos_id=eos_id, dtype=dtype, progress=progress)  # fmt: skip
+                    if not part.tokens:  # nothing in this split at all
+                        break
+                    if (
+                        not done.tokens
+                        and part.tokens < budget
+                        and budget / part.tokens > MAX_PASSES
+                    ):
+                        raise StageError(
+                            f"{source.name}: its {split} documents hold {part.tokens:,} tokens, which would be read "
+                            f"{math.ceil(budget / part.tokens):,} times for its share of {budget:,} (weight "
+                            f"{source.weight:g}; at most {MAX_PASSES}); lower its weight or add documents"
+                        )
+                    done.repeats += bool(done.tokens)
+                    done.tokens, done.documents = (
+                        done.tokens + part.tokens,
+                        done.documents + part.documents,
+                    )
             finally:
                 tokenizer.encode_special_tokens = False
+            if done.repeats:
+                log.info("%s %s: its documents were read %d times to fill its share of %d tokens (weight %g)",
+                         source.name, split, done.repeats + 1, budget, source.weight)  # fmt: skip
+            written.append(done)
         return written
 
 

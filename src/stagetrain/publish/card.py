@@ -145,7 +145,9 @@ def source_line(source: SourceShare) -> str:
         what = f"`{record['repo']}` at commit `{record['commit']}` ({', '.join(f'`{f}`' for f in record['files'])})"
     else:  # a kind this version does not write
         what = source["name"]
-    return f"{what}: weight {source['weight']:g}, {source['train_tokens']:,} training tokens"
+    repeats = source.get("train_repeats", 0)  # absent from a corpus made before it was counted
+    again = f" (its documents read {repeats + 1} times to fill its share)" if repeats else ""
+    return f"{what}: weight {source['weight']:g}, {source['train_tokens']:,} training tokens{again}"
 
 
 def _rewards(r: RunRecords, family: str) -> str:

@@ -128,6 +128,8 @@ def _meta(
             val_tokens=written["val"][i].tokens,
             train_documents=written["train"][i].documents,
             val_documents=written["val"][i].documents,
+            train_repeats=written["train"][i].repeats,
+            val_repeats=written["val"][i].repeats,
         )
         for i, source in enumerate(sources)
     ]
