@@ -423,3 +423,16 @@ def test_bad_input_met_by_every_rank_is_one_line_not_torchruns_traceback(
         for m in logged
         if "ChildFailedError" in m or "Traceback" in m or m.count(line) and m != f"error: {line}"
     ]
+
+
+def test_progress_gives_the_eta_from_the_steps_this_process_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both training stages' console line: a run resumed at step 40 of 100 that took 30 s for
+    10 steps has 50 to go, 150 s; the steps before the resume took no time here."""
+    from stagetrain.training import metrics as metrics_module
+
+    clock = iter([1000.0, 1030.0])
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: next(clock))
+    progress = metrics_module.Progress(100, 40)
+    assert progress.line(50, 1.5, 2000.0) == "step 50/100 loss 1.5000 tokens/s 2,000 ETA 00:02:30"

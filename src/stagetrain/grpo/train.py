@@ -56,7 +56,7 @@ from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, in_lockstep, validation_loss
 from stagetrain.training.experts import routing_of
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
-from stagetrain.training.metrics import check_finite
+from stagetrain.training.metrics import Progress, check_finite
 from stagetrain.training.rank import rank_main
 from stagetrain.training.spec import GrpoJob
 
@@ -313,7 +313,7 @@ def loop(run: Run) -> Trained:
         log.info("curriculum levels at step %d: %s", stage.start, _levels(curriculum.levels()))
     run.eval_windows = stage.eval_set(run.eval_windows, client)
     prompts_log = stage.debug_log("prompts.jsonl", PROMPT_RECORD)  # pretrain's window log's twin
-    began, final = time.monotonic(), None
+    began, final, progress = time.monotonic(), None, Progress(cfg.steps, stage.start)
     if stage.start == 0 and stage.metrics:
         stage.metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
     elif stage.start == 0:
@@ -337,9 +337,8 @@ def loop(run: Run) -> Trained:
             stage.logs(step) or "eval/accuracy" in record or "curriculum/events" in record
         ):
             stage.metrics.write(record)
-            log.info("step %d/%d reward %.3f levels %s loss %.4f tokens/s %.0f", step, cfg.steps,
-                     record["reward/mean"], _levels(record["curriculum/level"]), record["train/loss"],
-                     record["throughput/tokens_per_s"])  # fmt: skip
+            log.info("%s reward %.3f levels %s", progress.line(step, record["train/loss"], record["throughput/tokens_per_s"]),
+                     record["reward/mean"], _levels(record["curriculum/level"]))  # fmt: skip
         stage.checkpoint(step, {"step": step, "curriculum": curriculum.to_json()})
     # the loop always evaluates its last step
     return Trained(curriculum.to_json(), run.engine.global_steps, final)
