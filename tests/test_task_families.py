@@ -927,6 +927,26 @@ def test_reward_signatures_are_checked_at_dag_time_files_by_ast_modules_by_signa
         (("trl.rewards:__name__", None), "trl.rewards:__name__ is a str, expected a function"),
         (("no_such_package.rewards:f", None), "cannot import module 'no_such_package.rewards' (ModuleNotFoundError"),
     ]  # fmt: skip
+    # A name the file imports from the environment (the standard library, an installed package)
+    # is checked as that module's own; one from the user's modules waits for the stage.
+    imports = tmp_path / "imports.py"
+    imports.write_text("import sys\nsys.exit('not at DAG time')\nimport json\nfrom math import pi\n"
+                       "from trl.rewards import accuracy_reward as acc, get_repetition_penalty_reward\n")  # fmt: skip
+    assert check_function(f"{imports}:acc", key) == str(imports)
+    assert check_function(
+        f"{imports}:get_repetition_penalty_reward", key, {"ngram_size": 2}
+    ) == str(imports)
+    refused += [
+        ((f"{imports}:pi", None), "math:pi is a float, expected a function"),
+        (
+            (f"{imports}:json", None),
+            f"{imports}:json is a module the file imports, expected a function",
+        ),
+        (
+            (f"{imports}:get_repetition_penalty_reward", None),
+            "(a factory of rewards? give its kwargs)",
+        ),
+    ]
     assert "(a factory of rewards? give its kwargs)" in message_of(
         check_function, "trl.rewards:get_repetition_penalty_reward", key
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import re
@@ -168,7 +169,36 @@ def _check_file(
             _refuse(key, f"{path}:{name}", ast_params(node), keywords)
         else:
             _factory(key, f"{path}:{name}", ast_params(node), kwargs)
-    # an assigned or imported name is only known by running the file: checked in the stage
+    elif isinstance(node, ast.Import):
+        raise StageError(
+            f"config: {key}: {path}:{name} is a module the file imports, expected a function"
+        )
+    elif isinstance(node, ast.ImportFrom) and _environment_module(node):
+        original = next(a.name for a in node.names if (a.asname or a.name) == name)
+        _check_installed(f"{node.module}", original, key, kwargs, keywords)
+    # an assigned name, or one imported from a module of the user's, is only known by running
+    # the file: checked in the stage
+
+
+def _environment_module(node: ast.ImportFrom) -> bool:
+    """Whether `from module import ...` names a module of the environment (the standard library
+    or an installed distribution), which DAG time may import as it imports `module:name`
+    rewards; a module of the user's is their code, run only by the stage."""
+    if node.level or not node.module:
+        return False
+    top = node.module.split(".")[0]
+    return top in sys.stdlib_module_names or top in importlib.metadata.packages_distributions()
+
+
+def _check_installed(module: str, name: str, key: str, kwargs: Mapping[str, Any] | None,
+                     keywords: tuple[str, ...]) -> None:  # fmt: skip
+    """An installed module's `name` is a function that takes the call (a factory's product too)."""
+    found = import_object(module, name, f"config: {key}")
+    what = f"{module}:{name}"
+    if kwargs is not None:
+        _factory(key, what, signature_params(found), kwargs)
+        found = made(found, kwargs, f"config: {key}: {what}")
+    _refuse(key, what, signature_params(found), keywords)
 
 
 def import_object(module: str, name: str, key: str) -> Any:
@@ -211,12 +241,7 @@ def check_function(spec: str, key: str, kwargs: Mapping[str, Any] | None = None,
     if is_file(source):
         _check_file(source, name, key, kwargs, keywords)
         return source
-    found = import_object(source, name, f"config: {key}")
-    what = f"{source}:{name}"
-    if kwargs is not None:
-        _factory(key, what, signature_params(found), kwargs)
-        found = made(found, kwargs, f"config: {key}: {what}")
-    _refuse(key, what, signature_params(found), keywords)
+    _check_installed(source, name, key, kwargs, keywords)
     return None
 
 
