@@ -53,9 +53,11 @@ def grpo_config(**changes: Any) -> dict[str, Any]:
 
 def test_flat_grpo_trains_through_the_engine_with_a_reference(start: tuple, tmp_path: Path) -> None:
     """Without weight decay a run whose loss were zero would end where it started (AdamW's
-    moments stay zero), so weights that moved are the loss's doing, not the decay's."""
+    moments stay zero), so weights that moved are the loss's doing, not the decay's. Sampled
+    from a nucleus (top_p 0.9) with the KL term on, so the trainer's scoring is held to the
+    sampler's on the masked distribution, not only on the whole one."""
     data, model = start
-    cfg = grpo_config(kl_coef=0.04, passes=2, optimizer={"weight_decay": 0.0})
+    cfg = grpo_config(kl_coef=0.04, passes=2, top_p=0.9, optimizer={"weight_decay": 0.0})
     cfg["deepspeed"]["attention"] = "eager"  # the described machine's plan would say sdpa
     summary = run_grpo(data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2},
                        cfg=cfg, generation_batch=4)  # fmt: skip
