@@ -173,7 +173,7 @@ def test_rendering_is_byte_identical_across_processes_and_hash_seeds() -> None:
     """A set or dict iterated in hash order would render differently in another process (and
     rerun every stage after it); one process rendering twice cannot see that."""
     rendered = {}
-    for seed in ("0", "1", "12345"):
+    for seed in ("0", "1"):
         done = subprocess.run([sys.executable, "-c", RENDER], cwd=REPO, capture_output=True, text=True,
                               check=True, env={**os.environ, "PYTHONHASHSEED": seed})  # fmt: skip
         rendered[seed] = done.stdout.splitlines()[-1]  # DeepSpeed logs its accelerator first
