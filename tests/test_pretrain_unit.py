@@ -8,6 +8,7 @@ import queue
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -433,6 +434,10 @@ def test_progress_gives_the_eta_from_the_steps_this_process_ran(
     from stagetrain.training import metrics as metrics_module
 
     clock = iter([1000.0, 1030.0])
-    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: next(clock))
+    fake = type("Clock", (), {"monotonic": staticmethod(lambda: next(clock)), "strftime": time.strftime,
+                              "gmtime": time.gmtime})  # fmt: skip
+    monkeypatch.setattr(
+        metrics_module, "time", fake
+    )  # this module's clock alone, not the process's
     progress = metrics_module.Progress(100, 40)
     assert progress.line(50, 1.5, 2000.0) == "step 50/100 loss 1.5000 tokens/s 2,000 ETA 00:02:30"

@@ -27,6 +27,7 @@ from stagetrain.config.settings import GrpoSettings, ModelSettings, TasksSetting
 from stagetrain.corpus.meta import SourceShare, TokenizerMeta
 from stagetrain.planning.plan import PlanRecord
 from stagetrain.tasks.problem import ANSWER_TOKEN, CHAT_TEMPLATE, PROBLEM_TOKEN
+from stagetrain.tasks.prompts import renders_chat
 
 if TYPE_CHECKING:  # the types alone: publishing imports no training code (nor torch)
     from stagetrain.grpo.summary import GrpoSummary
@@ -97,9 +98,8 @@ which the trained tokenizer's own template renders too ("markup-template")."""
 
 
 def prompting(tasks: TasksSettings, folder: Path) -> Prompting:
-    """How the run prompted, as `tasks.prompts.Prompter` decides: chat turns where
-    `tasks.chat_template` is on and the folder's tokenizer has a template (its own file, or in
-    tokenizer_config.json) other than the trained tokenizer's."""
+    """How the run prompted, decided as `tasks.prompts.Prompter` decides (`renders_chat`), from
+    the folder's tokenizer template (its own file, or in tokenizer_config.json)."""
     jinja, config = folder / "chat_template.jinja", folder / "tokenizer_config.json"
     if jinja.exists():
         template = jinja.read_text()
@@ -107,7 +107,7 @@ def prompting(tasks: TasksSettings, folder: Path) -> Prompting:
         template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
     if template == CHAT_TEMPLATE:
         return "markup-template"
-    return "chat" if template and tasks.chat_template else "markup"
+    return "chat" if renders_chat(template, tasks.chat_template) else "markup"
 
 
 def _usage(r: RunRecords) -> list[str]:

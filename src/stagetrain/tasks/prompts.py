@@ -51,14 +51,18 @@ def stop_ids(tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(s for s in stops if s is not None and s != tokenizer.unk_token_id))
 
 
+def renders_chat(template: str | None, chat_template: bool) -> bool:
+    """Whether prompts are chat turns: `tasks.chat_template` on and a tokenizer template other
+    than the trained tokenizer's, which renders the plain markup (as before it had one)."""
+    return bool(chat_template and template and template != CHAT_TEMPLATE)
+
+
 class Prompter:
     """Prompt token ids of problems for one tokenizer, and completions decoded for rewards."""
 
     def __init__(self, tokenizer: Any, *, chat_template: bool, limit: int) -> None:
         self.tokenizer = tokenizer
-        template = getattr(tokenizer, "chat_template", None)
-        # The trained tokenizer's own template renders the plain markup: no chat, as before it had one.
-        self.chat = bool(chat_template and template and template != CHAT_TEMPLATE)
+        self.chat = renders_chat(getattr(tokenizer, "chat_template", None), chat_template)
         self.limit = limit
         """grpo.max_prompt_len: the prompt tokens the plan counted."""
         self.stops = set(stop_ids(tokenizer))
