@@ -80,3 +80,42 @@ def test_a_task_named_from_lm_evals_catalogue_is_found_there(
               pins={})  # fmt: skip
     with pytest.raises(StageError, match=r"^evaluate\.tasks: lm-eval could not run them: "):
         evaluate(run, tmp_path / "tasks", ["arc_easy"], batch_size=16)
+
+
+def test_plain_transformers_with_only_the_folder_answers_as_the_pipelines_evaluation(
+    scoring_start: str,
+) -> None:
+    """A user with nothing but the consolidated folder: `apply_chat_template` gives the prompt
+    the pipeline gives, and `generate` with the folder's own generation config (greedy) ends
+    where the pipeline's completion ends, with the same answer, on held-out problems of a model
+    that gets some right and some wrong."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stagetrain.tasks import heldout
+    from stagetrain.tasks.families import load_tasks
+    from stagetrain.tasks.judge import Judge
+    from stagetrain.training.evaluation import greedy_completions, greedy_scores
+
+    tokenizer = AutoTokenizer.from_pretrained(scoring_start)
+    model = AutoModelForCausalLM.from_pretrained(scoring_start).eval()
+    judge = Judge(load_tasks(), tokenizer, max_prompt_len=LENGTHS[0])
+    batch = heldout("counting", 1, 24, seed=3)
+    with torch.no_grad():
+        ours = greedy_completions(model, judge, batch, max_new_tokens=LENGTHS[1], chunk_size=8)
+        solved = greedy_scores(model, judge, batch, max_new_tokens=LENGTHS[1], chunk_size=8)
+        for problem, completion, score in zip(batch, ours, solved, strict=True):
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": problem.question}], add_generation_prompt=True,
+                return_tensors="pt", return_dict=True,
+            )  # fmt: skip
+            assert prompt["input_ids"][0].tolist() == judge.prompt_ids(problem)
+            out = model.generate(**prompt, do_sample=False, max_new_tokens=LENGTHS[1])
+            new = out[0, prompt["input_ids"].shape[1] :].tolist()
+            kept = judge.prompter.completion(completion)  # cut at its first stop, if any
+            ended = kept.ids + [completion[len(kept.ids)]] if kept.finished else kept.ids
+            assert new == ended, problem
+            answer = tokenizer.decode(new, skip_special_tokens=True)
+            assert answer == kept.text
+            assert float(judge.solved(problem, judge.rewards([problem], [new])[0])) == score
+    assert 0 < sum(solved) < len(solved), solved

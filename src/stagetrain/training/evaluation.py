@@ -75,17 +75,17 @@ def validation_loss(
     return float(np.mean(losses))
 
 
-def greedy_scores(
+def greedy_completions(
     model: Any,
     judge: Judge,
     batch: Sequence[Problem],
     *,
     max_new_tokens: int,
     chunk_size: int,
-) -> list[float]:
-    """1.0 for each problem whose greedy completion (KV cache) solves it (`Judge.solved` on its
-    family's weighted reward), else 0.0; `chunk_size` problems per `generate` call."""
-    out = []
+) -> list[list[int]]:
+    """Each problem's greedy completion (KV cache), its token ids as generated (the judge cuts
+    them at the first stop); `chunk_size` problems per `generate` call."""
+    out: list[list[int]] = []
     tokenizer = judge.prompter.tokenizer
     for start in range(0, len(batch), chunk_size):
         chunk = batch[start : start + chunk_size]
@@ -97,7 +97,27 @@ def greedy_scores(
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
         gen = model.generate(input_ids=tokens, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=pad, use_cache=True, synced_gpus=in_lockstep(model))  # fmt: skip
-        rewards = judge.rewards(chunk, gen[:, width:].tolist())
+        out.extend(gen[:, width:].tolist())
+    return out
+
+
+def greedy_scores(
+    model: Any,
+    judge: Judge,
+    batch: Sequence[Problem],
+    *,
+    max_new_tokens: int,
+    chunk_size: int,
+) -> list[float]:
+    """1.0 for each problem whose greedy completion solves it (`Judge.solved` on its family's
+    weighted reward), else 0.0."""
+    completions = greedy_completions(
+        model, judge, batch, max_new_tokens=max_new_tokens, chunk_size=chunk_size
+    )
+    out = []
+    for start in range(0, len(batch), chunk_size):  # one reward call per chunk, as generated
+        chunk = batch[start : start + chunk_size]
+        rewards = judge.rewards(chunk, completions[start : start + chunk_size])
         out.extend(float(judge.solved(p, r)) for p, r in zip(chunk, rewards, strict=True))
     return out
 
