@@ -303,7 +303,7 @@ def _job(
     from stagetrain.io import read_json
 
     spec: GrpoJob = read_json(spec_path)
-    for key in ("summary", "metrics", "reward_plot"):
+    for key in ("summary", "metrics", "reward_plot", "completions", "completions_table"):
         spec[key] = str(scratch / Path(spec[key]).name)
     spec["checkpoints"], spec["tensorboard"] = (
         str(scratch / "checkpoints"),

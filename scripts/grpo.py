@@ -7,7 +7,8 @@ with checkpoints in results/<run>/checkpoints/grpo/<fingerprint>/. On its own:
         --tokenizer results/tiny/tokenizer --model-config results/tiny/model_config.json \
         --meta results/tiny/data/meta.json --val results/tiny/data/val.bin \
         --summary results/tiny/grpo/summary.json --metrics results/tiny/grpo/metrics.jsonl \
-        --reward-plot results/tiny/grpo/reward.png
+        --reward-plot results/tiny/grpo/reward.png --completions results/tiny/grpo/completions.jsonl \
+        --completions-table results/tiny/grpo/completions.html
 """
 
 from stagetrain.config.settings import TrackingSettings
@@ -32,6 +33,6 @@ run_stage(
     snakemake=globals().get("snakemake"),
     doc=__doc__,
     inputs=["model", "plan", "deepspeed_config", "tokenizer", "model_config", "meta", "val"],
-    outputs=["summary", "metrics", "reward_plot"],
+    outputs=["summary", "metrics", "reward_plot", "completions", "completions_table"],
     sections=["run", "grpo", "tasks", "tracking"],
 )

@@ -265,16 +265,18 @@ def test_every_readme_command_works_as_written(finished_copy: Path, tmp_path: Pa
             _evaluated(finished_copy)
     assert (finished_copy / "report.html").stat().st_size > 10_000
     report = (finished_copy / "report.html").read_text()
-    for plot in ("pretrain/loss.png", "grpo/reward.png"):
+    for plot, mime in (("pretrain/loss.png", "image/png"), ("grpo/reward.png", "image/png"),
+                       ("grpo/completions.html", "text/html")):  # fmt: skip
         name = plot.split("/")[1]
         embedded = re.search(
-            rf'"data:image/png;[^",]*filename={name};base64,([A-Za-z0-9+/=]+)"', report
+            rf'"data:{mime};[^",]*filename={name};base64,([A-Za-z0-9+/=]+)"', report
         )
         assert embedded, f"{plot} is not in the report"
         assert (
             base64.b64decode(embedded.group(1))
             == (finished_copy / "results/tiny" / plot).read_bytes()
         )
+    assert "<td>" in (finished_copy / "results/tiny/grpo/completions.html").read_text()
 
 
 def test_a_report_after_a_run_that_stopped_before_grpo_shows_what_exists(

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from harness.hub import commit_sha, serve_hub
 from harness.training import grpo_config as harness_grpo_config
-from harness.training import launch_grpo, run_grpo
+from harness.training import launch_grpo
 from transformers import AutoTokenizer
 
 from stagetrain.config import validation as stconfig
@@ -141,9 +141,16 @@ def test_grpo_trains_on_own_families_with_their_rewards_and_template(
     _, sha = hub
     tasks = tasks_section(tmp_path, "org/tasks")
     cfg = config(tasks)
-    summary = run_grpo(
+    proc = launch_grpo(
         data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
     )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # Read, checked and sampled by one rank of the host, not by each (training.host).
+    loads = [
+        line.split(":")[0] for line in proc.stdout.splitlines() if "problems at levels" in line
+    ]
+    assert sorted(loads) == ["task family parity", "task family remote"], proc.stdout[-3000:]
     loaded = load_tasks(local_tasks(tmp_path))
     problems = {
         p.key: p
@@ -254,3 +261,105 @@ def test_a_prompt_too_long_as_rendered_stops_before_the_engines(
         and "tokens with the chat template, more than grpo.max_prompt_len (8)" in line
     ), line
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
+
+
+TRL_REWARDS = '''
+def reward_len(completions, **kwargs):
+    """TRL's GRPOTrainer docs' example reward, as written there."""
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+async def longer(completions, **kwargs):
+    """An async reward, which TRL awaits."""
+    return [len(completion) / 10 for completion in completions]
+'''
+
+
+def test_trls_own_rewards_and_datasets_run_through_the_stage_unchanged(
+    start: tuple, tmp_path: Path
+) -> None:
+    """TRL's shipped rewards (a conversational family with a `solution` column; a factory with
+    kwargs), the docs' `reward_len` and an async function, on files as `datasets` writes them:
+    each term the completions table logs is what TRL's function gives, called here directly on
+    the logged completion; the weighted sum and the per-reward metrics follow from them."""
+    import asyncio
+    import importlib.util
+
+    from datasets import Dataset
+    from trl.rewards import accuracy_reward, get_repetition_penalty_reward, think_format_reward
+
+    data, model = start
+    chat = [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}], "solution": str(i + 1),
+             "difficulty": 1 + i % 2} for i in range(1200)]  # fmt: skip
+    Dataset.from_list(chat).to_json(tmp_path / "chat.json")  # JSON lines, TRL's usual file
+    Dataset.from_list(rows("plain")).to_json(tmp_path / "plain.json")
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
+    own = tmp_path / "trl_rewards.py"
+    tasks = {"families": [
+        {"name": "chat", "files": [str(tmp_path / "chat.json")],
+         "columns": {"prompt": "prompt", "answer": "solution", "level": "difficulty"},
+         "rewards": [{"function": "trl.rewards:accuracy_reward"},
+                     {"function": "trl.rewards:think_format_reward", "weight": 0.5}]},
+        {"name": "plain", "files": [str(tmp_path / "plain.json")],
+         "columns": {"prompt": "question", "answer": "solution", "level": "difficulty"},
+         "rewards": [{"function": "trl.rewards:get_repetition_penalty_reward", "kwargs": {"ngram_size": 2}},
+                     {"function": f"{own}:reward_len", "weight": 0.1},
+                     {"function": f"{own}:longer", "weight": 0.2}],
+         "success_at": 0.5},
+    ]}  # fmt: skip
+    cfg = config(tasks, curriculum={"families": ["chat", "plain"]}, log_completions_every=1)
+    proc = launch_grpo(
+        data, model, tmp_path, world=2, layout={"dp": 2, "tp": 1, "zero_stage": 2}, cfg=cfg
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spec = importlib.util.spec_from_file_location("trl_rewards", own)
+    assert spec and spec.loader
+    user = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user)
+    repetition = get_repetition_penalty_reward(ngram_size=2)
+    table = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    per_step = cfg["grpo"]["prompts_per_step"] * cfg["grpo"]["group_size"]
+    assert len(table) == cfg["grpo"]["steps"] * per_step
+    tokenizer = AutoTokenizer.from_pretrained(data["tokenizer"])
+    solutions = {tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False): r["solution"]
+                 for r in chat}  # fmt: skip
+    weights = {"chat": {"accuracy_reward": 1.0, "think_format_reward": 0.5},
+               "plain": {"repetition_penalty_reward": 1.0, "reward_len": 0.1, "longer": 0.2}}  # fmt: skip
+    for row in table:
+        text, ids = row["completion"], row["completion_ids"]
+        if row["family"] == "chat":
+            message = [[{"role": "assistant", "content": text}]]
+            extra: dict[str, list[Any]] = {}
+            expected = {
+                "accuracy_reward": accuracy_reward(
+                    completions=message, solution=[solutions[row["prompt"]]],
+                    log_extra=lambda column, values, sink=extra: sink.setdefault(column, []).extend(values),
+                )[0],
+                "think_format_reward": think_format_reward(completions=message)[0],
+            }  # fmt: skip
+            assert row["extra"] == {column: values[0] for column, values in extra.items()} != {}
+        else:
+            expected = {
+                "repetition_penalty_reward": repetition(completion_ids=[ids])[0],
+                "reward_len": user.reward_len(completions=[text])[0],
+                "longer": asyncio.run(user.longer(completions=[text]))[0],
+            }
+        assert row["rewards"] == pytest.approx(expected), row
+        assert row["reward"] == pytest.approx(
+            sum(weights[row["family"]][k] * (v or 0.0) for k, v in expected.items())
+        )
+    assert len({row["rewards"]["reward_len"] for row in table if row["family"] == "plain"}) > 1
+    assert any(
+        row["rewards"]["repetition_penalty_reward"] < 0 for row in table if row["family"] == "plain"
+    )
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for record in (r for r in records if "rewards" in r):  # TRL's rewards/<name>/mean, of the table
+        for name, logged in record["rewards"].items():
+            values = [row["rewards"][name] for row in table
+                      if row["step"] == record["step"] and row["rewards"].get(name) is not None]  # fmt: skip
+            assert logged["mean"] == pytest.approx(sum(values) / len(values)), (
+                record["step"],
+                name,
+            )
+    page = (tmp_path / "completions.html").read_text()
+    assert "<th>think_format_reward</th>" in page and "<th>longer</th>" in page

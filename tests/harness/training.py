@@ -184,7 +184,8 @@ def launch_grpo(
     atomic_write_json(out / "ds.json", ds)
     spec = job_spec(
         inputs={**data, "model": model_dir, "plan": out / "plan.json", "deepspeed_config": out / "ds.json"},
-        outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "reward_plot": out / "reward.png"},
+        outputs={"summary": out / "summary.json", "metrics": out / "metrics.jsonl", "reward_plot": out / "reward.png",
+                 "completions": out / "completions.jsonl", "completions_table": out / "completions.html"},
         checkpoints=checkpoints or out / "checkpoints",
         part=grpo_part(cfg),
     )  # fmt: skip

@@ -18,6 +18,12 @@ rule grpo:
             caption="../report/grpo_reward.rst",
             category="GRPO",
         ),
+        completions=f"{RUN}/grpo/completions.jsonl",
+        completions_table=reported(
+            f"{RUN}/grpo/completions.html",
+            caption="../report/grpo_completions.rst",
+            category="GRPO",
+        ),
     log:
         logged("grpo"),
     benchmark:

@@ -480,6 +480,7 @@ class GrpoSettings(_Section):
     eval_every: int
     eval_batches: int
     log_every: int
+    log_completions_every: int
     checkpoint_every: int
     keep_checkpoints: int
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from stagetrain.config.settings import CurriculumSettings
 from stagetrain.grpo import shared_prompts
+from stagetrain.grpo.completions import CompletionRecord, logged_at, term_values
 from stagetrain.grpo.curriculum import (
     Curriculum,
     draw,
@@ -482,13 +483,16 @@ class Counted:
 
 class Stepped(NamedTuple):
     """What one step did: its metrics record (the loop adds the timings and, at an evaluation,
-    the accuracy), the tokens it generated and trained on, and for the debug prompt log the
-    problem keys and prompt ids of the step, dp ranks in order."""
+    the accuracy), the tokens it generated and trained on, for the debug prompt log the
+    problem keys and prompt ids of the step, dp ranks in order, and its completions table."""
 
     record: GrpoRecord
     tokens: int
     prompts: list[str]
     prompt_ids: list[list[int]]
+    completions: list[CompletionRecord]
+    """The step's rows of the completions table, dp ranks in order; empty at a step that
+    logs none (`grpo.log_completions_every`)."""
 
 
 def step(
@@ -503,12 +507,32 @@ def step(
     prompts = [judge.prompt_ids(p) for p in batch]
     keys = [(run.spec["seed"], step_no, first + i) for i in range(len(batch))]
 
-    def reward(i: int, completion: list[int]) -> float:
-        return judge.rewards([batch[i]], [completion])[0]
+    table = logged_at(cfg.log_completions_every, step_no, cfg.steps)
+    scored: dict[tuple[int, tuple[int, ...]], tuple[dict[str, float | None], dict[str, Any]]] = {}
+    context = judge.context
 
-    for sink in (judge.context.terms, judge.context.log.metrics, judge.context.log.extra):
-        sink.clear()  # what the step's scoring adds; log_extra's columns are not kept yet
+    def reward(i: int, completion: list[int]) -> float:
+        terms, extra = len(context.terms), {k: len(v) for k, v in context.log.extra.items()}
+        value = judge.rewards([batch[i]], [completion])[0]
+        if table:  # one completion per call: what the call added is this completion's
+            scored[(i, tuple(completion))] = (
+                term_values(context.terms[terms:]),
+                {
+                    k: v[extra.get(k, 0)]
+                    for k, v in context.log.extra.items()
+                    if len(v) > extra.get(k, 0)
+                },
+            )
+        return value
+
+    for sink in (context.terms, context.log.metrics, context.log.extra):
+        sink.clear()  # what the step's scoring adds
     groups, counted = _rollouts(run, prompts, reward, keys)
+    completions = (
+        gather_dp(_completion_records(run, step_no, batch, groups, scored), run.dp_rank)
+        if table
+        else []
+    )
     terms = gather_dp(judge.context.terms, run.dp_rank)
     logged = gather_dp(list(judge.context.log.metrics.items()), run.dp_rank)
     largest, lockstep = _dp_max(run, [counted.largest, counted.lockstep])
@@ -566,7 +590,28 @@ def step(
         record["curriculum/events"] = events
     trained = sum(row.trained for row in rows) * cfg.passes
     return Stepped(record, record["rollout/generated_tokens"] + trained,
-                   [row.key for row in rows], [row.prompt_ids for row in rows])  # fmt: skip
+                   [row.key for row in rows], [row.prompt_ids for row in rows], completions)  # fmt: skip
+
+
+def _completion_records(
+    run: Run, step_no: int, batch: Sequence[Problem], groups: Sequence[Group],
+    scored: Mapping[tuple[int, tuple[int, ...]], tuple[dict[str, float | None], dict[str, Any]]],
+) -> list[CompletionRecord]:  # fmt: skip
+    """This rank's rows of the completions table. A tree leaf never scored (unfinished when its
+    budget ran out) has no terms: its reward is the tree's 0, not a function's."""
+    out: list[CompletionRecord] = []
+    for i, (problem, group) in enumerate(zip(batch, groups, strict=True)):
+        prompt = run.tokenizer.decode(group.prompt, skip_special_tokens=False)
+        for ids, value, advantage in zip(
+            group.completions, group.rewards, group.advantages, strict=True
+        ):
+            terms, extra = scored.get((i, tuple(ids)), ({}, {}))
+            seen = run.judge.prompter.completion(ids)
+            out.append({"step": step_no, "family": problem.family, "level": problem.level, "prompt": prompt,
+                        "completion": seen.text, "completion_ids": seen.ids, "reward": value, "rewards": terms,
+                        "advantage": float(advantage.float().mean()) if advantage.numel() else 0.0,
+                        "extra": extra})  # fmt: skip
+    return out
 
 
 def _dp_sums(run: Run, values: Sequence[float]) -> list[float]:

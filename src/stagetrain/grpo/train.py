@@ -13,6 +13,7 @@ ranks so every rank updates the same per-family curriculum states.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -34,6 +35,7 @@ from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
 from stagetrain.evaluate.heldout import GainReport, gains
 from stagetrain.grpo import steps as grpo_steps
+from stagetrain.grpo.completions import COMPLETION_RECORD, write_table
 from stagetrain.grpo.curriculum import (
     Curriculum,
     CurriculumStateRecord,
@@ -43,7 +45,7 @@ from stagetrain.grpo.metrics import METRICS, GrpoRecord
 from stagetrain.grpo.run import Replay, Run
 from stagetrain.grpo.summary import GrpoSummary, SamplerSummary
 from stagetrain.grpo.tree import TreeConfig
-from stagetrain.io import read_json
+from stagetrain.io import atomic_write_text, read_json
 from stagetrain.planning.plan import Layout
 from stagetrain.tasks import Problem, get_family, heldout
 from stagetrain.tasks.families import hub_pins, load_tasks, reward_digests
@@ -55,6 +57,7 @@ from stagetrain.training.deepspeed_config import DeepSpeedJson
 from stagetrain.training.engine import gathered
 from stagetrain.training.evaluation import greedy_scores, in_lockstep, validation_loss
 from stagetrain.training.experts import routing_of
+from stagetrain.training.host import once_per_host
 from stagetrain.training.loop import StageLoop, quiet_other_ranks
 from stagetrain.training.metrics import Progress, check_finite
 from stagetrain.training.rank import rank_main
@@ -71,6 +74,7 @@ NOT_MATHS = (
     "eval_every",
     "eval_batches",
     "log_every",
+    "log_completions_every",
     "checkpoint_every",
     "keep_checkpoints",
 )
@@ -145,7 +149,8 @@ def setup(spec: GrpoJob) -> Run:
         raise StageError(f"grpo.rollout: tree rollouts cannot run at ep={layout.ep} (their ranks make different "
                          "numbers of generate calls, and every forward is an all-to-all); plan GRPO at ep=1")  # fmt: skip
     tasks_settings = TasksSettings.from_config(spec["tasks"], "tasks")
-    tasks = load_tasks(tasks_settings, pins=hub_pins(meta))
+    tasks = once_per_host(lambda: load_tasks(tasks_settings, pins=hub_pins(meta)), name="tasks")
+    tasks.register()
     manifest: Manifest = read_json(Path(spec["model"]) / "MANIFEST.json")
     components = {  # the start model by content: a resharded folder of the same weights resumes
         "model": {"weights": manifest["weights_sha256"], "config": manifest["files"]["config.json"]["sha256"]},
@@ -313,6 +318,7 @@ def loop(run: Run) -> Trained:
         log.info("curriculum levels at step %d: %s", stage.start, _levels(curriculum.levels()))
     run.eval_windows = stage.eval_set(run.eval_windows, client)
     prompts_log = stage.debug_log("prompts.jsonl", PROMPT_RECORD)  # pretrain's window log's twin
+    table = stage.step_log("completions.jsonl", COMPLETION_RECORD)
     began, final, progress = time.monotonic(), None, Progress(cfg.steps, stage.start)
     if stage.start == 0 and stage.metrics:
         stage.metrics.write({"step": 0, **_accuracy_record(accuracy(run))})
@@ -330,6 +336,8 @@ def loop(run: Run) -> Trained:
             prompts_log.write(
                 {"step": step, "prompts": stepped.prompts, "prompt_ids": stepped.prompt_ids}
             )
+        for row in stepped.completions if table else ():
+            table.write(row)
         if stage.evaluates(step):
             final = accuracy(run)
             record.update(_accuracy_record(final))
@@ -451,6 +459,9 @@ def rank(spec: GrpoJob) -> None:
         warning = nothing_solved(run.loop.records())
         if warning:
             log.warning(warning)
+        kept = (run.loop.checkpoints.folder / "completions.jsonl").read_text()
+        atomic_write_text(spec["completions"], kept)
+        write_table([json.loads(line) for line in kept.splitlines()], spec["completions_table"])
         run.loop.write_outputs(
             summarise(run, done, final_accuracy, loss), grpo_steps.reward_plot, spec["reward_plot"]
         )

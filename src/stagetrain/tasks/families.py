@@ -107,6 +107,11 @@ class TaskSet:
         """{family: provenance} of the file families."""
         return {name: f.record for name, f in self.families.items() if f.record}
 
+    def register(self) -> None:
+        """Make the file families known to this process (`stagetrain.tasks.registry`): what
+        `load_tasks` does, and a rank must redo with a set another process loaded."""
+        register([f.family for f in self.families.values() if f.family.pool is not None])
+
 
 def data_part(tasks: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of `tasks` that decide the problems (not the rewards or prompt rendering): what
@@ -156,7 +161,6 @@ def load_tasks(
         name: TaskFamily(key="tasks", rewards=None, success_at=tasks.success_at, family=family)
         for name, family in FAMILIES.items()
     }
-    file_families = []
     for index, entry in enumerate(tasks.families):
         key = f"{KEY}.{index}"
         success_at = tasks.success_at if entry.success_at is None else entry.success_at
@@ -165,11 +169,11 @@ def load_tasks(
                                          family=FAMILIES[entry.generator])  # fmt: skip
             continue
         family, record = _file_family(entry, key, pins or {}, tasks.max_rows)
-        file_families.append(family)
         out[entry.name] = TaskFamily(key=key, rewards=entry.rewards, success_at=success_at,
                                      family=family, record=record)  # fmt: skip
-    register(file_families)
-    return TaskSet(families=out, chat_template=tasks.chat_template)
+    loaded = TaskSet(families=out, chat_template=tasks.chat_template)
+    loaded.register()
+    return loaded
 
 
 def hub_name(entry: HubTaskFile) -> str:

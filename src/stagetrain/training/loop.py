@@ -102,12 +102,16 @@ class StageLoop(Generic[R, C]):
         self.eval_windows = windows
         return windows
 
-    def debug_log(self, name: str, registry: Mapping[str, str]) -> MetricsLog | None:
-        """Rank 0's `name` log beside metrics.jsonl when the WINDOW_LOG debug option is on (after
-        `resume`: cut back to the resumed step as metrics.jsonl is); None otherwise."""
-        if dist.get_rank() != 0 or not window_log_on():
+    def step_log(self, name: str, registry: Mapping[str, str]) -> MetricsLog | None:
+        """Rank 0's `name` log beside metrics.jsonl (after `resume`: cut back to the resumed
+        step as metrics.jsonl is); None on the other ranks."""
+        if dist.get_rank() != 0:
             return None
         return MetricsLog(self.checkpoints.folder / name, self.start, registry)
+
+    def debug_log(self, name: str, registry: Mapping[str, str]) -> MetricsLog | None:
+        """`step_log` when the WINDOW_LOG debug option is on; None otherwise."""
+        return self.step_log(name, registry) if window_log_on() else None
 
     def steps(self) -> range:
         """The steps still to train: after the resumed one, up to the configured count."""

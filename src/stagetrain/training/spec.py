@@ -69,7 +69,10 @@ class PretrainJob(JobSpec, PretrainPart):
 
 
 class GrpoJob(JobSpec, GrpoPart):
-    """GRPO's job spec: the consolidated pretrain model it starts from (`model`) and its reward plot."""
+    """GRPO's job spec: the consolidated pretrain model it starts from (`model`), its reward plot
+    and its completions table (grpo.completions)."""
 
     model: str
     reward_plot: NotRequired[str]
+    completions: NotRequired[str]
+    completions_table: NotRequired[str]
