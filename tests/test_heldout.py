@@ -120,6 +120,30 @@ def test_evaluate_without_a_baseline_ends_each_line_with_the_accuracy(
     assert 0.0 <= float(lines[1].split()[-1]) <= 1.0
 
 
+def test_evaluate_takes_its_sizes_from_the_configs_evaluate_section_and_shows_progress(
+    model_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--config gives evaluate.problems and evaluate.levels as the defaults (flags still win),
+    and a line on stderr follows each family and level as it is measured."""
+    config = tmp_path / "config.yaml"
+    config.write_text("evaluate: {problems: 5, levels: [2]}\n")
+    out = tmp_path / "eval.json"
+    evaluate.main(
+        [str(model_folder), "--config", str(config), "--families", "counting", "--json", str(out)]
+    )
+    doc = json.loads(out.read_text())
+    assert doc["problems"] == 5 and list(doc["accuracy"]["counting"]) == ["2"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"{model_folder}: loading" and err[-1].startswith(
+        f"{model_folder}: counting level 2: "
+    )
+    assert "on 5 problems (1/1, " in err[-1]
+    evaluate.main([str(model_folder), "--config", str(config), "--families", "counting", "--problems", "3",
+                   "--levels", "1", "--json", str(out)])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["problems"] == 3 and list(doc["accuracy"]["counting"]) == ["1"]
+
+
 def test_evaluate_refuses_a_size_of_zero(model_folder: Path) -> None:
     with pytest.raises(SystemExit, match="--problems: expected a positive number"):
         evaluate.main([str(model_folder), "--problems", "0"])

@@ -9,9 +9,10 @@ standard error; against a baseline folder, the gain.
 
 Greedy completions of held-out (test-split) problems, which no training stage
 ever saw, scored by each family's rewards and `tasks.success_at`. With --config,
-the run's tasks section gives its own families (files, rewards, chat template)
-and grpo.max_prompt_len / max_new_tokens the lengths; by default every family
-the config names is scored. A file family's level is scored on each of its
+the run's tasks section gives its own families (files, rewards, chat template),
+grpo.max_prompt_len / max_new_tokens the lengths, and evaluate.problems /
+evaluate.levels the defaults of --problems / --levels; by default every family
+the config names is scored. A line on stderr says what is being measured, as it goes. A file family's level is scored on each of its
 held-out problems once, up to --problems. Prints one line per family and level;
 `--json` also writes the figures in the form of GRPO's summary (`accuracy` by
 family and level, and with `--baseline` the `gain` report of stagetrain.evaluate.heldout).
@@ -20,6 +21,7 @@ The default number of problems keeps one standard error <= 0.03 at any accuracy.
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
@@ -97,24 +99,31 @@ def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: 
     """Accuracy by (family, level) on `n` held-out problems each (a file family: its held-out
     problems, at most n), for the levels a family has; `tasks` holds the families (default: the
     built-in ones), `lengths` the prompt and completion token limits."""
+    began = time.monotonic()
+    progress(f"{folder}: loading")
     tokenizer, model = load_model(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.eval().to(device)
     judge = Judge(tasks or load_tasks(), tokenizer, max_prompt_len=lengths[0])
     out = {}
+    todo = [(f, lv) for f in families for lv in levels if lv <= get_family(f).max_level]
     with torch.no_grad():
-        for family in families:
-            for level in (lv for lv in levels if lv <= get_family(family).max_level):
-                batch = heldout(family, level, n, seed=seed)
-                scores = greedy_scores(
-                    model, judge, batch, max_new_tokens=lengths[1], chunk_size=64
-                )
-                out[(family, level)] = (
-                    sum(scores) / len(scores),
-                    len(batch),
-                    len({p.key for p in batch}),
-                )
+        for done, (family, level) in enumerate(todo, 1):
+            batch = heldout(family, level, n, seed=seed)
+            scores = greedy_scores(model, judge, batch, max_new_tokens=lengths[1], chunk_size=64)
+            out[(family, level)] = (
+                sum(scores) / len(scores),
+                len(batch),
+                len({p.key for p in batch}),
+            )
+            progress(f"{folder}: {family} level {level}: {out[(family, level)][0]:.3f} on {len(batch)} problems "
+                     f"({done}/{len(todo)}, {time.monotonic() - began:.0f} s)")  # fmt: skip
     return out
+
+
+def progress(line: str) -> None:
+    """One line on stderr as the measurement goes (stdout keeps the table alone)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def report(results: Scores, baseline: Scores | None, n: int, level: int,
@@ -187,9 +196,11 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         help="default: every family the config names (without one: the built-in families)",
     )
-    parser.add_argument("--levels", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--problems", type=int, default=problems_for(),
-                        help="held-out problems per family and level (default: one se <= 0.03)")  # fmt: skip
+    parser.add_argument("--levels", nargs="+", type=int,
+                        help="default: the config's evaluate.levels, else 1 2")  # fmt: skip
+    parser.add_argument("--problems", type=int,
+                        help="held-out problems per family and level (default: the config's evaluate.problems, "
+                             "else one se <= 0.03)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     return parser
@@ -199,15 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     # Without a config: the built-in families at the default run's lengths, the mean over all.
     named, lengths, curriculum, tasks_section = list(FAMILIES), (64, 32), None, NO_TASKS
+    levels, problems = [1, 2], problems_for()
     try:
         if args.config:
             config = Settings.from_config(stconfig.load(args.config))
             named = held_out_families(config.grpo, config.data, config.tasks)
             curriculum, tasks_section = list(config.grpo.curriculum.families), config.tasks
             lengths = (config.grpo.max_prompt_len, config.grpo.max_new_tokens)
+            levels, problems = list(config.evaluate.levels), config.evaluate.problems
         tasks = load_tasks(tasks_section)
     except StageError as err:
         sys.exit(f"error: {err}")
+    args.levels = args.levels or levels
+    args.problems = problems if args.problems is None else args.problems
     families = args.families or named
     unknown = [f for f in families if f not in known()]
     if unknown:
