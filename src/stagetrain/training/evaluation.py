@@ -85,7 +85,7 @@ def greedy_scores(
 ) -> list[float]:
     """1.0 for each problem whose greedy completion (KV cache) solves it (`Judge.solved` on its
     family's weighted reward), else 0.0; `chunk_size` problems per `generate` call."""
-    out = []
+    out: list[float] = []
     tokenizer = judge.prompter.tokenizer
     for start in range(0, len(batch), chunk_size):
         chunk = batch[start : start + chunk_size]
