@@ -48,6 +48,7 @@ PUSH = "tests/test_publish_push.py::"
 EP_GRPO = (
     "tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep"
 )
+TYPES = "tests/test_lint.py::test_mypy_is_clean"
 MUTANTS = (
     Mutant("zstd-truncation", "a .zst file cut short is refused, not read as a clean end of file",
            "src/stagetrain/tasks/files.py", '                    raise EOFError("truncated zstd stream")\n', "                    pass\n",
@@ -646,6 +647,12 @@ MUTANTS = (
     Mutant("grpo-ep-trainer-routing", "under expert parallelism the trainer's routing is what AutoEP's routers chose",
            "src/stagetrain/grpo/steps.py", "    if chosen:  # expert parallelism", "    if False:  # expert parallelism",
            (EP_GRPO,)),
+    Mutant("contract-key-misspelt", "a key a stage writes into a contract TypedDict is one the type names (the type check)",
+           "src/stagetrain/training/loop.py", '"resumed_from_step": self.start,', '"resumed_from": self.start,',
+           (TYPES,)),
+    Mutant("contract-field-type", "a field a stage writes into a contract TypedDict has the type's type (the type check)",
+           "src/stagetrain/consolidate/folder.py", '"step": summary["final_step"],', '"step": summary["checkpoint"]["tag"],',
+           (TYPES,)),
 )  # fmt: skip
 
 
