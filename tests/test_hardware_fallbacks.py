@@ -23,6 +23,7 @@ from harness.nvml import (
     run_detect,
     uuids,
 )
+from harness.planning import plan_for, preset_config
 
 from stagetrain.errors import StageError
 from stagetrain.hardware.detect import detect
@@ -183,3 +184,15 @@ class TestProcFallback:
         result = run_detect(h100s(2), tmp_path)
         assert result["cpu"]["memory_bytes"] == MEMTOTAL_KB * 1024
         assert result["cpu"]["cores"] >= 1
+
+
+def test_a_plan_for_gpus_found_in_proc_is_one_line(tmp_path: Path) -> None:
+    """/proc names the GPUs but not their memory: the planner says so in one line (it was a
+    TypeError inside the memory model)."""
+    proc = make_proc(tmp_path / "proc", PROC_H100S[:2])  # two devices: a layout divides them
+    hardware = detect(hardware_section(), nvml=no_nvml(), proc_root=proc, env={})
+    assert hardware["source"] == "proc" and hardware["gpu"] is not None
+    with pytest.raises(
+        StageError, match=r"^hardware.json: the memory of GPU .* is unknown \(source proc\)"
+    ):
+        plan_for(preset_config("deepseek-moe-h100"), dict(hardware))

@@ -48,6 +48,7 @@ PUSH = "tests/test_publish_push.py::"
 EP_GRPO = (
     "tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep"
 )
+TYPES = "tests/test_lint.py::test_mypy_is_clean"
 MUTANTS = (
     Mutant("zstd-truncation", "a .zst file cut short is refused, not read as a clean end of file",
            "src/stagetrain/tasks/files.py", '                    raise EOFError("truncated zstd stream")\n', "                    pass\n",
@@ -169,8 +170,8 @@ MUTANTS = (
            "    elif False:",
            (TASKS + "test_reward_signatures_are_checked_at_dag_time_files_by_ast_modules_by_signature",)),
     Mutant("trainer-scores-the-nucleus", "the trainer scores sampled tokens on the sampler's top-p distribution",
-           "src/stagetrain/grpo/steps.py", '    policy = {"temperature": run.cfg.temperature, "top_p": run.cfg.top_p}',
-           '    policy = {"temperature": run.cfg.temperature, "top_p": 1.0}',
+           "src/stagetrain/grpo/steps.py", '    policy: dict[str, Any] = {"temperature": run.cfg.temperature, "top_p": run.cfg.top_p}',
+           '    policy: dict[str, Any] = {"temperature": run.cfg.temperature, "top_p": 1.0}',
            (GRPO + "test_flat_grpo_trains_through_the_engine_with_a_reference",)),
     Mutant("grpo-trains", "GRPO's loss reaches the weights through the engine",
            "src/stagetrain/grpo/steps.py", "engine.backward(total * ga * run.layout.dp)", "engine.backward(total * 0.0)",
@@ -318,9 +319,9 @@ MUTANTS = (
            "            pass",
            (TASKS + "test_reward_signatures_are_checked_at_dag_time_files_by_ast_modules_by_signature",)),
     Mutant("reward-signature-module", "a module's reward that cannot take TRL's keyword call is refused at DAG time",
-           "src/stagetrain/tasks/reward_source.py", "    _refuse(key, what, signature_params(found), keywords)\n    return None",
-           "    return None",
-           ("tests/test_inputs.py::test_a_missing_local_file_is_one_line_naming_its_key",)),
+           "src/stagetrain/tasks/reward_source.py", "        found = made(found, kwargs, f\"config: {key}: {what}\")\n    _refuse(key, what, signature_params(found), keywords)\n",
+           "        found = made(found, kwargs, f\"config: {key}: {what}\")\n",
+           (TASKS + "test_reward_signatures_are_checked_at_dag_time_files_by_ast_modules_by_signature",)),
     Mutant("reward-not-function", "an imported reward that is not a function is refused",
            "src/stagetrain/tasks/reward_source.py", "if not (inspect.isfunction(found) or inspect.isbuiltin(found)):",
            "if False:",
@@ -665,6 +666,12 @@ MUTANTS = (
     Mutant("grpo-ep-trainer-routing", "under expert parallelism the trainer's routing is what AutoEP's routers chose",
            "src/stagetrain/grpo/steps.py", "    if chosen:  # expert parallelism", "    if False:  # expert parallelism",
            (EP_GRPO,)),
+    Mutant("contract-key-misspelt", "a key a stage writes into a contract TypedDict is one the type names (the type check)",
+           "src/stagetrain/training/loop.py", '"resumed_from_step": self.start,', '"resumed_from": self.start,',
+           (TYPES,)),
+    Mutant("contract-field-type", "a field a stage writes into a contract TypedDict has the type's type (the type check)",
+           "src/stagetrain/consolidate/folder.py", '"step": summary["final_step"],', '"step": summary["checkpoint"]["tag"],',
+           (TYPES,)),
 )  # fmt: skip
 
 

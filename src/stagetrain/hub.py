@@ -126,7 +126,7 @@ def _http() -> ModuleType:
 @cache
 def _watched_client_class() -> type:
     """A client of `_http()` that holds each request of a watched fetch to the fetch's deadline."""
-    http = _http()
+    http: Any = _http()  # a module chosen at run time: its classes are known only then
     retried = (http.TimeoutException, http.NetworkError, http.RemoteProtocolError)
 
     class WatchedClient(http.Client):

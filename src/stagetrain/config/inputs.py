@@ -83,12 +83,12 @@ def local_inputs(config: Settings) -> dict[str, list[str]]:
     tasks, rewards = set(), set()
     for index, family in enumerate(config.tasks.families):
         key = f"tasks.families.{index}"
-        for i, entry in enumerate(family.files):
-            if not isinstance(entry, str):
+        for i, file in enumerate(family.files):
+            if not isinstance(file, str):
                 continue  # a hub file
-            matches = [p for p in glob.glob(entry, recursive=True) if Path(p).is_file()]
+            matches = [p for p in glob.glob(file, recursive=True) if Path(p).is_file()]
             if not matches:
-                raise StageError(f"config: {key}.files.{i}: no file matches {entry!r}")
+                raise StageError(f"config: {key}.files.{i}: no file matches {file!r}")
             tasks.update(matches)
         for i, reward in enumerate(family.rewards or ()):
             if "function" in reward:

@@ -53,7 +53,8 @@ class _Section:
             raise StageError(
                 f"config: {_key(where, missing[0])}: required key missing (not validated?)"
             )
-        hints = _hints(cls)
+        # mypy holds a class to Hashable by its instances' __hash__; a class is hashable
+        hints = _hints(cls)  # type: ignore[arg-type]
         return cls(**{k: _convert(hints[k], v, _key(where, k)) for k, v in values.items()})
 
 

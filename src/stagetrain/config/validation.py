@@ -70,7 +70,10 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
     return loader.construct_mapping(node)
 
 
-class _FastStrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+_SafeLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # a class, chosen on import
+
+
+class _FastStrictLoader(_SafeLoader):
     """_StrictLoader on libyaml's parser, where PyYAML has it: the schema parses in 10 ms instead
     of 70, and every Snakemake command and stage script reads it."""
 
@@ -130,7 +133,7 @@ def _full_match(validator, pattern, instance, schema):  # noqa: ANN001, ANN202
         yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
-def _strict(validator_class: type) -> type:
+def _strict(validator_class: type[Any]) -> type:
     """Extend a validator class: defaults filled, whole-number integers, finite numbers,
     whole-string patterns.
 

@@ -97,9 +97,10 @@ def gather_tp(
 
 
 def read_weights(
-    folder: Path, tag: str, layout: Mapping[str, int], shapes: Mapping[str, tuple[int, ...]]
+    folder: Path, tag: str, layout: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, Stored]:
-    """Where each of the checkpoint's weights lies, by parameter name."""
+    """Where each of the checkpoint's weights lies, by parameter name (`layout`: a summary's
+    layout record, of which its integer dp, tp, ep and zero_stage are read)."""
     files = checkpoint_files(folder, tag, layout)
     if layout.get("ep", 1) > 1:
         return expert_parallel_weights(folder, tag, layout, files[0])

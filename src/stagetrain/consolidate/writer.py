@@ -19,7 +19,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import TypeAlias, TypedDict
 
 import torch
 
@@ -29,7 +29,7 @@ METADATA = {"format": "pt"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DTYPE_ORDER = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 """The dtypes' order in safetensors (its `Dtype`), whose save_file writes the larger first."""
-Dtypes = torch.dtype | Mapping[str, torch.dtype]
+Dtypes: TypeAlias = torch.dtype | Mapping[str, torch.dtype]
 """One dtype for every tensor, or each tensor's own by name."""
 
 
@@ -66,7 +66,10 @@ class ShardIndex(TypedDict):
 
 def parse_size(text: str) -> int:
     """'2GB' -> 2_000_000_000 (decimal units, as transformers uses)."""
-    number, unit = re.fullmatch(r"(\d+)(KB|MB|GB)", text).groups()
+    match = re.fullmatch(r"(\d+)(KB|MB|GB)", text)
+    if match is None:  # the config schema's pattern lets none through
+        raise ValueError(f"{text!r}: expected a size like 2GB")
+    number, unit = match.groups()
     return int(number) * UNITS[unit]
 
 

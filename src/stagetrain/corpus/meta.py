@@ -9,15 +9,17 @@ types must be importable without either module.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Literal, TypedDict, final
 
 
+@final
 class LocalFileRecord(TypedDict):
     """A local file of a task family (one match of its glob)."""
 
     path: str
 
 
+@final
 class HubFileRecord(TypedDict):
     """A hub file of a task family: 'repo/file@revision' and the commit it resolved to, which
     later stages pin (`tasks.families.hub_pins`)."""

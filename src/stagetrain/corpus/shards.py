@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
@@ -103,7 +103,7 @@ def write_documents(
 
 def write_split(
     tokenizer: Tokenizer,
-    sources: list[Source],
+    sources: Sequence[Source],
     split: Split,
     total: int,
     path: Path,

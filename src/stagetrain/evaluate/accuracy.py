@@ -163,10 +163,10 @@ def _table(doc: Report) -> list[str]:
     lines = [
         f"{'family':<12} {'level':>5} {'problems':>8} {'baseline':>9} {'model':>7} {'gain':>7} {'se':>6}"
     ]
-    for family, levels in doc["gain"]["by_family"].items():
-        for lv, e in levels.items():
-            lines.append(f"{family:<12} {lv:>5} {e['problems']:>8} {e['start']:>9.3f} {e['end']:>7.3f} "
-                         f"{e['gain']:>+7.3f} {e['se']:>6.3f}")  # fmt: skip
+    for family, by_level in doc["gain"]["by_family"].items():
+        for lv, g in by_level.items():
+            lines.append(f"{family:<12} {lv:>5} {g['problems']:>8} {g['start']:>9.3f} {g['end']:>7.3f} "
+                         f"{g['gain']:>+7.3f} {g['se']:>6.3f}")  # fmt: skip
     mean = doc["gain"]["mean"]
     if mean is not None:
         lines.append(f"mean gain at level {mean['level']} over {', '.join(mean['families'])}: "
@@ -234,14 +234,13 @@ def main(argv: list[str] | None = None) -> None:
         # transformers reads a path that is not a folder as a hub repo id, and fails deep inside.
         if folder is not None and not (Path(folder) / "config.json").is_file():
             sys.exit(f"error: {name}: {folder} is not a model folder (no config.json in it)")
-    measure = {"tasks": tasks, "lengths": lengths}
     try:
-        results = accuracy(args.model, families, args.levels, args.problems, args.seed, **measure)
+        results = accuracy(args.model, families, args.levels, args.problems, args.seed,
+                           tasks=tasks, lengths=lengths)  # fmt: skip
         baseline = None
         if args.baseline:
-            baseline = accuracy(
-                args.baseline, families, args.levels, args.problems, args.seed, **measure
-            )
+            baseline = accuracy(args.baseline, families, args.levels, args.problems, args.seed,
+                                tasks=tasks, lengths=lengths)  # fmt: skip
     except StageError as err:  # a reward function that fails
         sys.exit(f"error: {err}")
     doc = report(results, baseline, args.problems, level=min(args.levels), curriculum=curriculum)

@@ -279,7 +279,7 @@ def evaluate(run: Run, folder: Path, extra: Sequence[str], batch_size: int) -> L
     return LmEvalResult(accuracy=accuracy, tasks=tasks, lm_eval=lm_eval.__version__)
 
 
-class _AnyTag(yaml.SafeLoader):
+class _AnyTag(yaml.SafeLoader):  # type: ignore[misc]  # Any: PyYAML ships no types
     """Reads a task file's plain keys; tags such as `!function` (lm-eval's own) come back None."""
 
 

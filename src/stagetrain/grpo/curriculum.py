@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal, TypedDict
 
 from stagetrain.config.settings import CurriculumSettings
@@ -92,7 +92,13 @@ class CurriculumState:
 
     def to_json(self) -> CurriculumStateRecord:
         """The state as a checkpoint stores it."""
-        return CurriculumStateRecord(**asdict(self))
+        return CurriculumStateRecord(
+            family=self.family,
+            level=self.level,
+            steps_at_level=self.steps_at_level,
+            recent=list(self.recent),
+            events=[CurriculumEvent(**e) for e in self.events],
+        )
 
     @classmethod
     def from_json(cls, data: CurriculumStateRecord) -> CurriculumState:
@@ -120,6 +126,7 @@ def update(
     if state.steps_at_level < cfg.min_steps or len(state.recent) < cfg.window:
         return None
     rate = sum(state.recent) / len(state.recent)
+    kind: Literal["promote", "demote"]
     if rate >= cfg.promote_at and state.level < top_level(cfg, state.family):
         kind, to = "promote", state.level + 1
     elif rate <= cfg.demote_below and state.level > 1:

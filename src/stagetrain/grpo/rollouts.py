@@ -205,6 +205,7 @@ def tree_groups(
 
     def routing_of(i: int, path: tuple[int, ...], length: int) -> torch.Tensor:
         found = routed.get((i, path))
+        assert like is not None  # asked for only where the sampler recorded routing
         return like.new_full((length, *like.shape[1:]), -1) if found is None else found
 
     return [

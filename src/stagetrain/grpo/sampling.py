@@ -56,11 +56,13 @@ def cache_argument(model: Any) -> str:
     """The keyword under which `model`'s forward and `generate` take a KV cache: `cache` in
     transformers 5.2x, `past_key_values` before (5.17, the GPU image's). An unknown keyword
     is swallowed by the forward's `**kwargs`, and the cache then silently left empty."""
-    return _cache_argument(type(getattr(model, "module", model)))  # a DeepSpeed engine's model
+    model_type = type(getattr(model, "module", model))  # a DeepSpeed engine's model
+    # mypy holds a class to Hashable by its instances' __hash__; a class is hashable
+    return _cache_argument(model_type)  # type: ignore[arg-type]
 
 
 @cache
-def _cache_argument(model_type: type) -> str:
+def _cache_argument(model_type: type[torch.nn.Module]) -> str:
     return (
         "cache"
         if "cache" in inspect.signature(model_type.forward).parameters

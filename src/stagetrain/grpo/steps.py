@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -139,7 +139,10 @@ def token_logprobs(
     attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
     forward = {} if routing is None else {"output_router_logits": True}
     # A dense policy's forward, every micro batch, need not walk the modules for AutoEP's routers.
-    with autoep_choices(model) if routing is not None else nullcontext([]) as chosen:
+    choices: AbstractContextManager[list[torch.Tensor]] = (
+        autoep_choices(model) if routing is not None else nullcontext([])
+    )
+    with choices as chosen:
         out = model(input_ids=ids, attention_mask=attention, **forward)
     logprobs = _policy_logprobs(out.logits[:, :-1], ids[:, 1:], temperature, top_p)
     if routing is None:
@@ -241,6 +244,8 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
     weights = _shares(sizes, normaliser)
     kl_weights = _shares(kl_sizes, kl_normaliser) if ref else None
     loss_value, stats, kl_mean, gap = 0.0, None, None, None
+    flipped: float  # the micro batch's sums, then every rank's (`_dp_sums`)
+    pairs: float
     for n in range(cfg.passes):
         loss_value, kl_sum, moe[2] = 0.0, 0.0, 0.0
         for k, chunk in enumerate(chunks):
@@ -263,7 +268,7 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             correction = None
             if cfg.sampler_correction is not None:
                 correction = truncated_importance(old[k], sampler[k], cfg.sampler_correction.cap)
-            common = {
+            common: dict[str, Any] = {
                 "eps_low": cfg.clip_eps_low,
                 "eps_high": cfg.clip_eps_high,
                 "loss_type": cfg.loss_type,
@@ -274,6 +279,7 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             )
             total = loss * weights[k]
             if kl_weights is not None:
+                assert ref is not None  # kl_weights come with the reference's log-probs
                 kl, kl_stats = grpo_loss(
                     logprobs,
                     old[k],
@@ -284,8 +290,10 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
                     **common,
                 )
                 total = total + kl * kl_weights[k]
+                assert kl_stats.kl_mean is not None  # beta = kl_coef > 0
                 kl_sum += kl_stats.kl_mean * kl_stats.tokens
             if cfg.router_aux_loss_coef:  # the mean over every micro batch of every rank
+                assert scored.aux_loss is not None  # routing is asked for with the coefficient
                 total = total + cfg.router_aux_loss_coef * scored.aux_loss / (ga * run.layout.dp)
                 moe[2] += float(scored.aux_loss.detach())
             # DeepSpeed divides by grad_accum and averages over dp: both undone, so the
@@ -295,6 +303,7 @@ def train_on(run: Run, groups: list[Group]) -> tuple[float, dict[str, float | No
             loss_value += float(total.detach())
         if gap is None:
             gap = [gap_sums(t, s, m) for t, s, m in zip(old, sampler, masks, strict=True)]
+    assert stats is not None and gap is not None  # set by the first pass (passes >= 1)
     # One all-reduce for every sum the step logs: each collective waits for the slower rank.
     loss_value, kl_sum, flipped, pairs, aux, *sums = _dp_sums(
         run, [loss_value, kl_sum, *moe, *(sum(p[i] for p in gap) for i in (0, 2, 3))]
@@ -319,7 +328,7 @@ def _before_update(
     detached: the weights change only at the end of that pass's accumulation, so every micro
     batch of it runs at the weights that sampled, and a forward of its own would compute the
     same values again (a third of the step's forwards; TRL skips it alike)."""
-    policy = {"temperature": run.cfg.temperature, "top_p": run.cfg.top_p}
+    policy: dict[str, Any] = {"temperature": run.cfg.temperature, "top_p": run.cfg.top_p}
     pad = run.tokenizer.pad_token_id
     with torch.no_grad():
         masks = [completion_mask(c, run.device) for c in items]
@@ -566,7 +575,8 @@ def step(
         "curriculum/level": levels,
         "curriculum/success_rate": {f: decided.get(f, window_rate(s)) for f, s in curriculum.states.items()},
         "clip_ratio/low_mean": clip["clip_ratio/low_mean"], "clip_ratio/high_mean": clip["clip_ratio/high_mean"],
-        **{k: v for k, v in clip.items() if k.startswith(("train/sampler_", "moe/", "train/aux"))},
+        # train_on's statistics by name, GrpoRecord's keys (MetricsLog refuses any other)
+        **{k: v for k, v in clip.items() if k.startswith(("train/sampler_", "moe/", "train/aux"))},  # type: ignore[typeddict-item]
     }  # fmt: skip
     record["reward/by_level"] = {
         str(level): float(np.mean([r for row in rows if row.level == level for r in row.rewards]))
@@ -585,7 +595,9 @@ def step(
         record["tree/nodes"] = sum(row.nodes for row in rows)
         record["tree/tokens_per_leaf"] = record["rollout/generated_tokens"] / leaves
     if cfg.kl_coef > 0:
-        record["kl"] = clip["kl"]
+        kl = clip["kl"]
+        assert kl is not None  # train_on measures it against the reference
+        record["kl"] = kl
     if events:
         record["curriculum/events"] = events
     trained = sum(row.trained for row in rows) * cfg.passes

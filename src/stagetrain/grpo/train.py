@@ -225,7 +225,9 @@ def check_families(judge: Judge, top: Mapping[str, int]) -> None:
         if fam.pool is not None:
             judge.prompter.check_lengths([p for problems in fam.pool.values() for p in problems])
         else:
-            judge.prompter.check_lengths([fam.generate(rng, lv) for lv in range(1, min(level, fam.max_level) + 1)
+            generate = fam.generate
+            assert generate is not None  # a family without a pool is generated
+            judge.prompter.check_lengths([generate(rng, lv) for lv in range(1, min(level, fam.max_level) + 1)
                                           for _ in range(LENGTH_SAMPLES)])  # fmt: skip
 
 
@@ -234,7 +236,7 @@ def corpus_families(meta: TokenizerMeta) -> dict[str, int]:
     generated source (built-in families and the tasks section's, which are loaded by then)."""
     return {
         f: min(s["record"]["max_level"], get_family(f).max_level)
-        for s in meta.get("sources", []) if s["record"].get("kind") == "generated"
+        for s in meta.get("sources", []) if s["record"]["kind"] == "generated"
         for f in s["record"]["families"]
     }  # fmt: skip
 
@@ -314,7 +316,7 @@ def loop(run: Run) -> Trained:
         try:
             curriculum = Curriculum.from_json(client["curriculum"])
         except StageError as err:
-            raise StageError(f"{run.loop.checkpoints.folder / stage.resumed_tag}: {err}") from None
+            raise StageError(f"{run.loop.checkpoints.folder}/{stage.resumed_tag}: {err}") from None
         log.info("curriculum levels at step %d: %s", stage.start, _levels(curriculum.levels()))
     run.eval_windows = stage.eval_set(run.eval_windows, client)
     prompts_log = stage.debug_log("prompts.jsonl", PROMPT_RECORD)  # pretrain's window log's twin
@@ -336,8 +338,9 @@ def loop(run: Run) -> Trained:
             prompts_log.write(
                 {"step": step, "prompts": stepped.prompts, "prompt_ids": stepped.prompt_ids}
             )
-        for row in stepped.completions if table else ():
-            table.write(row)
+        if table:
+            for row in stepped.completions:
+                table.write(row)
         if stage.evaluates(step):
             final = accuracy(run)
             record.update(_accuracy_record(final))

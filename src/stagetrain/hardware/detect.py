@@ -217,7 +217,10 @@ def _gpu_summary(devices: list[Device], nvlink: bool | None) -> GpuSummary:
     return {
         "key": key,
         "name": first.name,
-        "memory_bytes": min(d.memory_bytes for d in devices) if first.memory_bytes else None,
+        # one source read every device: NVML knows each one's memory, /proc none's
+        "memory_bytes": min(d.memory_bytes for d in devices if d.memory_bytes is not None)
+        if first.memory_bytes
+        else None,
         "compute_capability": first.compute_capability,
         "nvlink": nvlink,
         "mig": first.mig,

@@ -150,7 +150,9 @@ def measure(hardware: HardwareReport) -> SpeedReport:
         entry: SpeedReport = {"device": "cuda", "threads": None, "size": GPU_SIZE,
                               "gflops": matmul_gflops("cuda", None, size=GPU_SIZE)}  # fmt: skip
     else:
-        threads = max(1, hardware["cpu"]["cores"] // hardware["cpu_ranks"])
+        cores, ranks = hardware["cpu"]["cores"], hardware["cpu_ranks"]
+        assert cores is not None and ranks is not None, "measured only on detected CPUs"
+        threads = max(1, cores // ranks)
         entry = {
             "device": "cpu", "threads": threads, "size": CPU_SIZE,
             "gflops": matmul_gflops("cpu", threads, size=CPU_SIZE),

@@ -87,6 +87,7 @@ def _check_shape(model: ModelSettings) -> str:
     if stray:
         raise StageError(f"model.{stray[0]}: not used by architecture {arch!r}; remove it")
     heads, kv_heads, hidden = model.num_heads, model.num_kv_heads, model.hidden_size
+    assert heads is not None and kv_heads is not None and hidden is not None  # in SHAPE_KEYS
     if hidden % heads:
         raise StageError(f"model.num_heads: {heads} must divide model.hidden_size {hidden}")
     if heads % kv_heads:
@@ -104,6 +105,8 @@ def _check_shape(model: ModelSettings) -> str:
 def _check_deepseek(model: ModelSettings) -> None:
     """What deepseek_v3's latent attention and leading dense layers need of the shape keys."""
     heads, hidden = model.num_heads, model.hidden_size
+    layers, dense = model.num_layers, model.first_dense_layers  # required: `_check_shape`
+    assert heads is not None and hidden is not None and layers is not None and dense is not None
     if model.num_kv_heads != heads:
         raise StageError(
             f"model.num_kv_heads: deepseek_v3's latent attention has one key and value per query "
@@ -114,7 +117,7 @@ def _check_deepseek(model: ModelSettings) -> None:
             f"model.num_heads: deepseek_v3 gives half of each head's hidden_size / num_heads = "
             f"{hidden // heads} dimensions to the rotary embedding, in pairs: it must be a multiple of 4"
         )
-    if model.first_dense_layers >= model.num_layers:
+    if dense >= layers:
         raise StageError(
             f"model.first_dense_layers: {model.first_dense_layers} leaves no MoE layer of "
             f"model.num_layers {model.num_layers}"
@@ -162,6 +165,7 @@ def build_config(model: ModelSettings, vocab_size: int) -> PretrainedConfig:
         return _load_pretrained(model, vocab_size)
     arch = _check_shape(model)
     heads, kv_heads, hidden = model.num_heads, model.num_kv_heads, model.hidden_size
+    assert heads is not None and hidden is not None and model.rope_theta is not None  # checked
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -230,6 +234,7 @@ def _load_pretrained(model: ModelSettings, vocab_size: int) -> PretrainedConfig:
         raise StageError(
             f"model.init_from: cannot load config of {model.init_from!r}: {first}"
         ) from None
+    assert model.init_from is not None  # build_config's branch
     folder = Path(model.init_from)
     if folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise StageError(
@@ -288,7 +293,7 @@ def training_config(
     model: ModelSettings,
     *,
     tokenizer_size: int,
-    special_ids: Mapping[str, int | None],
+    special_ids: Mapping[str, object],
     tp: int,
 ) -> PretrainedConfig:
     """The config of the model to train: the tokenizer's vocabulary padded to vocab_multiple * tp.

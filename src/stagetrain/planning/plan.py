@@ -265,7 +265,7 @@ def factor_misfit(
         return ("dp" if dp else "tp"), "dp * tp must equal the world size"
     if (tp or 1) > 1 and zero_stage == 3:
         return "tp", "tp > 1 (DeepSpeed AutoTP) trains with ZeRO stages 0-2 only, not zero_stage 3"
-    if (ep or 1) > 1:
+    if ep is not None and ep > 1:
         if experts is not None and (not experts or experts % ep):
             what = (
                 f"the {experts} routed experts of each MoE layer"

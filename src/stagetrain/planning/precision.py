@@ -38,7 +38,8 @@ def _rates(speed: SpeedReport | None) -> dict[str, float] | None:
     return speed.get("gflops") if speed else None
 
 
-def _measured(rates: Mapping[str, float], speed: SpeedReport) -> str:
+def _measured(rates: Mapping[str, float], speed: SpeedReport | None) -> str:
+    assert speed is not None, "rates are read from a speed report"
     where = f"{speed['threads']} thread(s)" if speed.get("threads") else speed["device"]
     cap = f", {speed['capability']}" if speed.get("capability") else ""
     listing = ", ".join(f"{k} {v:,.1f}" for k, v in rates.items())

@@ -78,12 +78,13 @@ def devices_from(hardware: HardwareReport, hw_config: HardwareSettings) -> Devic
     """The planner's view of hardware.json."""
     gpu = hardware["gpu"]
     if gpu is None:
-        ranks = hardware["cpu_ranks"]
+        ranks, memory = hardware["cpu_ranks"], hardware["cpu"]["memory_bytes"]
+        assert ranks is not None and memory is not None  # detected CPUs (`detect`) have both
         return Devices(
             gpu=None,
             nodes=hardware["nodes"],
             per_node=ranks,
-            device_bytes=hardware["cpu"]["memory_bytes"] // ranks,
+            device_bytes=memory // ranks,
             host_bytes_per_node=None,
             inter_node_gbps=hw_config.inter_node_gbps,
         )
@@ -91,6 +92,11 @@ def devices_from(hardware: HardwareReport, hw_config: HardwareSettings) -> Devic
         raise StageError(
             f"hardware.json: GPU {gpu['name']!r} is not in the catalog ({CATALOG_PATH}); "
             "expected a known GPU: add an entry for it there"
+        )
+    if gpu["memory_bytes"] is None:  # found in /proc, which gives no memory: no plan can fit
+        raise StageError(
+            f"hardware.json: the memory of GPU {gpu['name']!r} is unknown (source "
+            f"{hardware['source']}); expected NVML to answer, or hardware.source: describe"
         )
     return Devices(
         gpu=gpu_spec(gpu["key"]),
@@ -168,6 +174,7 @@ def misfit(
         )
     dp = dp or (world // tp if tp else None)
     for stage in stages if dp else ():
+        assert dp is not None  # the loop runs only with dp
         per_rank, rest = divmod(stage.global_batch, dp)
         if rest or per_rank % stage.group:
             return "dp", (
@@ -228,6 +235,7 @@ def table_values(
         if parallelism.table_path:
             table, source = tables.read_local(parallelism.table_path)
         else:
+            assert repo is not None  # returned above with neither table_path nor repo
             table, source = tables.download(repo, parallelism.table_revision)
         entry = tables.lookup(table, devices.gpu.key, devices.world, source)
         why = fits(entry)
@@ -420,6 +428,7 @@ def _gathered_or_per_token(
         found, failed = None, err
     if found is not None and (per_token is None or found["candidates"]["fit"]):
         return found, "whole"
+    assert per_token is not None  # without it `found` was returned, or the error raised
     try:
         lean = find(replace(demand, extra_bytes=per_token))
     except StageError:

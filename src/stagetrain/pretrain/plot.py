@@ -26,8 +26,8 @@ def loss_plot(summary: PretrainSummary, path: str | Path) -> None:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(f"{summary['stage']}: final validation loss {summary['final_eval_loss']:.3f}")
     handles, labels = ax.get_legend_handles_labels()
-    if summary.get("experts"):
-        load = {int(k): v for k, v in summary["experts"]["load_max_over_mean"].items()}
+    if experts := summary.get("experts"):
+        load = {int(k): v for k, v in experts["load_max_over_mean"].items()}
         twin = ax.twinx()
         twin.plot(
             list(load),
@@ -36,9 +36,7 @@ def loss_plot(summary: PretrainSummary, path: str | Path) -> None:
             alpha=0.7,
             label="expert load (busiest / mean)",
         )
-        twin.set_ylabel(
-            f"busiest expert / mean (1 balanced, {summary['experts']['experts']} collapsed)"
-        )
+        twin.set_ylabel(f"busiest expert / mean (1 balanced, {experts['experts']} collapsed)")
         more = twin.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
     ax.legend(handles, labels)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -114,13 +115,14 @@ def components(
     """What the checkpoint fingerprint is made of: everything that changes the maths. Plain JSON
     as each part is written (model_config.json, the pretrain section less NOT_MATHS): the
     fingerprint hashes it, so a key no type names still changes it."""
+    sections: Mapping[str, Any] = ds_config  # read by name below
     return {
         "model_config": json.loads(Path(spec["model_config"]).read_text()),
         "init_from": init_from,
         "tokenizer": meta["tokenizer_sha256"],
         "data": meta["train"]["sha256"],
         "training": {k: v for k, v in spec["pretrain"].items() if k not in NOT_MATHS},
-        "precision": [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
+        "precision": [k for k in ("bf16", "fp16") if sections.get(k, {}).get("enabled")]
         or ["fp32"],
         # DeepSpeed counts AutoTP ranks in its batch size; the sequences per step do not depend on tp
         "global_batch": ds_config["train_batch_size"]
@@ -154,7 +156,8 @@ def setup(spec: PretrainJob) -> Run:
     n_eval = min(window_count(len(val), seq), cfg.eval_batches * layout.micro_batch_size)
     if n_eval == 0:
         raise StageError(f"{spec['val']}: fewer than {seq + 1} tokens, not one validation window")
-    shape = ModelShape(**{k: v for k, v in plan["model"].items() if k in ModelShape.__slots__})
+    planned: Mapping[str, Any] = plan["model"]  # ModelShape's fields and more
+    shape = ModelShape(**{k: v for k, v in planned.items() if k in ModelShape.__slots__})
     return Run(
         spec=spec, cfg=cfg, engine=engine, device=device, layout=layout,
         dp_rank=dist.get_rank(group=engine.data_parallel_group),
@@ -172,7 +175,10 @@ def setup(spec: PretrainJob) -> Run:
 def predicted_tokens_per_s(spec: PretrainJob) -> float | None:
     """The planner's prediction for this layout (`spec["throughput"]`, plan.json's estimate: the
     part of the plan the stage depends on leaves the estimates out, `planning.derived`)."""
-    return spec["throughput"].get("tokens_per_s")
+    throughput = spec["throughput"]
+    if "tokens_per_s" not in throughput:  # no prediction: its reason instead
+        return None
+    return throughput["tokens_per_s"]
 
 
 def loss_on(run: Run, windows: np.ndarray, shard: np.ndarray) -> torch.Tensor:
@@ -200,6 +206,7 @@ def train_step(
     With the window log on (`window_log_on`), the windows every rank read are
     gathered and rank 0 appends them to `windows`.
     """
+    read: list[int]
     losses, counts, read = [], [], []
     routing = run.routing
     for micro in run.sampler.rank_micro_batches(step, run.dp_rank):
@@ -271,7 +278,11 @@ def loop(run: Run) -> None:
     for step in stage.steps():
         t0 = time.monotonic()
         loss, routed = train_step(run, step - 1, windows)
-        finite = {"stage": "pretrain", "step": step, "precision": run.layout.precision}
+        finite: dict[str, Any] = {
+            "stage": "pretrain",
+            "step": step,
+            "precision": run.layout.precision,
+        }
         check_finite(loss, what="training loss", **finite)
         window_s, window_steps = window_s + time.monotonic() - t0, window_steps + 1
         evaluating = stage.evaluates(step)
@@ -314,10 +325,10 @@ def final_params(run: Run) -> ParamRecord:
     """The parameters at the end, on every rank (all take part in the gathers): the dtypes (the
     optimizer states exist only now), and each rank's element count and `checksum`."""
     dtypes = engines.dtypes(run.engine)
-    gathered = {}
+    gathered: dict[str, list[Any]] = {}
     for key, value in (("local_param_elements", run.params["local_param_elements"]),
                        ("param_checksum", checksum(run.engine.module))):  # fmt: skip
-        every = [None] * dist.get_world_size()
+        every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, value)
         gathered[key] = every
     return {**run.params, "dtypes": dtypes,

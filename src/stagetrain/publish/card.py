@@ -101,6 +101,7 @@ def prompting(tasks: TasksSettings, folder: Path) -> Prompting:
     """How the run prompted, decided as `tasks.prompts.Prompter` decides (`renders_chat`), from
     the folder's tokenizer template (its own file, or in tokenizer_config.json)."""
     jinja, config = folder / "chat_template.jinja", folder / "tokenizer_config.json"
+    template: str | None
     if jinja.exists():
         template = jinja.read_text()
     else:

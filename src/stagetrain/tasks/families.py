@@ -49,7 +49,7 @@ from stagetrain.errors import StageError
 from stagetrain.hub import HubError, fetch
 from stagetrain.tasks import rewards as task_rewards
 from stagetrain.tasks.files import read_rows
-from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, split_of
+from stagetrain.tasks.problem import SPLITS, TASK_TOKENS, Problem, Split, split_of
 from stagetrain.tasks.registry import FAMILIES, Family, register
 from stagetrain.tasks.reward_source import is_file
 from stagetrain.tasks.verify import END_MARKERS
@@ -237,11 +237,13 @@ def _file_family(
     if rows > max_rows:
         log.info("task family %s: %d rows, %d kept (tasks.max_rows; the same ones on every run, "
                  "chosen by a hash of each prompt)", entry.name, rows, max_rows)  # fmt: skip
-    pool: dict[tuple[int, str], list[Problem]] = {}
+    pool: dict[tuple[int, Split], list[Problem]] = {}
     for _, problem in kept.values():
         pool.setdefault((problem.level, split_of(problem.key)), []).append(problem)
     top = max(level for level, _ in pool)
-    counts = {lv: {s: len(pool.get((lv, s), ())) for s in SPLITS} for lv in range(1, top + 1)}
+    counts: dict[int, dict[str, int]] = {
+        lv: {s: len(pool.get((lv, s), ())) for s in SPLITS} for lv in range(1, top + 1)
+    }
     for level, count in counts.items():
         total = sum(count.values())
         shown = f"{total} problems ({', '.join(f'{n} {s}' for s, n in count.items())})"

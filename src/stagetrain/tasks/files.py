@@ -23,7 +23,7 @@ import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from stagetrain.errors import StageError
 from stagetrain.io import json_lines
@@ -80,7 +80,8 @@ def read_rows(
 
 def _opened(path: Path, kind: str) -> IO[bytes]:
     if kind == ".jsonl.gz":
-        return gzip.open(path, "rb")
+        # a binary file object; typeshed derives GzipFile from BufferedIOBase, not from IO[bytes]
+        return cast(IO[bytes], gzip.open(path, "rb"))
     if kind == ".jsonl.zst":
         import zstandard
 

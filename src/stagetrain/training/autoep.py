@@ -100,7 +100,7 @@ def autoep_names(name: str) -> tuple[str, ...]:
     return (layer + AUTOEP_OF[suffix],)
 
 
-class _KeyedRegistry(dict):  # type: ignore[type-arg]
+class _KeyedRegistry(dict[Any, Any]):
     """transformers' output-capture registry, readable both ways: by class name, as DeepSpeed
     0.19.8's AutoEP reads (and writes) it, and by model, as transformers >= 5.23 reads it."""
 

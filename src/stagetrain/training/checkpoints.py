@@ -195,6 +195,7 @@ class Checkpoints:
         config = engine._config  # DeepSpeed reads load_universal from its config at load time
         before = config.load_universal_checkpoint
         config.load_universal_checkpoint = options.universal
+        client: ClientState  # the client_state save() gave DeepSpeed
         try:
             with weights_only_loads():  # DeepSpeed's loader asks for weights_only=False
                 _, client = engine.load_checkpoint(

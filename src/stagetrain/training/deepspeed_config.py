@@ -106,14 +106,20 @@ def _zero(layout: Layout, deepspeed: DeepSpeedSettings) -> Zero:
         return zero
     bucket = deepspeed.bucket_size
     zero.update(
-        overlap_comm=deepspeed.overlap_comm, contiguous_gradients=True, reduce_bucket_size=bucket
+        {
+            "overlap_comm": deepspeed.overlap_comm,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+        }
     )
     if stage in (1, 2):
         zero["allgather_bucket_size"] = bucket
     if stage == 3:
         zero.update(
-            stage3_prefetch_bucket_size=bucket,
-            stage3_max_live_parameters=deepspeed.stage3_max_live_parameters,
+            {
+                "stage3_prefetch_bucket_size": bucket,
+                "stage3_max_live_parameters": deepspeed.stage3_max_live_parameters,
+            }
         )
     if layout.offload in ("optimizer", "optimizer_and_params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -208,7 +214,7 @@ def check(config: DeepSpeedJson, *, ranks: int, where: str) -> None:
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    class _AtWorldSize(DeepSpeedConfig):
+    class _AtWorldSize(DeepSpeedConfig):  # type: ignore[misc]  # Any: the check skips deepspeed
         # Outside a process group DeepSpeedConfig assumes one rank; the batch
         # arithmetic must be checked with the plan's world size.
         def _configure_train_batch_size(self) -> None:

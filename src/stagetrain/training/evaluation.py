@@ -114,7 +114,7 @@ def greedy_scores(
     completions = greedy_completions(
         model, judge, batch, max_new_tokens=max_new_tokens, chunk_size=chunk_size
     )
-    out = []
+    out: list[float] = []
     for start in range(0, len(batch), chunk_size):  # one reward call per chunk, as generated
         chunk = batch[start : start + chunk_size]
         rewards = judge.rewards(chunk, completions[start : start + chunk_size])

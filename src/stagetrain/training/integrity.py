@@ -33,7 +33,7 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -169,7 +169,8 @@ def read_pointer(path: Path) -> Pointer:
             raise StageError(
                 f"{path}: 'layout' must hold integer dp, tp and zero_stage, found {layout!r}"
             )
-    return {**pointer, "complete": tags, "layouts": layouts}
+    # its shape checked above
+    return cast(Pointer, {**pointer, "complete": tags, "layouts": layouts})
 
 
 def step_of(tag: str) -> int:

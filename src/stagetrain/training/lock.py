@@ -99,7 +99,7 @@ class StageLock:
                     "results/ on a filesystem that has it"
                 ) from None
             raise StageError(
-                f"{self.path}: cannot lock the lock file (flock: {os.strerror(err.errno)})"
+                f"{self.path}: cannot lock the lock file (flock: {err.strerror or err})"
             ) from None
         return fd
 

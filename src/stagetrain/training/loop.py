@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from stagetrain.config.settings import TrainingSettings
 from stagetrain.io import atomic_write_bytes, atomic_write_json
-from stagetrain.planning.plan import Layout
+from stagetrain.planning.plan import Layout, LayoutRecord
 from stagetrain.training.checkpoints import Checkpoints, ClientState, tag_of
 from stagetrain.training.metrics import MetricsLog, R, tensorboard_dir, window_log_on
-from stagetrain.training.summary import StageSummary
+from stagetrain.training.summary import LoopSummary, StageSummary
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -127,17 +127,18 @@ class StageLoop(Generic[R, C]):
     def checkpoint(self, step: int, client_state: C) -> None:
         """Save every `checkpoint_every` steps and at the last (all ranks take part)."""
         if step % self.cfg.checkpoint_every == 0 or step == self.cfg.steps:
+            state: ClientState = client_state
             if self.eval_windows is not None:
-                client_state = {**client_state, "eval_windows": len(self.eval_windows),
-                                "eval_batches": self.cfg.eval_batches}  # fmt: skip
-            self.checkpoints.save(self.engine, step, client_state)
+                state = {**state, "eval_windows": len(self.eval_windows),
+                         "eval_batches": self.cfg.eval_batches}  # fmt: skip
+            self.checkpoints.save(self.engine, step, state)
 
     def records(self) -> list[R]:
         """The stage's metrics across restarts (rank 0)."""
         text = (self.checkpoints.folder / "metrics.jsonl").read_text()
         return [json.loads(line) for line in text.splitlines()]
 
-    def summary(self, *, final_eval_loss: float, layout: Layout) -> StageSummary:
+    def summary(self, *, final_eval_loss: float, layout: Layout) -> LoopSummary:
         """The summary keys every training stage writes: where its final checkpoint is, its
         layout and attention kernel, and the validation loss at the end with the windows it
         was measured on (what consolidation re-checks)."""
@@ -146,7 +147,9 @@ class StageLoop(Generic[R, C]):
         if self.start == final_step and written and written != layout.checkpoint_layout:
             # Resumed at the last step under another layout, nothing trained: the final
             # checkpoint is still in the layout it was written in, which consolidation reads.
-            saved |= {**written, "world": written["dp"] * written["tp"]}
+            # (the pointer's layout holds dp, tp, zero_stage and ep where it is not 1)
+            saved |= cast(LayoutRecord, {**written, "world": written["dp"] * written["tp"]})
+        assert self.eval_windows is not None, "eval_set runs before the first step"
         return {
             "stage": self.stage,
             "final_step": final_step,

@@ -22,11 +22,9 @@ class EvalBatch(TypedDict):
     micro_batch_size: int
 
 
-class StageSummary(TypedDict):
-    """The summary.json keys every training stage writes (`StageLoop.summary`): the final
-    checkpoint, its layout, fingerprint and attention kernel, and the validation loss with the
-    windows it was measured on, by step and at the end; what consolidation reads (docs/architecture.md, "Contracts
-    between stages"). `pretrain.summary.PretrainSummary` and `grpo.summary.GrpoSummary` add the rest."""
+class LoopSummary(TypedDict):
+    """What `StageLoop.summary` returns: `StageSummary` less `eval_losses`, which each stage
+    gathers from its own records."""
 
     stage: str
     final_step: int
@@ -37,5 +35,14 @@ class StageSummary(TypedDict):
     checkpoint: CheckpointRef
     eval_batch: EvalBatch
     final_eval_loss: float
+
+
+class StageSummary(LoopSummary):
+    """The summary.json keys every training stage writes (`StageLoop.summary`, and each stage's
+    `eval_losses`): the final
+    checkpoint, its layout, fingerprint and attention kernel, and the validation loss with the
+    windows it was measured on, by step and at the end; what consolidation reads (docs/architecture.md, "Contracts
+    between stages"). `pretrain.summary.PretrainSummary` and `grpo.summary.GrpoSummary` add the rest."""
+
     eval_losses: dict[int, float]
     """The validation loss by step (text keys once read back from JSON)."""

@@ -83,7 +83,7 @@ def _parsed_names(path: Path, root: Path, data: bytes) -> set[str]:
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Constant) and str(node.value).startswith(PACKAGE + "."):
-            names.add(node.value)
+            names.add(str(node.value))
     return names
 
 

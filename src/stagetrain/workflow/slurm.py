@@ -103,10 +103,10 @@ def runtime_minutes(plan: PlanRecord, stage: str, steps: int) -> int | None:
     """Minutes to ask for: twice the plan's predicted training time, plus 30 for start-up,
     evaluations and checkpoints. None where the plan predicts no step time (CPU ranks;
     GRPO, whose rollouts it does not model): the profile's runtime then applies."""
-    step_s = plan["stages"][stage]["throughput"].get("step_s")
-    if stage != "pretrain" or step_s is None:
+    throughput = plan["stages"][stage]["throughput"]
+    if stage != "pretrain" or "step_s" not in throughput:
         return None
-    return math.ceil(2 * steps * step_s / 60) + 30
+    return math.ceil(2 * steps * throughput["step_s"] / 60) + 30
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
