@@ -22,6 +22,7 @@ from stagetrain.errors import StageError
 from stagetrain.grpo.advantages import (
     group_advantages,
     leaf_paths,
+    node_advantages,
     sibling_advantages,
     tree_token_advantages,
 )
@@ -70,6 +71,11 @@ def test_group_advantages_take_integer_rewards_and_refuse_groups_of_one() -> Non
         group_advantages(torch.ones(3, 1))
 
 
+def test_rewards_not_shaped_groups_by_group_size_are_refused_naming_their_shape() -> None:
+    with pytest.raises(ValueError, match=r"^rewards must be shaped \(groups, group_size\), got \(2, 2, 2\)$"):
+        group_advantages(torch.zeros(2, 2, 2))
+
+
 def test_sibling_advantages() -> None:
     assert sibling_advantages([]) == []
     assert sibling_advantages([0.7]) == [0.0]
@@ -78,6 +84,15 @@ def test_sibling_advantages() -> None:
     assert sibling_advantages([0.0, 0.5, 1.0], eps=1e-4) == pytest.approx(
         [-0.5 / (s + 1e-4), 0.0, 0.5 / (s + 1e-4)]
     )
+    # eps defaults to 1e-4, here as in group_advantages.
+    assert sibling_advantages([0.0, 1.0]) == pytest.approx([-0.5 / (math.sqrt(0.5) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4)])
+
+
+def test_sibling_advantages_are_computed_in_double_precision() -> None:
+    values = [1 / 3, 2 / 3, 0.1]
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    expected = [(v - mean) / (std + 1e-4) for v in values]
+    assert sibling_advantages(values) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
 # --- tree advantages ----------------------------------------------------------------------------
@@ -112,6 +127,25 @@ def test_tree_token_advantages_match_the_hand_computed_example() -> None:
     assert adv["A1"][0].item() == pytest.approx(-0.1298, abs=1e-3)
     assert adv["A2"][0].item() == pytest.approx(-1.8618, abs=1e-3)
     assert adv["B"][0].item() == pytest.approx(1.2845, abs=1e-3)
+
+
+def test_eps_is_used_at_both_levels_of_the_tree() -> None:
+    eps = 1.0  # large enough to show at every term
+    sib_a, sib_a1 = -0.25 / (math.sqrt(0.125) + eps), 0.5 / (math.sqrt(0.5) + eps)
+    leaf_std = math.sqrt(1 / 3) + eps
+    leaf_a1, leaf_a2, leaf_b = (1 / 3) / leaf_std, (-2 / 3) / leaf_std, (1 / 3) / leaf_std
+    adv = tree_token_advantages(_example_tree(), eps=eps)
+    assert adv["A1"].tolist() == pytest.approx([sib_a + leaf_a1] * 3 + [sib_a1 + leaf_a1] * 2)
+    assert adv["A2"].tolist() == pytest.approx([sib_a + leaf_a2] * 3 + [-sib_a1 + leaf_a2])
+    assert adv["B"].tolist() == pytest.approx([-sib_a + leaf_b] * 4)
+    assert node_advantages(_example_tree(), eps=eps) == pytest.approx(
+        {"A": sib_a, "B": -sib_a, "A1": sib_a1, "A2": -sib_a1}
+    )
+    # eps defaults to 1e-4.
+    sib_a, sib_a1 = -0.25 / (math.sqrt(0.125) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert node_advantages(_example_tree()) == pytest.approx(
+        {"A": sib_a, "B": -sib_a, "A1": sib_a1, "A2": -sib_a1}
+    )
 
 
 def test_leaf_paths_run_root_to_leaf_and_lengths_line_up() -> None:
@@ -154,7 +188,7 @@ def test_any_row_with_the_four_fields_is_a_segment() -> None:
 
 
 def test_malformed_trees_are_refused() -> None:
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(ValueError, match="^segments: node ids must be unique$"):
         leaf_paths([Segment(node_id=1, parent_id=None, value=0, length=1)] * 2)
     with pytest.raises(ValueError, match="name no segment"):
         leaf_paths([Segment(node_id=1, parent_id=7, value=0, length=1)])

@@ -66,7 +66,23 @@ MODULES: dict[str, tuple[str, ...]] = {
 """Each module (under src/stagetrain/) and the test files that exercise it (found by grep for
 its imports), of which only the fast tier runs."""
 
-EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {}
+_STRICT = "the zip's other side is sibling_advantages of the same list, one advantage per value, so the lengths always match and strict is never exercised"
+EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "grpo/advantages": (
+        ("leaf_paths", "if len(path) >= len(segments):",
+         "a path of len(segments) rows whose last row still has a parent already repeats a row (ids are unique, every parent exists): >= refuses the same cycles one step earlier"),
+        ("node_advantages", "out.update(zip((s.node_id for s in group), adv, strict=None))", _STRICT),
+        ("node_advantages", "out.update(zip((s.node_id for s in group), adv, ))", _STRICT),
+        ("node_advantages", "out.update(zip((s.node_id for s in group), adv, strict=False))", _STRICT),
+        ("tree_token_advantages", "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), strict=None)", _STRICT),
+        ("tree_token_advantages", "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), )", _STRICT),
+        ("tree_token_advantages", "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), strict=False)", _STRICT),
+        ("tree_token_advantages", "[torch.full((s.length,), sib[s.node_id] + leaf[i], dtype=None) for s in path]",
+         "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes"),
+        ("tree_token_advantages", "[torch.full((s.length,), sib[s.node_id] + leaf[i], ) for s in path]",
+         "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes"),
+    ),
+}
 """Per module, the surviving mutants that no input can tell from the original: (function, the
 mutated line as mutmut's diff shows it, stripped, why it is equivalent). They are left out of
 the score; every other survivor is a test gap."""
