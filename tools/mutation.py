@@ -82,6 +82,10 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("tree_token_advantages", "[torch.full((s.length,), sib[s.node_id] + leaf[i], ) for s in path]",
          "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes"),
     ),
+    "grpo/loss": (
+        ("grpo_loss", "m = keep.to(None)",
+         ".to(None) returns the bool mask itself; every use of m (token counts, sums of kl * m, dividing float sums by them) gives the same numbers from a bool mask as from its float copy"),
+    ),
 }
 """Per module, the surviving mutants that no input can tell from the original: (function, the
 mutated line as mutmut's diff shows it, stripped, why it is equivalent). They are left out of
