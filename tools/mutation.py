@@ -86,6 +86,10 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("grpo_loss", "m = keep.to(None)",
          ".to(None) returns the bool mask itself; every use of m (token counts, sums of kl * m, dividing float sums by them) gives the same numbers from a bool mask as from its float copy"),
     ),
+    "grpo/curriculum": (
+        ("levels_for", "rng.randint(1, state.level - 1) if rng.random() <= cfg.earlier_share else state.level",
+         "random() draws from [0, 1) in steps of 2**-53: it equals earlier_share with probability at most 2**-53, so < and <= draw the same levels"),
+    ),
 }
 """Per module, the surviving mutants that no input can tell from the original: (function, the
 mutated line as mutmut's diff shows it, stripped, why it is equivalent). They are left out of
