@@ -90,6 +90,15 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("levels_for", "rng.randint(1, state.level - 1) if rng.random() <= cfg.earlier_share else state.level",
          "random() draws from [0, 1) in steps of 2**-53: it equals earlier_share with probability at most 2**-53, so < and <= draw the same levels"),
     ),
+    "grpo/tree": (
+        *(("_expand_batch", f"for j, (request, (i, node)) in enumerate(zip(requests, chosen, {strict})):",
+           "requests is built from chosen, one request per node, so the two always have the same length")
+          for strict in ("strict=None", "", "strict=False")),
+        ("_expand_batch", "mine = [through_eos(c, None)[: request.limit] for c in continuations[j * b : (j + 1) * b]]",
+         "SearchTree.expand cuts every continuation after its first eos itself (_cut), and a cut before or after the limit keeps the same tokens"),
+        ("search", "return search_trees([cfg], batch, lambda _, completion: score(completion), max_batch=2)[0]",
+         "per_call = max(1, max_batch // B) is 1 for max_batch 2 as for 1, since B >= 2: one node per call either way"),
+    ),
 }
 """Per module, the surviving mutants that no input can tell from the original: (function, the
 mutated line as mutmut's diff shows it, stripped, why it is equivalent). They are left out of
