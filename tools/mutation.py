@@ -99,6 +99,27 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("search", "return search_trees([cfg], batch, lambda _, completion: score(completion), max_batch=2)[0]",
          "per_call = max(1, max_batch // B) is 1 for max_batch 2 as for 1, since B >= 2: one node per call either way"),
     ),
+    "tasks/verify": (
+        ("_integer", 'digits = match[2].lstrip("XX0XX") or "0"',
+         "the digits hold no X, so stripping {X, 0} strips the same leading zeros as stripping 0"),
+        ("_integer", 'return ("XXXX" if digits == "0" else match[1]), digits',
+         "a zero's sign is compared only with another zero's, which gets the same (wrong) sign: zero still equals zero and nothing else"),
+        *(("extract_answer", line, "only the part before the first split is read: splitting more often leaves it the same")
+          for line in ("text = text.split(marker, )[0]", "text = text.split(marker, 2)[0]",
+                       'text = parts[-1].split("\\n", )[0]', 'text = parts[-1].split("\\n", 2)[0]')),
+        *(("normalise", line, "the text is lowercased first, so adding X to the characters stripped strips nothing more")
+          for line in ('text = " ".join(answer.split()).lower().rstrip(string.punctuation + "XX XX")',
+                       'text = text.lstrip("XXXX".join(c for c in string.punctuation if c not in "+-") + " ")',
+                       'text = text.lstrip("".join(c for c in string.punctuation if c not in "XX+-XX") + " ")',
+                       'text = text.lstrip("".join(c for c in string.punctuation if c not in "+-") + "XX XX")',
+                       'text = text.lstrip(string.punctuation + "XX XX")')),
+        ("numeric", "if a is None and b is None:",
+         "_integer reads only the normalised text, so when one side is an integer and the other not their normalised texts differ: exact gives 0.0, as a == b does"),
+        ("score", "if not isinstance(completion, str) and verifier is None:",
+         "a non-str completion or a missing verifier then raises inside the try, whose except returns the same 0.0"),
+        ("score", "return 0.0 if (candidate is None) and False else verifier(candidate, problem.answer)",
+         "a verifier given None raises in normalise, inside the try, whose except returns the same 0.0"),
+    ),
 }
 """Per module, the surviving mutants that no input can tell from the original: (function, the
 mutated line as mutmut's diff shows it, stripped, why it is equivalent). They are left out of
