@@ -22,6 +22,7 @@ from stagetrain.errors import StageError
 from stagetrain.grpo.advantages import (
     group_advantages,
     leaf_paths,
+    node_advantages,
     sibling_advantages,
     tree_token_advantages,
 )
@@ -70,6 +71,13 @@ def test_group_advantages_take_integer_rewards_and_refuse_groups_of_one() -> Non
         group_advantages(torch.ones(3, 1))
 
 
+def test_rewards_not_shaped_groups_by_group_size_are_refused_naming_their_shape() -> None:
+    with pytest.raises(
+        ValueError, match=r"^rewards must be shaped \(groups, group_size\), got \(2, 2, 2\)$"
+    ):
+        group_advantages(torch.zeros(2, 2, 2))
+
+
 def test_sibling_advantages() -> None:
     assert sibling_advantages([]) == []
     assert sibling_advantages([0.7]) == [0.0]
@@ -78,6 +86,17 @@ def test_sibling_advantages() -> None:
     assert sibling_advantages([0.0, 0.5, 1.0], eps=1e-4) == pytest.approx(
         [-0.5 / (s + 1e-4), 0.0, 0.5 / (s + 1e-4)]
     )
+    # eps defaults to 1e-4, here as in group_advantages.
+    assert sibling_advantages([0.0, 1.0]) == pytest.approx(
+        [-0.5 / (math.sqrt(0.5) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4)]
+    )
+
+
+def test_sibling_advantages_are_computed_in_double_precision() -> None:
+    values = [1 / 3, 2 / 3, 0.1]
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    expected = [(v - mean) / (std + 1e-4) for v in values]
+    assert sibling_advantages(values) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
 # --- tree advantages ----------------------------------------------------------------------------
@@ -112,6 +131,25 @@ def test_tree_token_advantages_match_the_hand_computed_example() -> None:
     assert adv["A1"][0].item() == pytest.approx(-0.1298, abs=1e-3)
     assert adv["A2"][0].item() == pytest.approx(-1.8618, abs=1e-3)
     assert adv["B"][0].item() == pytest.approx(1.2845, abs=1e-3)
+
+
+def test_eps_is_used_at_both_levels_of_the_tree() -> None:
+    eps = 1.0  # large enough to show at every term
+    sib_a, sib_a1 = -0.25 / (math.sqrt(0.125) + eps), 0.5 / (math.sqrt(0.5) + eps)
+    leaf_std = math.sqrt(1 / 3) + eps
+    leaf_a1, leaf_a2, leaf_b = (1 / 3) / leaf_std, (-2 / 3) / leaf_std, (1 / 3) / leaf_std
+    adv = tree_token_advantages(_example_tree(), eps=eps)
+    assert adv["A1"].tolist() == pytest.approx([sib_a + leaf_a1] * 3 + [sib_a1 + leaf_a1] * 2)
+    assert adv["A2"].tolist() == pytest.approx([sib_a + leaf_a2] * 3 + [-sib_a1 + leaf_a2])
+    assert adv["B"].tolist() == pytest.approx([-sib_a + leaf_b] * 4)
+    assert node_advantages(_example_tree(), eps=eps) == pytest.approx(
+        {"A": sib_a, "B": -sib_a, "A1": sib_a1, "A2": -sib_a1}
+    )
+    # eps defaults to 1e-4.
+    sib_a, sib_a1 = -0.25 / (math.sqrt(0.125) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert node_advantages(_example_tree()) == pytest.approx(
+        {"A": sib_a, "B": -sib_a, "A1": sib_a1, "A2": -sib_a1}
+    )
 
 
 def test_leaf_paths_run_root_to_leaf_and_lengths_line_up() -> None:
@@ -154,7 +192,7 @@ def test_any_row_with_the_four_fields_is_a_segment() -> None:
 
 
 def test_malformed_trees_are_refused() -> None:
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(ValueError, match="^segments: node ids must be unique$"):
         leaf_paths([Segment(node_id=1, parent_id=None, value=0, length=1)] * 2)
     with pytest.raises(ValueError, match="name no segment"):
         leaf_paths([Segment(node_id=1, parent_id=7, value=0, length=1)])
@@ -401,6 +439,138 @@ def test_bad_loss_arguments_are_refused() -> None:
         grpo_loss(**{**b, "ref_logprobs": None}, **{**kw, "beta": 0.1})
     with pytest.raises(ValueError, match="advantages shaped"):
         grpo_loss(**{**b, "advantages": torch.zeros(3)}, **kw)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_a_single_token_is_its_own_loss_under_every_aggregation(loss_type: str) -> None:
+    # One sequence of one token, ratio 1: the loss is -A, not A spread over a floor of tokens.
+    one = torch.ones(1, 1)
+    loss, stats = grpo_loss(
+        -one,
+        -one,
+        None,
+        torch.tensor([2.0]),
+        one,
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.0,
+        loss_type=loss_type,
+    )
+    assert loss.item() == pytest.approx(-2.0) and stats.tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("eps_low", -0.1, r"^grpo\.clip_eps_low: must be in \[0, 1\) \(got -0\.1\)$"),
+        ("eps_low", 1.0, r"^grpo\.clip_eps_low: must be in \[0, 1\) \(got 1\.0\)$"),
+        ("eps_low", 1.5, r"^grpo\.clip_eps_low: must be in \[0, 1\) \(got 1\.5\)$"),
+        ("eps_high", -0.1, r"^grpo\.clip_eps_high: must be >= 0 \(got -0\.1\)$"),
+        ("beta", -0.1, r"^grpo\.kl_coef: must be >= 0 \(got -0\.1\)$"),
+        ("max_length", 0, r"^grpo\.max_new_tokens: must be >= 1 \(got 0\)$"),
+    ],
+)
+def test_loss_settings_out_of_range_are_refused_naming_the_key(
+    setting: str, value: float, message: str
+) -> None:
+    b = _batch(10)
+    kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "loss_type": "grpo", setting: value}
+    with pytest.raises(StageError, match=message):
+        grpo_loss(**b, **kw)
+
+
+def test_loss_settings_at_their_bounds_are_accepted() -> None:
+    b = _batch(11)
+    loss, _ = grpo_loss(
+        **b, eps_low=0.0, eps_high=0.0, beta=0.0, loss_type="dr_grpo", max_length=b["mask"].shape[1]
+    )
+    assert math.isfinite(loss.item())
+    one = torch.ones(1, 1)
+    loss, _ = grpo_loss(
+        -one,
+        -one,
+        None,
+        torch.ones(1),
+        one,
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.0,
+        loss_type="dr_grpo",
+        max_length=1,
+    )
+    assert loss.item() == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("name", ["old_logprobs", "ref_logprobs", "mask", "token_weights"])
+def test_inputs_not_shaped_as_the_logprobs_are_refused_even_where_they_would_broadcast(
+    name: str,
+) -> None:
+    b = _batch(12)
+    kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.1, "loss_type": "grpo"}
+    b["token_weights"] = torch.ones_like(b["logprobs"])
+    b[name] = b[name][:1]  # (1, T): broadcasts against (B, T)
+    t = b["logprobs"].shape[1]
+    with pytest.raises(ValueError, match=rf"^{name} shaped \(1, {t}\), logprobs \(4, {t}\)$"):
+        grpo_loss(**b, **kw)
+    with pytest.raises(ValueError, match=r"^logprobs must be shaped \(B, T\), got \(3,\)$"):
+        grpo_loss(
+            torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.ones(3), **kw
+        )
+
+
+def test_the_loss_is_computed_in_the_logprobs_dtype() -> None:
+    b = _batch(13)
+    b["advantages"] = b["advantages"].double()
+    kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "loss_type": "dapo"}
+    loss, _ = grpo_loss(**b, **kw)
+    assert loss.dtype == torch.float32
+    b["advantages"] = b["advantages"].float()
+    loss, _ = grpo_loss(
+        **b, **kw, token_weights=torch.ones_like(b["logprobs"], dtype=torch.float64)
+    )
+    assert loss.dtype == torch.float32
+
+
+def test_clip_stats_count_neither_a_ratio_on_the_bound_nor_a_token_the_clip_does_not_move() -> None:
+    # Ratio exactly 1 with eps 0 sits on both bounds: clamp leaves it, so nothing is clipped.
+    zero = torch.zeros(1, 2)
+    _, stats = grpo_loss(
+        zero,
+        zero,
+        None,
+        torch.tensor([[-1.0, 1.0]]),
+        torch.ones(1, 2),
+        eps_low=0.0,
+        eps_high=0.0,
+        beta=0.0,
+        loss_type="dapo",
+    )
+    assert stats.clip_ratio_low == stats.clip_ratio_high == 0.0
+    # Outside the bounds, only the side where the clip binds counts: A < 0 low, A > 0 high.
+    ratios = torch.tensor([[0.5, 0.5, 1.5, 1.5]])
+    _, stats = grpo_loss(
+        ratios.log(),
+        torch.zeros(1, 4),
+        None,
+        torch.tensor([[0.0, 0.5, 0.0, -0.5]]),
+        torch.ones(1, 4),
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.0,
+        loss_type="dapo",
+    )
+    assert stats.clip_ratio_low == stats.clip_ratio_high == 0.0
+
+
+def test_kl_mean_is_the_mean_k3_over_the_completion_tokens() -> None:
+    logp = torch.tensor([[-1.0, -1.0, -1.0]])
+    ref = logp + torch.tensor([[0.5, -0.5, 7.0]])  # the last token is outside the mask
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    _, stats = grpo_loss(
+        logp, logp, ref, torch.zeros(1), mask, eps_low=0.2, eps_high=0.2, beta=0.1, loss_type="dapo"
+    )
+    k3 = [math.exp(d) - d - 1 for d in (0.5, -0.5)]
+    assert stats.kl_mean == pytest.approx(sum(k3) / 2)
 
 
 # --- curriculum ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from stagetrain.grpo.tree import (
     search,
     search_trees,
     segments,
+    through_eos,
 )
 
 EOS = 0
@@ -194,6 +195,25 @@ def test_a_probe_stops_a_tree_whose_first_leaves_agree_and_only_that_one() -> No
     assert len(unprobed.leaves()) == 8
 
 
+def test_a_probe_of_one_leaf_stops_the_tree_after_its_first_leaves() -> None:
+    def expand(requests: list[Request], b: int, k: int) -> list[list[int]]:
+        return [[2 + i, EOS] for r in requests for i in range(b)]
+
+    tree = search_trees(
+        [_cfg(max_leaves=8, probe_leaves=1)], expand, lambda t, c: 1.0, max_batch=4
+    )[0]
+    assert len(tree.leaves()) == 2  # the first round's B leaves, then the probe stops it
+
+
+def test_a_tree_that_spent_its_token_budget_exactly_stops() -> None:
+    def expand(prefixes: list[list[int]], b: int, k: int) -> list[list[int]]:
+        return [[1] * k for _ in prefixes for _ in range(b)]
+
+    cfg = _cfg(max_tokens=6)  # B * K: the first expansion spends it all
+    tree = search(cfg, expand, _even_score)
+    assert tree.generated_tokens == 6 and len(tree.nodes) == 3
+
+
 def test_search_respects_the_token_budget() -> None:
     cfg = _cfg(max_leaves=1000, max_tokens=20)
     tree = search(cfg, _fake_expand(), _even_score)
@@ -313,6 +333,18 @@ def test_a_round_is_one_call_for_every_open_tree_within_the_generation_batch() -
     ]
 
 
+def test_a_generation_batch_smaller_than_two_nodes_expands_one_node_per_call() -> None:
+    calls: list[list[Request]] = []
+    search_trees([_cfg(max_leaves=4)] * 3, _batch_expand(calls), _tree_score, max_batch=3)
+    assert calls and all(len(call) == 1 for call in calls)  # 3 // B = 1 node: B sequences
+
+
+def test_through_eos_keeps_the_tokens_up_to_and_including_the_first_eos() -> None:
+    assert through_eos([5, EOS, 6, EOS], EOS) == [5, EOS]
+    assert through_eos([EOS, 6], EOS) == [EOS]
+    assert through_eos([5, 6], EOS) == [5, 6]
+
+
 def test_continuations_are_cut_to_each_nodes_own_limit() -> None:
     """One call asks for the longest limit; a node near max_new_tokens keeps fewer tokens."""
     cfgs = [_cfg(max_new_tokens=4, max_leaves=100), _cfg(max_new_tokens=12, max_leaves=100)]
@@ -341,6 +373,11 @@ def test_a_tree_whose_paths_all_end_widens_its_root_until_its_leaf_budget() -> N
     assert tree.root.visits == 8 and tree.root.value == 0.5
     with pytest.raises(ValueError, match="already expanded"):
         tree.expand(tree.nodes[1], [[1]])  # a finished leaf never widens
+    widened = SearchTree(cfg)
+    _grow(widened, widened.root, [3, EOS], [4, EOS])
+    assert widened.closed
+    new = _grow(widened, widened.root, [1], [2])  # widening with unfinished children reopens it
+    assert not widened.closed and widened.select() is new[0]
     open_tree = SearchTree(cfg)
     _grow(open_tree, open_tree.root, [1], [2])
     with pytest.raises(ValueError, match="already expanded"):
@@ -348,7 +385,7 @@ def test_a_tree_whose_paths_all_end_widens_its_root_until_its_leaf_budget() -> N
 
 
 def test_search_trees_rejects_mixed_branching_and_a_wrong_number_of_continuations() -> None:
-    with pytest.raises(ValueError, match="same branching"):
+    with pytest.raises(ValueError, match="^search_trees: every tree must have the same branching$"):
         search_trees([_cfg(), _cfg(branching=3)], _batch_expand(), _tree_score, max_batch=8)
     with pytest.raises(ValueError, match="expected 4"):
         search_trees([_cfg(), _cfg()], lambda r, b, k: [[1]] * 3, _tree_score, max_batch=8)
@@ -415,6 +452,20 @@ def test_segments_of_a_search_cover_every_leaf_path() -> None:
 def test_config_errors_name_the_key(key: str, value: Any) -> None:
     with pytest.raises(StageError, match=rf"^grpo\.tree\.{key}: expected"):
         _cfg(**{key: value})
+
+
+def test_config_values_at_their_minimums_are_accepted() -> None:
+    assert _cfg(max_tokens=1, max_new_tokens=1, probe_leaves=0, eos_id=0).max_tokens == 1
+    assert _cfg(branching=8, max_leaves=8).branching == 8  # B may equal the group size
+
+
+@pytest.mark.parametrize(("branching", "max_leaves"), [(3, 2), (2, 1)])
+def test_more_branches_than_the_group_size_are_refused_naming_both(
+    branching: int, max_leaves: int
+) -> None:
+    message = rf"^grpo\.tree\.branching: expected at most grpo\.group_size \({max_leaves}\), the leaves a tree is grown to, got {branching}$"
+    with pytest.raises(StageError, match=message):
+        _cfg(branching=branching, max_leaves=max_leaves)
 
 
 def test_the_prefix_cache_switch_resumes_but_a_search_setting_retrains() -> None:

@@ -388,6 +388,69 @@ def test_activations_are_what_autograd_saves(precision: str) -> None:
 
 def test_usable_memory_subtracts_the_stated_allowance() -> None:
     assert mem.usable_bytes(80 * GIB, 2.0, 0.1) == int(78 * GIB * 0.9)
+    assert mem.usable_bytes(1 * GIB, 2.0, 0.0) == 0  # a reserve larger than the device leaves none
+
+
+def _odd_layout(**changes: Any) -> Layout:
+    """Three ranks on nodes of two: dp does not divide the parameters, nodes are not whole."""
+    base = dict(world=3, gpus_per_node=2, dp=3, global_batch=24, num_heads=None, num_kv_heads=None)
+    return _layout(**{**base, **changes})
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_model_states_are_the_documented_whole_bytes_of_each_part(precision: str) -> None:
+    """Each part of the model states as the module docstring counts it, exactly and in whole
+    bytes (integer division), in 16 bits (2-byte weights, 12 bytes of optimizer state) and in
+    fp32 (4-byte weights, 8 bytes: no master copy), for every ZeRO stage and offload."""
+    shape = model_shape(build_config(model_settings(_model()), 512))
+    n, dp, largest = shape.params, 3, 4 * shape.largest_module_params
+    w, opt = (2, 12) if precision == "bf16" else (4, 8)
+    expected = {
+        (0, "none"): (w * n, w * n, opt * n, 0),
+        (1, "none"): (w * n, w * n, opt * n // dp, 0),
+        (2, "none"): (w * n, (w + 4) * n // dp, opt * n // dp, 0),
+        (3, "none"): (w * n // dp + largest, 4 * n // dp, opt * n // dp, 0),
+        (2, "optimizer"): (w * n, 0, 0, int(n * 16 * 1.5)),  # max(4 * world, 16) = 16
+        (3, "optimizer"): (largest + w * n // dp, 0, 0, int(n * 16 / 1 * 1.5)),  # 3 // 2 = 1 node
+        (3, "optimizer_and_params"): (largest, 0, 0, int(n * 18 / 1 * 1.5)),
+    }
+    for (zero, offload), parts in expected.items():
+        got = mem.model_states(
+            shape, _odd_layout(zero_stage=zero, offload=offload, precision=precision)
+        )
+        assert got == parts and all(type(part) is int for part in got), (zero, offload)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero_buffers_and_activations_count_the_precisions_bytes(precision: str) -> None:
+    shape = model_shape(build_config(model_settings(_model()), 512))
+    w = 2 if precision == "bf16" else 4
+    n, bucket, live = shape.params, 1001, 7
+    for zero in (1, 2, 3):
+        layout = _odd_layout(zero_stage=zero, precision=precision)
+        for overlap, factor in ((True, 4.5), (False, 1.0)):
+            expected = int(2 * bucket * w * factor) + (w * min(live, n) if zero == 3 else 0)
+            assert mem.zero_buffers(layout, bucket, live, overlap, n) == expected, (zero, overlap)
+    assert (
+        mem.zero_buffers(_odd_layout(zero_stage=0, precision=precision), bucket, live, True, n) == 0
+    )
+    layout = _odd_layout(precision=precision)
+    tokens, h = layout.seq_len * layout.micro_batch_size, shape.hidden_size
+    final = tokens * (4 * h + 2 * w * h)
+    assert (
+        mem.activations(shape, layout)
+        == shape.num_layers * mem.layer_activations(shape, layout) + final
+    )
+
+
+def test_a_ranks_parameters_are_whole_and_the_estimate_adds_no_extra_unasked() -> None:
+    shape = model_shape(build_config(model_settings(_model("deepseek_v3")), 512))
+    for tp, ep in ((1, 1), (3, 1), (1, 3)):
+        held = mem.params_per_rank(shape, tp, ep)
+        split = (shape.params - shape.embedding_params) // tp + shape.embedding_params
+        assert held == split - shape.expert_params + shape.expert_params // ep and type(held) is int
+    memory = mem.estimate(shape, _layout(), bucket_size=1000, max_live=10, overlap_comm=True)
+    assert memory.extra == 0
 
 
 # --- layout validation ----------------------------------------------------------

@@ -363,6 +363,35 @@ def test_score_never_raises_on_garbage() -> None:
     assert score("46", _problem("46", verifier="no-such-verifier")) == 0.0
 
 
+def test_a_problem_the_reward_cannot_read_scores_zero_rather_than_raising() -> None:
+    from types import SimpleNamespace
+
+    unreadable = SimpleNamespace(verifier="exact", answer=None)  # normalise(None) raises inside
+    assert score("Answer: 46", unreadable) == 0.0  # type: ignore[arg-type]
+
+
+def test_only_the_first_end_marker_and_the_answers_first_line_bound_the_answer() -> None:
+    assert extract_answer("Answer: 1<|eos|>Answer: 2<|eos|>Answer: 3") == "1"
+    assert extract_answer("Answer: Paris\nmore\nlines", numeric=False) == "Paris"
+    assert extract_answer("Answer: New York\nmore", numeric=False) == "New York"
+    # Without an "Answer:" the whole text is read, every line of it.
+    assert extract_answer("first 3\nthen 46") == "46"
+
+
+def test_a_sign_survives_normalising_only_before_a_digit() -> None:
+    assert normalise("-yes") == "yes"
+    assert normalise("--5") == "5"
+    assert normalise("-7") == "-7"
+
+
+def test_numeric_answers_compare_as_integers_zero_unsigned_and_other_answers_exactly() -> None:
+    assert VERIFIERS["numeric"]("-0.0", "0") == 1.0
+    assert VERIFIERS["numeric"]("-00.00", "0") == 1.0
+    assert VERIFIERS["numeric"]("007", "7") == 1.0
+    assert VERIFIERS["numeric"]("-7", "7") == 0.0
+    assert VERIFIERS["numeric"]("Paris", "paris.") == 1.0  # neither is an integer: exact
+
+
 def test_text_module_exposes_max_level() -> None:
     assert text.MAX_LEVEL == arithmetic.MAX_LEVEL == 5
     assert {f.max_level for f in FAMILIES.values()} == {5}
