@@ -72,7 +72,9 @@ def test_group_advantages_take_integer_rewards_and_refuse_groups_of_one() -> Non
 
 
 def test_rewards_not_shaped_groups_by_group_size_are_refused_naming_their_shape() -> None:
-    with pytest.raises(ValueError, match=r"^rewards must be shaped \(groups, group_size\), got \(2, 2, 2\)$"):
+    with pytest.raises(
+        ValueError, match=r"^rewards must be shaped \(groups, group_size\), got \(2, 2, 2\)$"
+    ):
         group_advantages(torch.zeros(2, 2, 2))
 
 
@@ -85,7 +87,9 @@ def test_sibling_advantages() -> None:
         [-0.5 / (s + 1e-4), 0.0, 0.5 / (s + 1e-4)]
     )
     # eps defaults to 1e-4, here as in group_advantages.
-    assert sibling_advantages([0.0, 1.0]) == pytest.approx([-0.5 / (math.sqrt(0.5) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4)])
+    assert sibling_advantages([0.0, 1.0]) == pytest.approx(
+        [-0.5 / (math.sqrt(0.5) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4)]
+    )
 
 
 def test_sibling_advantages_are_computed_in_double_precision() -> None:
@@ -442,7 +446,15 @@ def test_a_single_token_is_its_own_loss_under_every_aggregation(loss_type: str) 
     # One sequence of one token, ratio 1: the loss is -A, not A spread over a floor of tokens.
     one = torch.ones(1, 1)
     loss, stats = grpo_loss(
-        -one, -one, None, torch.tensor([2.0]), one, eps_low=0.2, eps_high=0.2, beta=0.0, loss_type=loss_type
+        -one,
+        -one,
+        None,
+        torch.tensor([2.0]),
+        one,
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.0,
+        loss_type=loss_type,
     )
     assert loss.item() == pytest.approx(-2.0) and stats.tokens == 1
 
@@ -458,7 +470,9 @@ def test_a_single_token_is_its_own_loss_under_every_aggregation(loss_type: str) 
         ("max_length", 0, r"^grpo\.max_new_tokens: must be >= 1 \(got 0\)$"),
     ],
 )
-def test_loss_settings_out_of_range_are_refused_naming_the_key(setting: str, value: float, message: str) -> None:
+def test_loss_settings_out_of_range_are_refused_naming_the_key(
+    setting: str, value: float, message: str
+) -> None:
     b = _batch(10)
     kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "loss_type": "grpo", setting: value}
     with pytest.raises(StageError, match=message):
@@ -467,15 +481,30 @@ def test_loss_settings_out_of_range_are_refused_naming_the_key(setting: str, val
 
 def test_loss_settings_at_their_bounds_are_accepted() -> None:
     b = _batch(11)
-    loss, _ = grpo_loss(**b, eps_low=0.0, eps_high=0.0, beta=0.0, loss_type="dr_grpo", max_length=b["mask"].shape[1])
+    loss, _ = grpo_loss(
+        **b, eps_low=0.0, eps_high=0.0, beta=0.0, loss_type="dr_grpo", max_length=b["mask"].shape[1]
+    )
     assert math.isfinite(loss.item())
     one = torch.ones(1, 1)
-    loss, _ = grpo_loss(-one, -one, None, torch.ones(1), one, eps_low=0.2, eps_high=0.2, beta=0.0, loss_type="dr_grpo", max_length=1)
+    loss, _ = grpo_loss(
+        -one,
+        -one,
+        None,
+        torch.ones(1),
+        one,
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.0,
+        loss_type="dr_grpo",
+        max_length=1,
+    )
     assert loss.item() == pytest.approx(-1.0)
 
 
 @pytest.mark.parametrize("name", ["old_logprobs", "ref_logprobs", "mask", "token_weights"])
-def test_inputs_not_shaped_as_the_logprobs_are_refused_even_where_they_would_broadcast(name: str) -> None:
+def test_inputs_not_shaped_as_the_logprobs_are_refused_even_where_they_would_broadcast(
+    name: str,
+) -> None:
     b = _batch(12)
     kw = {"eps_low": 0.2, "eps_high": 0.2, "beta": 0.1, "loss_type": "grpo"}
     b["token_weights"] = torch.ones_like(b["logprobs"])
@@ -484,7 +513,9 @@ def test_inputs_not_shaped_as_the_logprobs_are_refused_even_where_they_would_bro
     with pytest.raises(ValueError, match=rf"^{name} shaped \(1, {t}\), logprobs \(4, {t}\)$"):
         grpo_loss(**b, **kw)
     with pytest.raises(ValueError, match=r"^logprobs must be shaped \(B, T\), got \(3,\)$"):
-        grpo_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.ones(3), **kw)
+        grpo_loss(
+            torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.ones(3), **kw
+        )
 
 
 def test_the_loss_is_computed_in_the_logprobs_dtype() -> None:
@@ -494,7 +525,9 @@ def test_the_loss_is_computed_in_the_logprobs_dtype() -> None:
     loss, _ = grpo_loss(**b, **kw)
     assert loss.dtype == torch.float32
     b["advantages"] = b["advantages"].float()
-    loss, _ = grpo_loss(**b, **kw, token_weights=torch.ones_like(b["logprobs"], dtype=torch.float64))
+    loss, _ = grpo_loss(
+        **b, **kw, token_weights=torch.ones_like(b["logprobs"], dtype=torch.float64)
+    )
     assert loss.dtype == torch.float32
 
 
@@ -502,14 +535,29 @@ def test_clip_stats_count_neither_a_ratio_on_the_bound_nor_a_token_the_clip_does
     # Ratio exactly 1 with eps 0 sits on both bounds: clamp leaves it, so nothing is clipped.
     zero = torch.zeros(1, 2)
     _, stats = grpo_loss(
-        zero, zero, None, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), eps_low=0.0, eps_high=0.0, beta=0.0, loss_type="dapo"
+        zero,
+        zero,
+        None,
+        torch.tensor([[-1.0, 1.0]]),
+        torch.ones(1, 2),
+        eps_low=0.0,
+        eps_high=0.0,
+        beta=0.0,
+        loss_type="dapo",
     )
     assert stats.clip_ratio_low == stats.clip_ratio_high == 0.0
     # Outside the bounds, only the side where the clip binds counts: A < 0 low, A > 0 high.
     ratios = torch.tensor([[0.5, 0.5, 1.5, 1.5]])
     _, stats = grpo_loss(
-        ratios.log(), torch.zeros(1, 4), None, torch.tensor([[0.0, 0.5, 0.0, -0.5]]), torch.ones(1, 4),
-        eps_low=0.2, eps_high=0.2, beta=0.0, loss_type="dapo",
+        ratios.log(),
+        torch.zeros(1, 4),
+        None,
+        torch.tensor([[0.0, 0.5, 0.0, -0.5]]),
+        torch.ones(1, 4),
+        eps_low=0.2,
+        eps_high=0.2,
+        beta=0.0,
+        loss_type="dapo",
     )
     assert stats.clip_ratio_low == stats.clip_ratio_high == 0.0
 
@@ -518,7 +566,9 @@ def test_kl_mean_is_the_mean_k3_over_the_completion_tokens() -> None:
     logp = torch.tensor([[-1.0, -1.0, -1.0]])
     ref = logp + torch.tensor([[0.5, -0.5, 7.0]])  # the last token is outside the mask
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    _, stats = grpo_loss(logp, logp, ref, torch.zeros(1), mask, eps_low=0.2, eps_high=0.2, beta=0.1, loss_type="dapo")
+    _, stats = grpo_loss(
+        logp, logp, ref, torch.zeros(1), mask, eps_low=0.2, eps_high=0.2, beta=0.1, loss_type="dapo"
+    )
     k3 = [math.exp(d) - d - 1 for d in (0.5, -0.5)]
     assert stats.kl_mean == pytest.approx(sum(k3) / 2)
 

@@ -199,7 +199,9 @@ def test_a_probe_of_one_leaf_stops_the_tree_after_its_first_leaves() -> None:
     def expand(requests: list[Request], b: int, k: int) -> list[list[int]]:
         return [[2 + i, EOS] for r in requests for i in range(b)]
 
-    tree = search_trees([_cfg(max_leaves=8, probe_leaves=1)], expand, lambda t, c: 1.0, max_batch=4)[0]
+    tree = search_trees(
+        [_cfg(max_leaves=8, probe_leaves=1)], expand, lambda t, c: 1.0, max_batch=4
+    )[0]
     assert len(tree.leaves()) == 2  # the first round's B leaves, then the probe stops it
 
 
@@ -458,7 +460,9 @@ def test_config_values_at_their_minimums_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(("branching", "max_leaves"), [(3, 2), (2, 1)])
-def test_more_branches_than_the_group_size_are_refused_naming_both(branching: int, max_leaves: int) -> None:
+def test_more_branches_than_the_group_size_are_refused_naming_both(
+    branching: int, max_leaves: int
+) -> None:
     message = rf"^grpo\.tree\.branching: expected at most grpo\.group_size \({max_leaves}\), the leaves a tree is grown to, got {branching}$"
     with pytest.raises(StageError, match=message):
         _cfg(branching=branching, max_leaves=max_leaves)

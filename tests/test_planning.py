@@ -415,7 +415,9 @@ def test_model_states_are_the_documented_whole_bytes_of_each_part(precision: str
         (3, "optimizer_and_params"): (largest, 0, 0, int(n * 18 / 1 * 1.5)),
     }
     for (zero, offload), parts in expected.items():
-        got = mem.model_states(shape, _odd_layout(zero_stage=zero, offload=offload, precision=precision))
+        got = mem.model_states(
+            shape, _odd_layout(zero_stage=zero, offload=offload, precision=precision)
+        )
         assert got == parts and all(type(part) is int for part in got), (zero, offload)
 
 
@@ -429,11 +431,16 @@ def test_zero_buffers_and_activations_count_the_precisions_bytes(precision: str)
         for overlap, factor in ((True, 4.5), (False, 1.0)):
             expected = int(2 * bucket * w * factor) + (w * min(live, n) if zero == 3 else 0)
             assert mem.zero_buffers(layout, bucket, live, overlap, n) == expected, (zero, overlap)
-    assert mem.zero_buffers(_odd_layout(zero_stage=0, precision=precision), bucket, live, True, n) == 0
+    assert (
+        mem.zero_buffers(_odd_layout(zero_stage=0, precision=precision), bucket, live, True, n) == 0
+    )
     layout = _odd_layout(precision=precision)
     tokens, h = layout.seq_len * layout.micro_batch_size, shape.hidden_size
     final = tokens * (4 * h + 2 * w * h)
-    assert mem.activations(shape, layout) == shape.num_layers * mem.layer_activations(shape, layout) + final
+    assert (
+        mem.activations(shape, layout)
+        == shape.num_layers * mem.layer_activations(shape, layout) + final
+    )
 
 
 def test_a_ranks_parameters_are_whole_and_the_estimate_adds_no_extra_unasked() -> None:

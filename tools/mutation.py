@@ -69,56 +69,135 @@ its imports), of which only the fast tier runs."""
 _STRICT = "the zip's other side is sibling_advantages of the same list, one advantage per value, so the lengths always match and strict is never exercised"
 EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
     "grpo/advantages": (
-        ("leaf_paths", "if len(path) >= len(segments):",
-         "a path of len(segments) rows whose last row still has a parent already repeats a row (ids are unique, every parent exists): >= refuses the same cycles one step earlier"),
-        ("node_advantages", "out.update(zip((s.node_id for s in group), adv, strict=None))", _STRICT),
+        (
+            "leaf_paths",
+            "if len(path) >= len(segments):",
+            "a path of len(segments) rows whose last row still has a parent already repeats a row (ids are unique, every parent exists): >= refuses the same cycles one step earlier",
+        ),
+        (
+            "node_advantages",
+            "out.update(zip((s.node_id for s in group), adv, strict=None))",
+            _STRICT,
+        ),
         ("node_advantages", "out.update(zip((s.node_id for s in group), adv, ))", _STRICT),
-        ("node_advantages", "out.update(zip((s.node_id for s in group), adv, strict=False))", _STRICT),
-        ("tree_token_advantages", "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), strict=None)", _STRICT),
-        ("tree_token_advantages", "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), )", _STRICT),
-        ("tree_token_advantages", "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), strict=False)", _STRICT),
-        ("tree_token_advantages", "[torch.full((s.length,), sib[s.node_id] + leaf[i], dtype=None) for s in path]",
-         "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes"),
-        ("tree_token_advantages", "[torch.full((s.length,), sib[s.node_id] + leaf[i], ) for s in path]",
-         "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes"),
+        (
+            "node_advantages",
+            "out.update(zip((s.node_id for s in group), adv, strict=False))",
+            _STRICT,
+        ),
+        (
+            "tree_token_advantages",
+            "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), strict=None)",
+            _STRICT,
+        ),
+        (
+            "tree_token_advantages",
+            "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), )",
+            _STRICT,
+        ),
+        (
+            "tree_token_advantages",
+            "zip(leaf_ids, sibling_advantages([paths[i][-1].value for i in leaf_ids], eps), strict=False)",
+            _STRICT,
+        ),
+        (
+            "tree_token_advantages",
+            "[torch.full((s.length,), sib[s.node_id] + leaf[i], dtype=None) for s in path]",
+            "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes",
+        ),
+        (
+            "tree_token_advantages",
+            "[torch.full((s.length,), sib[s.node_id] + leaf[i], ) for s in path]",
+            "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes",
+        ),
     ),
     "grpo/loss": (
-        ("grpo_loss", "m = keep.to(None)",
-         ".to(None) returns the bool mask itself; every use of m (token counts, sums of kl * m, dividing float sums by them) gives the same numbers from a bool mask as from its float copy"),
+        (
+            "grpo_loss",
+            "m = keep.to(None)",
+            ".to(None) returns the bool mask itself; every use of m (token counts, sums of kl * m, dividing float sums by them) gives the same numbers from a bool mask as from its float copy",
+        ),
     ),
     "grpo/curriculum": (
-        ("levels_for", "rng.randint(1, state.level - 1) if rng.random() <= cfg.earlier_share else state.level",
-         "random() draws from [0, 1) in steps of 2**-53: it equals earlier_share with probability at most 2**-53, so < and <= draw the same levels"),
+        (
+            "levels_for",
+            "rng.randint(1, state.level - 1) if rng.random() <= cfg.earlier_share else state.level",
+            "random() draws from [0, 1) in steps of 2**-53: it equals earlier_share with probability at most 2**-53, so < and <= draw the same levels",
+        ),
     ),
     "grpo/tree": (
-        *(("_expand_batch", f"for j, (request, (i, node)) in enumerate(zip(requests, chosen, {strict})):",
-           "requests is built from chosen, one request per node, so the two always have the same length")
-          for strict in ("strict=None", "", "strict=False")),
-        ("_expand_batch", "mine = [through_eos(c, None)[: request.limit] for c in continuations[j * b : (j + 1) * b]]",
-         "SearchTree.expand cuts every continuation after its first eos itself (_cut), and a cut before or after the limit keeps the same tokens"),
-        ("search", "return search_trees([cfg], batch, lambda _, completion: score(completion), max_batch=2)[0]",
-         "per_call = max(1, max_batch // B) is 1 for max_batch 2 as for 1, since B >= 2: one node per call either way"),
+        *(
+            (
+                "_expand_batch",
+                f"for j, (request, (i, node)) in enumerate(zip(requests, chosen, {strict})):",
+                "requests is built from chosen, one request per node, so the two always have the same length",
+            )
+            for strict in ("strict=None", "", "strict=False")
+        ),
+        (
+            "_expand_batch",
+            "mine = [through_eos(c, None)[: request.limit] for c in continuations[j * b : (j + 1) * b]]",
+            "SearchTree.expand cuts every continuation after its first eos itself (_cut), and a cut before or after the limit keeps the same tokens",
+        ),
+        (
+            "search",
+            "return search_trees([cfg], batch, lambda _, completion: score(completion), max_batch=2)[0]",
+            "per_call = max(1, max_batch // B) is 1 for max_batch 2 as for 1, since B >= 2: one node per call either way",
+        ),
     ),
     "tasks/verify": (
-        ("_integer", 'digits = match[2].lstrip("XX0XX") or "0"',
-         "the digits hold no X, so stripping {X, 0} strips the same leading zeros as stripping 0"),
-        ("_integer", 'return ("XXXX" if digits == "0" else match[1]), digits',
-         "a zero's sign is compared only with another zero's, which gets the same (wrong) sign: zero still equals zero and nothing else"),
-        *(("extract_answer", line, "only the part before the first split is read: splitting more often leaves it the same")
-          for line in ("text = text.split(marker, )[0]", "text = text.split(marker, 2)[0]",
-                       'text = parts[-1].split("\\n", )[0]', 'text = parts[-1].split("\\n", 2)[0]')),
-        *(("normalise", line, "the text is lowercased first, so adding X to the characters stripped strips nothing more")
-          for line in ('text = " ".join(answer.split()).lower().rstrip(string.punctuation + "XX XX")',
-                       'text = text.lstrip("XXXX".join(c for c in string.punctuation if c not in "+-") + " ")',
-                       'text = text.lstrip("".join(c for c in string.punctuation if c not in "XX+-XX") + " ")',
-                       'text = text.lstrip("".join(c for c in string.punctuation if c not in "+-") + "XX XX")',
-                       'text = text.lstrip(string.punctuation + "XX XX")')),
-        ("numeric", "if a is None and b is None:",
-         "_integer reads only the normalised text, so when one side is an integer and the other not their normalised texts differ: exact gives 0.0, as a == b does"),
-        ("score", "if not isinstance(completion, str) and verifier is None:",
-         "a non-str completion or a missing verifier then raises inside the try, whose except returns the same 0.0"),
-        ("score", "return 0.0 if (candidate is None) and False else verifier(candidate, problem.answer)",
-         "a verifier given None raises in normalise, inside the try, whose except returns the same 0.0"),
+        (
+            "_integer",
+            'digits = match[2].lstrip("XX0XX") or "0"',
+            "the digits hold no X, so stripping {X, 0} strips the same leading zeros as stripping 0",
+        ),
+        (
+            "_integer",
+            'return ("XXXX" if digits == "0" else match[1]), digits',
+            "a zero's sign is compared only with another zero's, which gets the same (wrong) sign: zero still equals zero and nothing else",
+        ),
+        *(
+            (
+                "extract_answer",
+                line,
+                "only the part before the first split is read: splitting more often leaves it the same",
+            )
+            for line in (
+                "text = text.split(marker, )[0]",
+                "text = text.split(marker, 2)[0]",
+                'text = parts[-1].split("\\n", )[0]',
+                'text = parts[-1].split("\\n", 2)[0]',
+            )
+        ),
+        *(
+            (
+                "normalise",
+                line,
+                "the text is lowercased first, so adding X to the characters stripped strips nothing more",
+            )
+            for line in (
+                'text = " ".join(answer.split()).lower().rstrip(string.punctuation + "XX XX")',
+                'text = text.lstrip("XXXX".join(c for c in string.punctuation if c not in "+-") + " ")',
+                'text = text.lstrip("".join(c for c in string.punctuation if c not in "XX+-XX") + " ")',
+                'text = text.lstrip("".join(c for c in string.punctuation if c not in "+-") + "XX XX")',
+                'text = text.lstrip(string.punctuation + "XX XX")',
+            )
+        ),
+        (
+            "numeric",
+            "if a is None and b is None:",
+            "_integer reads only the normalised text, so when one side is an integer and the other not their normalised texts differ: exact gives 0.0, as a == b does",
+        ),
+        (
+            "score",
+            "if not isinstance(completion, str) and verifier is None:",
+            "a non-str completion or a missing verifier then raises inside the try, whose except returns the same 0.0",
+        ),
+        (
+            "score",
+            "return 0.0 if (candidate is None) and False else verifier(candidate, problem.answer)",
+            "a verifier given None raises in normalise, inside the try, whose except returns the same 0.0",
+        ),
     ),
 }
 """Per module, the surviving mutants that no input can tell from the original: (function, the
@@ -146,7 +225,9 @@ def function_of(mutant: str) -> str:
 def mutated_line(diff: str) -> str:
     """The line(s) a mutant changes, as its diff's `+` lines, stripped and joined."""
     lines = diff.splitlines()
-    added = [line[1:].strip() for line in lines if line.startswith("+") and not line.startswith("+++")]
+    added = [
+        line[1:].strip() for line in lines if line.startswith("+") and not line.startswith("+++")
+    ]
     return " / ".join(added)
 
 
@@ -155,10 +236,16 @@ def copy_tree(target: Path, module: str, tests: tuple[str, ...]) -> None:
     mutmut's configuration for `module` added to the copy's pyproject.toml."""
     if target.exists():
         shutil.rmtree(target)
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, check=True, capture_output=True,
-    ).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = ROOT / name
         if not source.is_file():
@@ -204,24 +291,38 @@ def run_module(module: str, children: int, show: bool) -> dict:
     tests = MODULES[module]
     target = WORK / slug(module)
     copy_tree(target, module, tests)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     env.pop("PYTHONPATH", None)  # mutmut puts the copy's mutated src/ first on the path itself
     mutmut = [sys.executable, "-m", "mutmut"]
     started = time.monotonic()
     with open(target / "mutmut.log", "w") as log:
         done = subprocess.run(
             [*mutmut, "run", "--max-children", str(children)],
-            cwd=target, env=env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=target,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     seconds = time.monotonic() - started
     if done.returncode != 0:
         tail = (target / "mutmut.log").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"{module}: mutmut failed ({done.returncode}); {target}/mutmut.log ends:\n{tail}")
+        raise SystemExit(
+            f"{module}: mutmut failed ({done.returncode}); {target}/mutmut.log ends:\n{tail}"
+        )
     path = f"src/stagetrain/{module}.py"
     mutants = json.loads(
         subprocess.run(
-            [sys.executable, "-c", REPORT, path], cwd=target, env=env, check=True,
-            capture_output=True, text=True,
+            [sys.executable, "-c", REPORT, path],
+            cwd=target,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
     )
     kept = {(function, line): why for function, line, why in EQUIVALENT.get(module, ())}
@@ -250,8 +351,13 @@ def run_module(module: str, children: int, show: bool) -> dict:
     for function, line in sorted(set(kept) - used):
         print(f"  stale EQUIVALENT entry (no surviving mutant matches): {function}: {line}")
     report = {
-        "module": module, "mutants": len(mutants), "killed": len(killed), "survived": len(survived),
-        "equivalent": len(equivalent), "score": round(score, 1), "seconds": round(seconds),
+        "module": module,
+        "mutants": len(mutants),
+        "killed": len(killed),
+        "survived": len(survived),
+        "equivalent": len(equivalent),
+        "score": round(score, 1),
+        "seconds": round(seconds),
         "survivors": [{"name": n, "status": s, "diff": d} for n, s, d in survived],
     }
     (target / "report.json").write_text(json.dumps(report, indent=1))
@@ -264,12 +370,16 @@ def _order(name: str) -> tuple[str, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("modules", nargs="*", help="modules under src/stagetrain/, e.g. grpo/loss")
     parser.add_argument("--all", action="store_true", help="every module of MODULES")
     parser.add_argument("--list", action="store_true", help="the modules and their tests")
     parser.add_argument("--show", action="store_true", help="the diff of every surviving mutant")
-    parser.add_argument("--children", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument(
+        "--children", type=int, default=2, help="mutants tested at once (default 2)"
+    )
     args = parser.parse_args()
     if args.list:
         for module, tests in MODULES.items():
@@ -284,7 +394,9 @@ def main() -> int:
         print(f"\n{'module':24} {'killed':>7} {'total':>6} {'equiv':>6} {'score':>7} {'time':>7}")
         for r in reports:
             total = r["mutants"] - r["equivalent"]
-            print(f"{r['module']:24} {r['killed']:>7} {total:>6} {r['equivalent']:>6} {r['score']:>6.1f}% {r['seconds']:>6}s")
+            print(
+                f"{r['module']:24} {r['killed']:>7} {total:>6} {r['equivalent']:>6} {r['score']:>6.1f}% {r['seconds']:>6}s"
+            )
     below = [r["module"] for r in reports if r["score"] < GOAL]
     if below:
         print(f"below {GOAL:.0f}%: {', '.join(below)}")
