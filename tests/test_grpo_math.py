@@ -36,7 +36,7 @@ from stagetrain.grpo.curriculum import (
     update_all,
     window_rate,
 )
-from stagetrain.grpo.loss import grpo_loss
+from stagetrain.grpo.loss import LossStats, grpo_loss
 from stagetrain.tasks.registry import FAMILIES, Family
 
 # A tree row as grpo.advantages reads it (the search's TreeSegment carries more fields).
@@ -532,33 +532,17 @@ def test_the_loss_is_computed_in_the_logprobs_dtype() -> None:
 
 
 def test_clip_stats_count_neither_a_ratio_on_the_bound_nor_a_token_the_clip_does_not_move() -> None:
+    def clip_stats(logp: torch.Tensor, advantages: torch.Tensor, eps: float) -> LossStats:
+        old = torch.zeros_like(logp)
+        return grpo_loss(logp, old, None, advantages, torch.ones_like(logp), eps_low=eps,
+                         eps_high=eps, beta=0.0, loss_type="dapo")[1]  # fmt: skip
+
     # Ratio exactly 1 with eps 0 sits on both bounds: clamp leaves it, so nothing is clipped.
-    zero = torch.zeros(1, 2)
-    _, stats = grpo_loss(
-        zero,
-        zero,
-        None,
-        torch.tensor([[-1.0, 1.0]]),
-        torch.ones(1, 2),
-        eps_low=0.0,
-        eps_high=0.0,
-        beta=0.0,
-        loss_type="dapo",
-    )
+    stats = clip_stats(torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), eps=0.0)
     assert stats.clip_ratio_low == stats.clip_ratio_high == 0.0
     # Outside the bounds, only the side where the clip binds counts: A < 0 low, A > 0 high.
     ratios = torch.tensor([[0.5, 0.5, 1.5, 1.5]])
-    _, stats = grpo_loss(
-        ratios.log(),
-        torch.zeros(1, 4),
-        None,
-        torch.tensor([[0.0, 0.5, 0.0, -0.5]]),
-        torch.ones(1, 4),
-        eps_low=0.2,
-        eps_high=0.2,
-        beta=0.0,
-        loss_type="dapo",
-    )
+    stats = clip_stats(ratios.log(), torch.tensor([[0.0, 0.5, 0.0, -0.5]]), eps=0.2)
     assert stats.clip_ratio_low == stats.clip_ratio_high == 0.0
 
 

@@ -675,16 +675,20 @@ MUTANTS = (
 )  # fmt: skip
 
 
-def copy_tree(into: Path) -> None:
-    """The working tree's files that git tracks or would track, copied under `into`."""
+def copy_tree(into: Path) -> list[str]:
+    """The working tree's files that git tracks or would track, copied under `into` (links as
+    links); their paths, relative to the tree. Also what tools/mutation.py copies."""
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    copied = []
     for name in filter(None, listed.split("\0")):
         source = ROOT / name
-        if source.is_file() or source.is_symlink():
+        if source.is_file() or source.is_symlink():  # not one deleted but still in the index
             target = into / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target, follow_symlinks=False)
+            copied.append(name)
+    return copied
 
 
 def clean_failures(tests: set[str]) -> set[str]:

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import mutants  # this folder's: python tools/mutation.py puts it first on the path
+
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".mutation"
 """The copies mutmut runs in, one per module (git-ignored)."""
@@ -46,6 +48,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "grpo/loss": ("tests/test_grpo_math.py",),
     "grpo/curriculum": ("tests/test_grpo_math.py", "tests/test_grpo_tasks.py"),
     "grpo/tree": ("tests/test_grpo_tree.py", "tests/test_grpo_prefix_cache.py"),
+    "grpo/completions": ("tests/test_grpo_completions.py",),
     "planning/memory": ("tests/test_planning.py",),
     "planning/plan": ("tests/test_planning.py", "tests/test_training_layout.py"),
     "planning/search": ("tests/test_planning.py", "tests/test_table.py"),
@@ -109,6 +112,18 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
             "tree_token_advantages",
             "[torch.full((s.length,), sib[s.node_id] + leaf[i], ) for s in path]",
             "torch.full with a Python float fill makes torch's default dtype, float32, which the project never changes",
+        ),
+    ),
+    "grpo/completions": (
+        (
+            "write_table",
+            'rows.append("<TR>" + "".join(cell(v) for v in values) + "</tr>")',
+            "HTML tag names are case-insensitive: <TR> opens the same row",
+        ),
+        (
+            "write_table",
+            'rows.append("<tr>" + "".join(cell(v) for v in values) + "</TR>")',
+            "HTML tag names are case-insensitive: </TR> closes the same row",
         ),
     ),
     "grpo/loss": (
@@ -236,24 +251,8 @@ def copy_tree(target: Path, module: str, tests: tuple[str, ...]) -> None:
     mutmut's configuration for `module` added to the copy's pyproject.toml."""
     if target.exists():
         shutil.rmtree(target)
-    listed = (
-        subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
-        .stdout.decode()
-        .split("\0")
-    )
-    for name in filter(None, listed):
-        source = ROOT / name
-        if not source.is_file():
-            continue  # removed in the working tree, not yet in the index
-        (target / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target / name)
-    tops = sorted({Path(name).parts[0] for name in filter(None, listed)} - {"src", "tests"})
-    also = [top for top in tops if (target / top).exists()]
+    names = mutants.copy_tree(target)
+    also = sorted({Path(name).parts[0] for name in names} - {"src", "tests"})
     config = {
         "source_paths": ["src"],
         "only_mutate": [f"src/stagetrain/{module}.py"],

@@ -12,8 +12,9 @@ ever saw, scored by each family's rewards and `tasks.success_at`. With --config,
 the run's tasks section gives its own families (files, rewards, chat template),
 grpo.max_prompt_len / max_new_tokens the lengths, and evaluate.problems /
 evaluate.levels the defaults of --problems / --levels; by default every family
-the config names is scored. A line on stderr says what is being measured, as it goes. A file family's level is scored on each of its
-held-out problems once, up to --problems. Prints one line per family and level;
+the config names is scored. A file family's level is scored on each of its
+held-out problems once, up to --problems. A line on stderr says what is being
+measured, as it goes; stdout prints one line per family and level;
 `--json` also writes the figures in the form of GRPO's summary (`accuracy` by
 family and level, and with `--baseline` the `gain` report of stagetrain.evaluate.heldout).
 The default number of problems keeps one standard error <= 0.03 at any accuracy.
@@ -221,29 +222,29 @@ def main(argv: list[str] | None = None) -> None:
         tasks = load_tasks(tasks_section)
     except StageError as err:
         sys.exit(f"error: {err}")
-    args.levels = args.levels or levels
-    args.problems = problems if args.problems is None else args.problems
+    levels = args.levels or levels
+    problems = problems if args.problems is None else args.problems
     families = args.families or named
     unknown = [f for f in families if f not in known()]
     if unknown:
         sys.exit(f"error: --families: unknown family {unknown[0]!r} (known: {', '.join(known())}; "
                  "your own need --config with their tasks section)")  # fmt: skip
-    if args.problems < 1:
-        sys.exit(f"error: --problems: expected a positive number of problems, not {args.problems}")
+    if problems < 1:
+        sys.exit(f"error: --problems: expected a positive number of problems, not {problems}")
     for name, folder in (("model", args.model), ("--baseline", args.baseline)):
         # transformers reads a path that is not a folder as a hub repo id, and fails deep inside.
         if folder is not None and not (Path(folder) / "config.json").is_file():
             sys.exit(f"error: {name}: {folder} is not a model folder (no config.json in it)")
     try:
-        results = accuracy(args.model, families, args.levels, args.problems, args.seed,
+        results = accuracy(args.model, families, levels, problems, args.seed,
                            tasks=tasks, lengths=lengths)  # fmt: skip
         baseline = None
         if args.baseline:
-            baseline = accuracy(args.baseline, families, args.levels, args.problems, args.seed,
+            baseline = accuracy(args.baseline, families, levels, problems, args.seed,
                                 tasks=tasks, lengths=lengths)  # fmt: skip
     except StageError as err:  # a reward function that fails
         sys.exit(f"error: {err}")
-    doc = report(results, baseline, args.problems, level=min(args.levels), curriculum=curriculum)
+    doc = report(results, baseline, problems, level=min(levels), curriculum=curriculum)
     print("\n".join(_table(doc)))
     if args.json:
         atomic_write_json(

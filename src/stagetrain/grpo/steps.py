@@ -521,17 +521,19 @@ def step(
     context = judge.context
 
     def reward(i: int, completion: list[int]) -> float:
+        if not table:
+            return judge.rewards([batch[i]], [completion])[0]
         terms, extra = len(context.terms), {k: len(v) for k, v in context.log.extra.items()}
         value = judge.rewards([batch[i]], [completion])[0]
-        if table:  # one completion per call: what the call added is this completion's
-            scored[(i, tuple(completion))] = (
-                term_values(context.terms[terms:]),
-                {
-                    k: v[extra.get(k, 0)]
-                    for k, v in context.log.extra.items()
-                    if len(v) > extra.get(k, 0)
-                },
-            )
+        # one completion per call: what the call added is this completion's
+        scored[(i, tuple(completion))] = (
+            term_values(context.terms[terms:]),
+            {
+                k: v[extra.get(k, 0)]
+                for k, v in context.log.extra.items()
+                if len(v) > extra.get(k, 0)
+            },
+        )
         return value
 
     for sink in (context.terms, context.log.metrics, context.log.extra):

@@ -37,10 +37,10 @@ def once_per_host(make: Callable[[], T], *, name: str) -> T:
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return make()
-    run = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getppid()))
-    tag = hashlib.sha256(f"{run}:{name}".encode()).hexdigest()[:16]
+    # torchrun sets both in every rank, the run id alike across ranks and hosts
+    tag = hashlib.sha256(f"{os.environ['TORCHELASTIC_RUN_ID']}:{name}".encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"stagetrain-{name}-{tag}.pickle"
-    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    first = int(os.environ["LOCAL_RANK"]) == 0
     if first:
         value = make()
         atomic_write_bytes(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
