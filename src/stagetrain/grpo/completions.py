@@ -49,6 +49,10 @@ COMPLETION_RECORD = {
 
 TABLE_ROWS = 64
 """Rows of each step the report's table shows (the file keeps them all)."""
+STYLE = ("body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse}"
+         "td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}"
+         "td{white-space:pre-wrap;max-width:40em}")  # fmt: skip
+"""The page's look: ruled cells, and completions wrapped as written (newlines kept)."""
 
 
 def logged_at(every: int, step: int, last: int) -> bool:
@@ -103,8 +107,5 @@ def write_table(records: Sequence[Mapping[str, Any]], path: str | Path) -> None:
     else:
         header = "".join(f"<th>{html.escape(h)}</th>" for h in head)
         body = f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-    style = ("body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}"
-             "td{white-space:pre-wrap;max-width:40em}")  # fmt: skip
     atomic_write_text(path, f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>GRPO completions</title>"
-                            f"<style>{style}</style></head><body>{body}</body></html>\n")  # fmt: skip
+                            f"<style>{STYLE}</style></head><body>{body}</body></html>\n")  # fmt: skip
