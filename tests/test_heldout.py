@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from harness.contracts import mismatches
 from harness.workflow import default_config
 from transformers import AutoModelForCausalLM
 
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import EvaluateSettings
 from stagetrain.evaluate import accuracy as evaluate
 from stagetrain.evaluate.heldout import TARGET_SE, GainReport, gains, problems_for, standard_error
 from stagetrain.grpo.train import held_out_gain
@@ -106,7 +110,25 @@ def test_evaluate_writes_the_gain_against_a_baseline_as_json(
     entry = doc["gain"]["by_family"]["comparison"]["1"]
     assert entry["gain"] == 0.0 and entry["se"] == pytest.approx(math.sqrt(2) * acc["se"])
     assert doc["gain"]["mean"]["families"] == ["comparison", "counting"]
-    assert "mean gain at level 1 over comparison, counting: +0.000" in capsys.readouterr().out
+    assert doc["model"] == str(model_folder) and doc["seed"] == 1234
+    assert doc["baseline_accuracy"] == doc["accuracy"]  # the same folder twice
+    out_lines = capsys.readouterr().out.splitlines()
+    assert out_lines[0].split() == [
+        "family",
+        "level",
+        "problems",
+        "baseline",
+        "model",
+        "gain",
+        "se",
+    ]
+    e = doc["gain"]["by_family"]["counting"]["1"]
+    assert out_lines[2].split() == ["counting", "1", "6", f"{e['start']:.3f}", f"{e['end']:.3f}",
+                                    f"{e['gain']:+.3f}", f"{e['se']:.3f}"]  # fmt: skip
+    assert any(
+        line.startswith("mean gain at level 1 over comparison, counting: +0.000 (se ")
+        for line in out_lines
+    )
 
 
 def test_evaluate_without_a_baseline_ends_each_line_with_the_accuracy(
@@ -116,7 +138,11 @@ def test_evaluate_without_a_baseline_ends_each_line_with_the_accuracy(
         [str(model_folder), "--families", "comparison", "--levels", "1", "2", "--problems", "4"]
     )
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 3 and lines[1].split()[:2] == ["comparison", "1"]
+    assert len(lines) == 3 and lines[0].split() == ["family", "level", "problems", "se", "accuracy"]
+    assert lines[1].split()[:3] == ["comparison", "1", "4"] and lines[2].split()[:2] == [
+        "comparison",
+        "2",
+    ]
     assert 0.0 <= float(lines[1].split()[-1]) <= 1.0
 
 
@@ -124,24 +150,43 @@ def test_evaluate_takes_its_sizes_from_the_configs_evaluate_section_and_shows_pr
     model_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--config gives evaluate.problems and evaluate.levels as the defaults (flags still win),
-    and a line on stderr follows each family and level as it is measured."""
+    and a line on stderr follows each family and level as it is measured, with its accuracy
+    and the seconds since the start."""
     config = tmp_path / "config.yaml"
     config.write_text("evaluate: {problems: 5, levels: [2]}\n")
     out = tmp_path / "eval.json"
+    began = time.monotonic()
     evaluate.main(
         [str(model_folder), "--config", str(config), "--families", "counting", "--json", str(out)]
     )
+    took = time.monotonic() - began
     doc = json.loads(out.read_text())
     assert doc["problems"] == 5 and list(doc["accuracy"]["counting"]) == ["2"]
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == f"{model_folder}: loading" and err[-1].startswith(
-        f"{model_folder}: counting level 2: "
+    assert err[0] == f"{model_folder}: loading"
+    line = re.fullmatch(
+        rf"{re.escape(str(model_folder))}: counting level 2: (\S+) on 5 problems \(1/1, (\d+) s\)",
+        err[-1],
     )
-    assert "on 5 problems (1/1, " in err[-1]
-    evaluate.main([str(model_folder), "--config", str(config), "--families", "counting", "--problems", "3",
+    assert line, err[-1]
+    assert float(line.group(1)) == pytest.approx(
+        doc["accuracy"]["counting"]["2"]["accuracy"], abs=5e-4
+    )
+    assert 0 <= int(line.group(2)) <= took + 1
+    evaluate.main([str(model_folder), "--config", str(config), "--families", "counting", "--problems", "1",
                    "--levels", "1", "--json", str(out)])  # fmt: skip
     doc = json.loads(out.read_text())
-    assert doc["problems"] == 3 and list(doc["accuracy"]["counting"]) == ["1"]
+    assert doc["problems"] == 1 and list(doc["accuracy"]["counting"]) == ["1"]
+
+
+def test_the_sizes_are_the_flags_else_the_configs_else_one_se_of_0_03() -> None:
+    section = EvaluateSettings.from_config(
+        stconfig.validate_section("evaluate", {"problems": 7, "levels": [3]})
+    )
+    assert evaluate.sizes(None, None, None) == ([1, 2], problems_for())
+    assert evaluate.sizes(None, None, section) == ([3], 7)
+    assert evaluate.sizes([2], 4, section) == ([2], 4)
+    assert evaluate.sizes([2], 0, None) == ([2], 0)  # refused by main, not replaced
 
 
 def test_evaluate_refuses_a_size_of_zero(model_folder: Path) -> None:

@@ -132,7 +132,7 @@ MUTANTS = (
            """        if path.is_file() and not path.name.startswith(".") and path.suffix != ".jinja":\n            shutil.copyfile""",
            ("tests/test_evaluate.py::test_plain_transformers_with_only_the_folder_answers_as_the_pipelines_evaluation",)),
     Mutant("evaluate-config-sizes", "python -m stagetrain.evaluate --config takes evaluate.problems and levels",
-           "src/stagetrain/evaluate/accuracy.py", "            levels, problems = list(config.evaluate.levels), config.evaluate.problems\n", "",
+           "src/stagetrain/evaluate/accuracy.py", "            evaluate = config.evaluate\n", "",
            ("tests/test_heldout.py::test_evaluate_takes_its_sizes_from_the_configs_evaluate_section_and_shows_progress",)),
     Mutant("render-hash-order", "a DeepSpeed config renders byte for byte alike in every process",
            "src/stagetrain/training/deepspeed_config.py", '    check(config, ranks=layout.dp * layout.tp, where=f"deepspeed/{stage}.json")\n    return config',

@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagetrain.config import validation as stconfig
-from stagetrain.config.settings import Settings
+from stagetrain.config.settings import EvaluateSettings, Settings
 from stagetrain.consolidate.manifest import MANIFEST
 from stagetrain.errors import StageError
 from stagetrain.evaluate.heldout import (
@@ -124,7 +124,7 @@ def accuracy(folder: str, families: list[str], levels: list[int], n: int, seed: 
 
 def progress(line: str) -> None:
     """One line on stderr as the measurement goes (stdout keeps the table alone)."""
-    print(line, file=sys.stderr, flush=True)
+    print(line, file=sys.stderr)  # stderr is line-buffered: each line goes out whole
 
 
 def report(results: Scores, baseline: Scores | None, n: int, level: int,
@@ -207,23 +207,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def sizes(
+    levels: list[int] | None, problems: int | None, evaluate: EvaluateSettings | None
+) -> tuple[list[int], int]:
+    """The levels and problems to measure: the flags where given, else the config's evaluate
+    section's, else levels 1 and 2 at one standard error <= 0.03."""
+    if evaluate is None:
+        default_levels, default_problems = [1, 2], problems_for()
+    else:
+        default_levels, default_problems = list(evaluate.levels), evaluate.problems
+    return levels or default_levels, default_problems if problems is None else problems
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     # Without a config: the built-in families at the default run's lengths, the mean over all.
     named, lengths, curriculum, tasks_section = list(FAMILIES), (64, 32), None, NO_TASKS
-    levels, problems = [1, 2], problems_for()
+    evaluate = None
     try:
         if args.config:
             config = Settings.from_config(stconfig.load(args.config))
             named = held_out_families(config.grpo, config.data, config.tasks)
             curriculum, tasks_section = list(config.grpo.curriculum.families), config.tasks
             lengths = (config.grpo.max_prompt_len, config.grpo.max_new_tokens)
-            levels, problems = list(config.evaluate.levels), config.evaluate.problems
+            evaluate = config.evaluate
         tasks = load_tasks(tasks_section)
     except StageError as err:
         sys.exit(f"error: {err}")
-    levels = args.levels or levels
-    problems = problems if args.problems is None else args.problems
+    levels, problems = sizes(args.levels, args.problems, evaluate)
     families = args.families or named
     unknown = [f for f in families if f not in known()]
     if unknown:
