@@ -116,7 +116,7 @@ MUTANTS = (
            "src/stagetrain/tasks/families.py", "            elif rank < -heap[0][0]:", "            elif False:",
            (TASKS + "test_a_family_past_max_rows_keeps_the_same_sample_in_bounded_memory",)),
     Mutant("tasks-once-per-host", "one rank of each host reads the task families for all its ranks",
-           "src/stagetrain/training/host.py", '    first = int(os.environ.get("LOCAL_RANK", "0")) == 0\n', "    first = True\n",
+           "src/stagetrain/training/host.py", '    first = int(os.environ["LOCAL_RANK"]) == 0\n', "    first = True\n",
            ("tests/test_grpo_tasks.py::test_grpo_trains_on_own_families_with_their_rewards_and_template",)),
     Mutant("completions-own-terms", "the completions table gives each completion its own reward terms",
            "src/stagetrain/grpo/steps.py", "term_values(context.terms[terms:])", "term_values(context.terms[terms + 1 :])",
