@@ -43,6 +43,10 @@ from stagetrain.io import atomic_write_json, read_json
 log = logging.getLogger("stagetrain")
 POINTER = "latest.json"
 TAG = re.compile(r"step\d{8}")
+EXPERT_FILE = re.compile(
+    r"(layer_\d+_expert_\d+|expp_rank_\d+)_mp_rank_\d+_(model|optim)_states\.pt"
+)
+"""The files DeepSpeed writes for an expert-parallel run beside `expected_files`."""
 FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 
@@ -114,16 +118,19 @@ def load_file(path: Path) -> Any:
 def rebuild_pointer(folder: Path, layout: Mapping[str, int]) -> Pointer | None:
     """Write latest.json anew from the tags in `folder` that are intact under `layout`, newest
     first, and say so; None (nothing written) when no tag is. Tags of another layout cannot be
-    checked without the pointer's record of it: they are named in the log and left alone."""
+    checked without the pointer's record of it: they are named in the log and left alone,
+    those holding this layout's files among others (`foreign_files`) too."""
     tags = sorted((p.name for p in folder.glob("step*") if p.is_dir() and TAG.fullmatch(p.name)),
                   key=step_of, reverse=True)  # fmt: skip
-    intact, other = [], []
+    intact: list[str] = []
+    other: list[str] = []
     for tag in tags:
         try:
             check_tag(folder, tag, layout)
-            intact.append(tag)
         except StageError:
             other.append(tag)
+            continue
+        (other if foreign_files(folder / tag, layout) else intact).append(tag)
     if other:
         log.warning("%s: no %s, and %s not intact under this run's layout (dp=%d tp=%d ZeRO-%d): left "
                     "as they are, never resumed from", folder, POINTER, ", ".join(other),
@@ -136,6 +143,16 @@ def rebuild_pointer(folder: Path, layout: Mapping[str, int]) -> Pointer | None:
     log.warning("%s: %s was missing; rebuilt it from the %d intact checkpoint(s) here (%s), "
                 "resuming from %s", folder, POINTER, len(intact), ", ".join(intact), intact[0])  # fmt: skip
     return pointer
+
+
+def foreign_files(base: Path, layout: Mapping[str, int]) -> list[str]:
+    """The state files in tag folder `base` that a run of `layout` does not write: a tag of
+    more dp or tp ranks, or a ZeRO 1-2 tag under ZeRO-0, holds every file `layout` expects,
+    and more. An expert-parallel layout's expert files are its own."""
+    expected = {p.name for p in expected_files(base, layout)}
+    experts = layout.get("ep", 1) > 1
+    return sorted(p.name for p in base.glob("*_states.pt") if p.name not in expected
+                  and not (experts and EXPERT_FILE.fullmatch(p.name)))  # fmt: skip
 
 
 def read_pointer(path: Path) -> Pointer:
