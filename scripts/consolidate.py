@@ -8,9 +8,12 @@ Snakemake runs it through the `consolidate` rule (wildcard: stage); on its own:
 """
 
 import logging
+from pathlib import Path
 
-from stagetrain.config.settings import ConsolidateSettings
+from stagetrain.config.settings import ConsolidateSettings, TrackingSettings
 from stagetrain.consolidate.folder import consolidate
+from stagetrain.io import read_json
+from stagetrain.training import mlflow_run
 from stagetrain.workflow.stage import StageIO, run_stage, training_stage
 
 log = logging.getLogger("stagetrain")
@@ -19,6 +22,9 @@ STAGE = training_stage(smk)
 
 
 def main(io: StageIO) -> None:
+    tracking = TrackingSettings.from_config(io.sections["tracking"], "tracking")
+    if "mlflow" in tracking.report_to:  # before the work: an unreachable server is one line now
+        mlflow_run.check(tracking.mlflow)
     manifest = consolidate(
         stage=STAGE,
         summary_path=io.inputs["summary"],
@@ -31,6 +37,11 @@ def main(io: StageIO) -> None:
     size = sum(f["bytes"] for name, f in manifest["files"].items() if name.endswith(".safetensors"))
     log.info("%s: step %d as %s, %.1f MB of weights in %s", STAGE, manifest["step"], manifest["dtype"],
              size / 1e6, io.outputs["model"])  # fmt: skip
+    if "mlflow" in tracking.report_to:
+        name = f"{Path(io.outputs['model']).resolve().parents[1].name}-{STAGE}"
+        checkpoints = Path(read_json(io.inputs["summary"])["checkpoint"]["folder"])
+        mlflow_run.log_model(tracking.mlflow, name, mlflow_run.run_key(name, checkpoints),
+                             Path(io.outputs["model"]))  # fmt: skip
 
 
 run_stage(
@@ -39,5 +50,5 @@ run_stage(
     doc=__doc__,
     inputs=["summary", "tokenizer", "model_config", "meta", "val"],
     outputs=["model"],
-    sections=["consolidate"],
+    sections=["consolidate", "tracking"],
 )

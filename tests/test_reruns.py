@@ -151,6 +151,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "consolidate.max_shard_size": {"consolidate.max_shard_size": "1MB"},
     "tracking.report_to": {"tracking.report_to": []},
     "tracking.wandb_project": {"tracking.wandb_project": "other"},
+    "tracking.mlflow.tracking_uri": {"tracking.mlflow.tracking_uri": "http://127.0.0.1:5000"},
+    "tracking.mlflow.experiment": {"tracking.mlflow.experiment": "other"},
     "evaluate.levels": {"evaluate.levels": [1]},
     "evaluate.tasks": {"evaluate.tasks": ["hellaswag"]},
     "publish.repo": {"publish.repo": "me/model"},

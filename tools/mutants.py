@@ -46,6 +46,13 @@ SHARED = (
 TASKS = "tests/test_task_families.py::"
 PUSH = "tests/test_publish_push.py::"
 PROPS = "tests/test_properties.py::"
+TRACK = "tests/test_tracking.py::"
+MLFLOW_UNIT = (
+    TRACK + "test_mlflow_gets_each_record_a_resume_continues_the_run_and_a_new_run_gets_the_history"
+)
+MLFLOW_RUN = (
+    TRACK + "test_mlflow_holds_both_stages_metrics_their_params_and_each_consolidated_model"
+)
 EP_GRPO = (
     "tests/test_experts.py::test_expert_parallelism_trains_as_one_rank_does_and_resumes_across_ep"
 )
@@ -725,6 +732,21 @@ MUTANTS = (
            "src/stagetrain/training/integrity.py", '    for tag in pointer["complete"]:',
            '    for tag in reversed(pointer["complete"]):',
            (PROPS + "test_a_damaged_newest_tag_falls_back_to_the_newest_intact_one_the_pointer_lists",)),
+    Mutant("mlflow-live-records", "each record a stage writes reaches its MLflow run at its step",
+           "src/stagetrain/training/metrics.py", '            self.mlflow.log({"step": record["step"], **scalars(record)})',
+           "            pass", (MLFLOW_UNIT, MLFLOW_RUN)),
+    Mutant("mlflow-history", "an MLflow run made after its stage began gets the records metrics.jsonl holds",
+           "src/stagetrain/training/mlflow_run.py", "            for record in history:", "            for record in ():",
+           (MLFLOW_UNIT, MLFLOW_RUN)),
+    Mutant("mlflow-resume-continues", "a resumed stage continues its MLflow run, found by its tag",
+           "src/stagetrain/training/mlflow_run.py", "        if self.run_id is None:", "        if True:",
+           (MLFLOW_UNIT,)),
+    Mutant("mlflow-model-artifact", "each consolidated folder is logged, file for file, as its stage run's model/",
+           "scripts/consolidate.py", '    if "mlflow" in tracking.report_to:\n        name =',
+           '    if False:\n        name =', (MLFLOW_RUN,)),
+    Mutant("mlflow-answer-fast", "an MLflow server that does not answer is one line at once, not two minutes of retries",
+           "src/stagetrain/training/mlflow_run.py", 'MLFLOW_HTTP_REQUEST_MAX_RETRIES="1"', 'MLFLOW_HTTP_REQUEST_MAX_RETRIES="7"',
+           (TRACK + "test_an_mlflow_server_that_does_not_answer_is_one_line_at_once",)),
 )  # fmt: skip
 
 

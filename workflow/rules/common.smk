@@ -110,6 +110,15 @@ def code_of(script):
     return code_digest(WORKFLOW_ROOT / "scripts" / f"{script}.py", root, STATE / "stagetrain-imports")
 
 
+def tracking_of_models():
+    """The tracking section as consolidation reads it: whole where report_to names mlflow (the
+    model folder is logged to the stage's MLflow run), else no tracker, so that a change to
+    another tracker's keys does not rerun consolidation."""
+    if "mlflow" in config["tracking"]["report_to"]:
+        return config["tracking"]
+    return {"report_to": []}
+
+
 def publish_repo(wildcards):
     """No file: the first input of `publish`. Snakemake evaluates it as it builds the DAG, on a
     dry run (-n) too, so `snakemake publish` without `publish.repo` stops here in one line instead

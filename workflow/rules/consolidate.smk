@@ -19,6 +19,7 @@ rule consolidate:
     params:
         code=code_of("consolidate"),
         consolidate=config["consolidate"],
+        tracking=tracking_of_models(),
     conda:
         "../envs/stagetrain.yaml"
     script:

@@ -503,9 +503,16 @@ class GrpoSettings(_Section):
 
 
 @dataclass(frozen=True)
+class MlflowSettings(_Section):
+    tracking_uri: str | None
+    experiment: str
+
+
+@dataclass(frozen=True)
 class TrackingSettings(_Section):
-    report_to: tuple[Literal["tensorboard", "wandb"], ...]
+    report_to: tuple[Literal["tensorboard", "wandb", "mlflow"], ...]
     wandb_project: str
+    mlflow: MlflowSettings
 
 
 @dataclass(frozen=True)

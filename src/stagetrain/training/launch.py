@@ -56,9 +56,17 @@ from typing import Any, TypedDict, cast
 from stagetrain.config.settings import TrackingSettings
 from stagetrain.errors import StageError
 from stagetrain.planning.plan import NoThroughput, ThroughputRecord
+from stagetrain.training import mlflow_run
 from stagetrain.training.metrics import WANDB_MISSING
 from stagetrain.training.rank import die_with_parent
-from stagetrain.training.spec import GrpoJob, GrpoPart, PretrainJob, PretrainPart, WandbRun
+from stagetrain.training.spec import (
+    GrpoJob,
+    GrpoPart,
+    MlflowRun,
+    PretrainJob,
+    PretrainPart,
+    WandbRun,
+)
 from stagetrain.workflow import slurm
 
 RDZV_PORT = 29400
@@ -266,6 +274,7 @@ class Trackers(TypedDict):
 
     tensorboard: Path | None
     wandb: WandbRun | None
+    mlflow: MlflowRun | None
 
 
 def pretrain_part(
@@ -290,12 +299,14 @@ def job_spec(
     part: PretrainPart | GrpoPart,
     tensorboard: Path | None = None,
     wandb: WandbRun | None = None,
+    mlflow: MlflowRun | None = None,
 ) -> PretrainJob | GrpoJob:
     """The job spec a training stage's ranks read (`--spec job.json`): the one writer of its shape.
 
     Absolute paths of the stage's inputs and outputs by name, the checkpoint
     root, the TensorBoard folder when events are wanted, the W&B run's project,
-    name and folder when one is, then the stage's `part` (`pretrain_part`,
+    name and folder when one is, the MLflow run's URI, experiment, name and
+    params (the part, flattened) when one is, then the stage's `part` (`pretrain_part`,
     `grpo_part`: config sections, seed). The stage launcher, the test harness
     and the benchmarks all build it here, so a key added for the ranks reaches
     every caller.
@@ -309,6 +320,8 @@ def job_spec(
         spec["tensorboard"] = str(tensorboard)
     if wandb is not None:
         spec["wandb"] = dict(wandb)
+    if mlflow is not None:
+        spec["mlflow"] = {**mlflow, "params": mlflow_run.params(part)}
     # The paths are the rule's named inputs and outputs: which stage's spec it is, its part says.
     return cast("PretrainJob | GrpoJob", spec)
 
@@ -320,9 +333,10 @@ def trackers(tracking: TrackingSettings, results: Path, stage: str) -> Trackers:
     declared outputs, so curves survive a rerun.
 
     Raises:
-        StageError: wandb asked for but not installed, before any rank starts.
+        StageError: wandb or mlflow asked for but not installed, or MLflow's server not
+            answering, before any rank starts.
     """
-    out: Trackers = {"tensorboard": None, "wandb": None}
+    out: Trackers = {"tensorboard": None, "wandb": None, "mlflow": None}
     if "tensorboard" in tracking.report_to:
         out["tensorboard"] = results / "tensorboard" / stage
     if "wandb" in tracking.report_to:
@@ -330,6 +344,11 @@ def trackers(tracking: TrackingSettings, results: Path, stage: str) -> Trackers:
             raise StageError(WANDB_MISSING)
         out["wandb"] = {"project": tracking.wandb_project, "name": f"{results.name}-{stage}",
                         "dir": str(results / "wandb")}  # fmt: skip
+    if "mlflow" in tracking.report_to:
+        mlflow_run.check(tracking.mlflow)
+        out["mlflow"] = {"tracking_uri": mlflow_run.tracking_uri(tracking.mlflow),
+                         "experiment": tracking.mlflow.experiment, "name": f"{results.name}-{stage}",
+                         "params": {}}  # fmt: skip
     return out
 
 

@@ -83,6 +83,7 @@ class StageLoop(Generic[R, C]):
                 registry,
                 tensorboard_dir(self.spec),
                 self.spec.get("wandb"),
+                self.spec.get("mlflow"),
             )
         return client
 

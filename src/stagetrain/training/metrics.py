@@ -7,7 +7,8 @@ other; a test checks that nothing else is emitted. The same
 records also go to TensorBoard event files (numbers as scalars, {name: number}
 maps as one scalar per name), so `tensorboard --logdir results/<run>/tensorboard`
 shows the curves of every stage while it trains, and, with `tracking.report_to`
-naming wandb, to a Weights & Biases run (an optional package, `stagetrain[wandb]`).
+naming wandb, to a Weights & Biases run (an optional package, `stagetrain[wandb]`), and naming
+mlflow, to an MLflow run (`stagetrain[mlflow]`, training.mlflow_run).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any, Generic, TypedDict, TypeVar
 
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_text
-from stagetrain.training.spec import JobSpec, WandbRun
+from stagetrain.training.mlflow_run import MlflowLog, run_key
+from stagetrain.training.spec import JobSpec, MlflowRun, WandbRun
 
 log = logging.getLogger("stagetrain")
 WINDOW_LOG = "STAGETRAIN_WINDOW_LOG"
@@ -139,10 +141,12 @@ class MetricsLog(Generic[R]):
         registry: Mapping[str, str],
         events: Path | None = None,
         wandb: WandbRun | None = None,
+        mlflow: MlflowRun | None = None,
     ) -> None:
         self.path, self.registry, self.events = path, registry, None
         # One W&B run per checkpoint folder (<run>-<stage>-<fingerprint>): a resume continues it.
         self.wandb = wandb_run(wandb, f"{wandb['name']}-{path.parent.name}") if wandb else None
+        self.mlflow: MlflowLog | None = None
         if events is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -159,6 +163,9 @@ class MetricsLog(Generic[R]):
         if path.exists():  # after a restart, keep what the resumed checkpoint had reached
             kept = [line for line in _whole_lines(path) if json.loads(line)["step"] <= resume_step]
         atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+        if mlflow is not None:  # the same run key as W&B's; a new run gets the kept history
+            history = ({"step": r["step"], **scalars(r)} for r in map(json.loads, kept))
+            self.mlflow = MlflowLog(mlflow, run_key(mlflow["name"], path.parent), history)
 
     def write(self, record: R) -> None:
         """Append one record (unknown keys are a bug: raise)."""
@@ -175,11 +182,15 @@ class MetricsLog(Generic[R]):
             self.events.flush()
         if self.wandb is not None:
             self.wandb.log(scalars(record), step=record["step"])
+        if self.mlflow is not None:
+            self.mlflow.log({"step": record["step"], **scalars(record)})
 
     def close(self) -> None:
-        """Finish the W&B run (event files are flushed at every write)."""
+        """Finish the W&B and MLflow runs (event files are flushed at every write)."""
         if self.wandb is not None:
             self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.close()
 
 
 class Progress:

@@ -19,6 +19,16 @@ class WandbRun(TypedDict):
     dir: str
 
 
+class MlflowRun(TypedDict):
+    """The MLflow run a stage logs to (`launch.trackers`, `launch.job_spec`): where, the run's
+    name, and the stage's config part as params (`mlflow_run.params`)."""
+
+    tracking_uri: str
+    experiment: str
+    name: str
+    params: dict[str, str]
+
+
 class PretrainPart(TypedDict):
     """Pretrain's part of its job spec (`launch.pretrain_part`). The sections stay the validated
     config's own JSON: the checkpoint fingerprint hashes them as written; the ranks read them
@@ -59,6 +69,7 @@ class JobSpec(TypedDict):
     checkpoints: str
     tensorboard: NotRequired[str]
     wandb: NotRequired[WandbRun]
+    mlflow: NotRequired[MlflowRun]
 
 
 class PretrainJob(JobSpec, PretrainPart):
