@@ -7,8 +7,11 @@ import math
 import re
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from harness.configs import model_settings
@@ -249,3 +252,64 @@ def test_grpo_evaluates_the_curriculum_then_every_other_built_in_corpus_family()
                         {"record": {"kind": "generated", "families": ["counting", "comparison"], "max_level": 2}}]}  # fmt: skip
     assert evaluated_families(["comparison"], meta) == ["comparison", "counting"]
     assert evaluated_families(["arithmetic"], {"sources": []}) == ["arithmetic"]
+
+
+def corpus_prompts(data: dict[str, str]) -> set[str]:
+    """Every problem prompt (markers and question) in the corpus shards the tokenizer stage
+    wrote, train.bin and val.bin, decoded back to text."""
+    from tokenizers import Tokenizer
+
+    from stagetrain.tasks.problem import ANSWER_TOKEN, PROBLEM_TOKEN
+
+    tokenizer = Tokenizer.from_file(str(Path(data["tokenizer"]) / "tokenizer.json"))
+    dtype = json.loads(Path(data["meta"]).read_text())["dtype"]
+    found: set[str] = set()
+    for shard in ("train", "val"):
+        ids = np.memmap(data[shard], dtype=dtype, mode="r")
+        text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        found.update(re.findall(rf"{re.escape(PROBLEM_TOKEN)}.*?{re.escape(ANSWER_TOKEN)}", text))
+    return found
+
+
+@pytest.mark.slow
+def test_every_evaluation_scores_test_split_problems_the_corpus_and_grpo_never_train_on(
+    data: dict[str, str], model_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Provenance of what is scored. The `evaluate` target's problems (captured where
+    accuracy() hands them to the scorer) and the GRPO stage's held-out set (held_out_set, the
+    function the stage calls) are each in the test split, and none is a prompt the tokenizer
+    stage put in the corpus shards or one GRPO's prompt draws give it to train on: an
+    evaluation drawn from training data would measure memory, not the gain."""
+    from stagetrain.config.settings import CurriculumSettings
+    from stagetrain.grpo.curriculum import Curriculum
+    from stagetrain.grpo.steps import step_prompts
+    from stagetrain.grpo.train import held_out_set
+    from stagetrain.tasks import prompt, split_of
+
+    config = default_config()
+    families, levels = ["arithmetic", "comparison", "counting"], [1, 2]
+    scored: list[Any] = []
+
+    def score(model: Any, judge: Any, batch: list[Any], **_: Any) -> list[float]:
+        scored.extend(batch)
+        return [0.0] * len(batch)
+
+    monkeypatch.setattr(evaluate, "greedy_scores", score)
+    evaluate.accuracy(str(model_folder), families, levels, 60, seed=1234)
+    seed = config["run"]["seed"]
+    section = {**config["grpo"]["curriculum"], "families": families}
+    curriculum = CurriculumSettings.from_config(section, "grpo.curriculum")
+    grpo_set = held_out_set(families, curriculum, 60, seed=seed)
+    assert {p.level for p in scored} == {1, 2} and len(grpo_set) == 3 * 60
+    corpus = corpus_prompts(data)
+    assert len(corpus) > 1000  # the shards were read: thousands of problems
+    trained = set()
+    for level in levels:  # GRPO's draws with every family at each level
+        at = replace(curriculum, start_level=level)
+        start = Curriculum.start(at, families)
+        for step in range(1, 201):
+            trained.update(p.key for p in step_prompts(start, at, prompts=8, seed=seed, step=step))
+    for p in scored + grpo_set:
+        assert split_of(p.key) == "test", p
+        assert prompt(p) not in corpus, p
+        assert p.key not in trained, p

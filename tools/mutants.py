@@ -47,6 +47,7 @@ TASKS = "tests/test_task_families.py::"
 PUSH = "tests/test_publish_push.py::"
 PROPS = "tests/test_properties.py::"
 TRACK = "tests/test_tracking.py::"
+PROVENANCE = "tests/test_heldout.py::test_every_evaluation_scores_test_split_problems_the_corpus_and_grpo_never_train_on"
 MLFLOW_UNIT = (
     TRACK + "test_mlflow_gets_each_record_a_resume_continues_the_run_and_a_new_run_gets_the_history"
 )
@@ -732,6 +733,18 @@ MUTANTS = (
            "src/stagetrain/training/integrity.py", '    for tag in pointer["complete"]:',
            '    for tag in reversed(pointer["complete"]):',
            (PROPS + "test_a_damaged_newest_tag_falls_back_to_the_newest_intact_one_the_pointer_lists",)),
+    Mutant("evaluate-scores-held-out", "the evaluate target scores a generated family's test split, never its training split",
+           "src/stagetrain/tasks/registry.py", '        return problems([family], [level], "test", n, seed)',
+           '        return problems([family], [level], "train", n, seed)', (PROVENANCE,)),
+    Mutant("grpo-eval-held-out", "GRPO's held-out evaluation scores the test split, never problems it trains on",
+           "src/stagetrain/grpo/train.py",
+           "    return [p for family in families for p in heldout(family, levels[family], n, seed)]",
+           '    return [p for family in families for p in __import__("stagetrain.tasks").tasks.problems([family], [levels[family]], "train", n, seed)]',
+           (PROVENANCE,)),
+    Mutant("corpus-never-test", "the corpus shards hold no test-split problem, the ones every evaluation scores",
+           "src/stagetrain/corpus/sources.py", "            yield training_text(sample(family.name, level, split, rng))",
+           '            yield training_text(sample(family.name, level, "test" if rng.random() < 0.2 else split, rng))',
+           (PROVENANCE,)),
     Mutant("mlflow-live-records", "each record a stage writes reaches its MLflow run at its step",
            "src/stagetrain/training/metrics.py", '            self.mlflow.log({"step": record["step"], **scalars(record)})',
            "            pass", (MLFLOW_UNIT, MLFLOW_RUN)),

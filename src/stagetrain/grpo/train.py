@@ -29,7 +29,7 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from stagetrain.config.settings import GrpoSettings, TasksSettings
+from stagetrain.config.settings import CurriculumSettings, GrpoSettings, TasksSettings
 from stagetrain.consolidate.manifest import Manifest
 from stagetrain.corpus.meta import TokenizerMeta
 from stagetrain.errors import StageError
@@ -191,9 +191,7 @@ def setup(spec: GrpoJob) -> Run:
                           max_new_tokens=cfg.max_new_tokens, eos_id=tokenizer.eos_token_id)  # fmt: skip
     seq = layout.seq_len  # the plan's: max_prompt_len + max_new_tokens
     val = np.memmap(spec["val"], dtype=meta["dtype"], mode="r")
-    eval_set = [p for family in evaluated
-                for p in heldout(family, min(curriculum.start_level, top_level(curriculum, family)),
-                                 cfg.eval_problems, seed=spec["seed"])]  # fmt: skip
+    eval_set = held_out_set(evaluated, curriculum, cfg.eval_problems, spec["seed"])
     return Run(
         spec=spec, cfg=cfg, engine=engine, reference=reference, tokenizer=tokenizer, judge=judge, device=device,
         layout=layout,
@@ -204,6 +202,18 @@ def setup(spec: GrpoJob) -> Run:
         gather_whole=plan["stages"]["grpo"]["generation"]["gather"] == "whole",
         zero3_config=zero3_config, routing=routing,
     )  # fmt: skip
+
+
+def held_out_set(
+    families: Sequence[str], curriculum: CurriculumSettings, n: int, seed: int
+) -> list[Problem]:
+    """The problems the stage's held-out evaluation scores before and after training: `n` of
+    each evaluated family's test split (`tasks.heldout`) at the level the curriculum starts it
+    at, so that the gain is measured where training began, on problems it never draws."""
+    levels = {
+        family: min(curriculum.start_level, top_level(curriculum, family)) for family in families
+    }
+    return [p for family in families for p in heldout(family, levels[family], n, seed)]
 
 
 LENGTH_SAMPLES = 256
