@@ -14,6 +14,7 @@ import pytest
 from harness.hub import DEFAULT_TOKEN, closed_port, commit_sha, hub_call, serve_hub, silent_hub
 
 from stagetrain.publish.card import source_line
+from stagetrain.publish.push import merged
 
 REPO = "me/tiny-model"
 FILES = {"config.json": b"{}\n", "model-00001-of-00001.safetensors": b"weights" * 100}
@@ -161,3 +162,30 @@ def test_the_card_names_each_corpus_source_by_its_files_weight_and_tokens() -> N
     assert source_line(hub) == (
         f"`org/corpus` at commit `{'c' * 40}` (`train.jsonl`): weight 0.75, 1,200 training tokens"
     )
+
+
+def test_a_merged_table_keeps_the_repos_other_counts_of_the_same_gpu_and_replaces_ours() -> None:
+    """A run on 8 H100s publishes its layout into a table that already holds 4 and 8 H100s
+    and an A100: the 4-GPU entry (another run's measurement) and the A100 stay as found, the
+    8-GPU entry becomes this run's, and an entry that is no mapping is dropped, not merged."""
+    existing = {
+        "H100": {
+            "4": {"dp": 4, "tp": 1, "micro_batch_size": 2},
+            "8": {"dp": 2, "tp": 4, "micro_batch_size": 1},
+        },
+        "A100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 1}},
+        "notes": "kept by hand",
+    }
+    ours = {"H100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 4}}}
+    assert merged(existing, ours) == {
+        "H100": {
+            "4": {"dp": 4, "tp": 1, "micro_batch_size": 2},
+            "8": {"dp": 8, "tp": 1, "micro_batch_size": 4},
+        },
+        "A100": {"8": {"dp": 8, "tp": 1, "micro_batch_size": 1}},
+    }
+    assert existing["H100"]["8"] == {
+        "dp": 2,
+        "tp": 4,
+        "micro_batch_size": 1,
+    }  # not changed in place
