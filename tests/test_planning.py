@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -322,6 +323,28 @@ def test_the_planner_splits_experts_where_autoep_can_and_grpo_with_flat_rollouts
         "different numbers of forwards on each rank, and every rank of an ep group must make the "
         "same; flat rollouts train at the config's ep"
     ]
+
+
+@pytest.mark.parametrize(("experts", "splits"), [(6, {1, 2}), (12, {1, 2, 4}), (5, {1})])
+def test_the_planner_tries_only_the_ep_values_that_divide_the_experts_and_the_ranks(
+    experts: int, splits: set[int]
+) -> None:
+    """On 8 GPUs the data-parallel ranks split in 1, 2, 4 or 8 groups; an expert count that
+    not every one divides (6, 12, a prime 5) leaves only the common divisors as candidates:
+    an ep that does not divide the experts cannot give each rank whole experts."""
+    eight = {"gpus_per_node": 8, "host_memory_gib": 256}
+    plan = plan_for(
+        preset_config("deepseek-moe-h100", hardware=eight, model={"num_experts": experts})
+    )
+    searched = plan["stages"]["pretrain"]
+    layouts = [
+        searched["layout"],
+        *(c["layout"] for c in searched["runners_up"] + searched["rejected"]),
+    ]
+    tried = {int(m.group(1)) if (m := re.search(r" ep=(\d+)", c if isinstance(c, str) else "")) else 1
+             for c in layouts[1:]} | {searched["layout"]["ep"]}  # fmt: skip
+    assert tried <= splits and searched["layout"]["ep"] in splits, (tried, layouts[:5])
+    assert len(tried) > 1 or splits == {1}, tried
 
 
 def test_activation_formula_by_hand() -> None:
