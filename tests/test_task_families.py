@@ -1046,3 +1046,59 @@ def test_a_conversational_family_is_prompted_through_the_chat_template_and_score
         list(problems[0].messages), add_generation_prompt=True, tokenize=False
     )
     assert rendered == f"<|problem|>{problems[0].question}<|answer|>"
+
+
+PINNED = """
+import json, sys
+from stagetrain.config import validation as stconfig
+from stagetrain.config.settings import DataSettings, TasksSettings
+from stagetrain.corpus.sources import generated
+from stagetrain.tasks.families import hub_pins, load_tasks
+
+config = json.loads(sys.argv[1])
+tasks = TasksSettings.from_config(stconfig.validate_section("tasks", config["tasks"]), "tasks")
+if len(sys.argv) == 2:  # the corpus stage: loads the families, records them in data/meta.json
+    data = DataSettings.from_config(stconfig.validate_section("data", config["data"]), "data")
+    meta = {"sources": [{"record": generated(data.generated, 1, load_tasks(tasks)).record}]}
+    print(json.dumps(hub_pins(meta)))
+else:  # GRPO: loads them again with the pins read back from meta.json (or none)
+    loaded = load_tasks(tasks, pins=json.loads(sys.argv[2]))
+    family = loaded.families["doubles"]
+    problems = [p for ps in family.family.pool.values() for p in ps if p.columns["i"]]
+    factors = sorted({int(p.answer) // p.columns["i"] for p in problems})
+    print(json.dumps({"factors": factors, "files": loaded.record()["doubles"]["files"]}))
+"""
+
+
+def test_a_hub_family_is_read_at_the_commit_the_corpus_stage_pinned_after_its_branch_moves(
+    tmp_path: Path,
+) -> None:
+    """A hub task file named at `main`: the corpus stage records the commit main had then;
+    the branch moves (new rows) before GRPO starts; GRPO, given the pins the corpus stage
+    recorded, reads the old commit's rows, the ones the corpus was built from, and records
+    that commit. Unpinned, the same load reads the new rows: the branch did move."""
+    from harness.hub import commit_sha, hub_call, serve_hub
+
+    def body(factor: int) -> bytes:
+        lines = [{**r, "a": str(factor * r["i"])} for r in rows(600, levels=1)]
+        return "".join(json.dumps(r) + "\n" for r in lines).encode()
+
+    old, new = commit_sha("tasks-old"), commit_sha("tasks-new")
+    entry = family([{"repo": "org/tasks", "file": "data/t.jsonl"}])
+    config = json.dumps({"tasks": {"families": [entry]},
+                         "data": {"generated": {"families": ["doubles"], "max_level": 1}}})  # fmt: skip
+    files = {"data/t.jsonl": body(2)}
+    with serve_hub({"datasets/org/tasks": {"main": (old, files)}}) as hub:
+        pins = hub_call(tmp_path, hub.endpoint, [config], code=PINNED)
+        assert pins == {"org/tasks/data/t.jsonl@main": old}
+        hub.repos["datasets/org/tasks"] = {
+            "main": (new, {"data/t.jsonl": body(3)}),
+            "was": (old, files),
+        }
+        pinned = hub_call(tmp_path, hub.endpoint, [config, json.dumps(pins)], code=PINNED)
+        moved = hub_call(
+            tmp_path, hub.endpoint, [config, "{}"], code=PINNED, cache=tmp_path / "fresh"
+        )
+    hub_file = "org/tasks/data/t.jsonl@main"
+    assert pinned == {"factors": [2], "files": [{"hub": hub_file, "commit": old}]}
+    assert moved == {"factors": [3], "files": [{"hub": hub_file, "commit": new}]}
