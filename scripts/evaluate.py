@@ -1,4 +1,4 @@
-"""evaluate: lm-evaluation-harness on a stage's consolidated model; evaluate/<stage>.json and .tsv.
+"""evaluate: lm-evaluation-harness on a stage's consolidated model; evaluate/<stage>.json, .tsv, .html.
 
 Snakemake runs it through the `evaluate_model` rule (wildcard: stage) for the optional
 `evaluate` target. The run's held-out problems become local lm-eval tasks scored by its own
@@ -6,7 +6,8 @@ rewards (stagetrain.evaluate.lmeval), run beside the lm-eval tasks `evaluate.tas
 On its own:
     python scripts/evaluate.py --config config/config.yaml --stage grpo \
         --model results/tiny/model/grpo --meta results/tiny/data/meta.json \
-        --evaluation results/tiny/evaluate/grpo.json --table results/tiny/evaluate/grpo.tsv
+        --evaluation results/tiny/evaluate/grpo.json --table results/tiny/evaluate/grpo.tsv \
+        --page results/tiny/evaluate/grpo.html
 """
 
 import logging
@@ -19,7 +20,7 @@ from stagetrain.config.settings import (
     RunSettings,
     TasksSettings,
 )
-from stagetrain.evaluate.lmeval import Run, StageEvaluation, evaluate, table
+from stagetrain.evaluate.lmeval import Run, StageEvaluation, evaluate, table, table_page
 from stagetrain.io import atomic_write_json, atomic_write_text, read_json
 from stagetrain.tasks.families import held_out_families, hub_pins
 from stagetrain.workflow.stage import StageIO, run_stage, training_stage
@@ -53,7 +54,9 @@ def main(io: StageIO) -> None:
                 e["se"],
                 e["problems"],
             )
-    atomic_write_text(io.outputs["table"], table(doc))
+    tsv = table(doc)
+    atomic_write_text(io.outputs["table"], tsv)
+    atomic_write_text(io.outputs["page"], table_page(tsv, STAGE))
     evaluation = StageEvaluation(stage=STAGE, model=io.inputs["model"], problems=run.problems,
                                  seed=run.seed, **doc)  # fmt: skip
     atomic_write_json(io.outputs["evaluation"], evaluation)
@@ -64,6 +67,6 @@ run_stage(
     snakemake=smk,
     doc=__doc__,
     inputs=["model", "meta"],
-    outputs=["evaluation", "table"],
+    outputs=["evaluation", "table", "page"],
     sections=["run", "data", "tasks", "grpo", "evaluate"],
 )

@@ -15,6 +15,13 @@ rule evaluate_model:
             category="Evaluation",
             subcategory="{stage}",
         ),
+        # The same table as a page: the report draws HTML in itself, and a TSV only as a download.
+        page=reported(
+            f"{RUN}/evaluate/{{stage}}.html",
+            caption="../report/evaluate.rst",
+            category="Evaluation",
+            subcategory="{stage}",
+        ),
     log:
         logged("evaluate_{stage}"),
     benchmark:

@@ -19,6 +19,7 @@ so a user's task must find its data in the local cache.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -300,7 +301,7 @@ def _task_file_name(path: Path) -> str:
 
 
 def table(doc: LmEvalResult) -> str:
-    """The report's table (tab-separated): one row per held-out cell and per user metric."""
+    """The table, tab-separated (for a spreadsheet): one row per held-out cell and user metric."""
     rows = ["task\tlevel\tproblems\tmetric\tvalue\tse"]
     for family, levels in doc["accuracy"].items():
         for level, e in levels.items():
@@ -315,3 +316,29 @@ def table(doc: LmEvalResult) -> str:
                 se_text = f"{se:.4f}" if isinstance(se, float) else ""
                 rows.append(f"{name}\t\t\t{metric}\t{value:.4f}\t{se_text}")
     return "\n".join(rows) + "\n"
+
+
+PAGE_STYLE = (
+    "body{font-family:sans-serif;font-size:13px}table{border-collapse:collapse}"
+    "td,th{border:1px solid #ccc;padding:3px 6px}td{text-align:right}"
+    "td:first-child,td:nth-child(4){text-align:left}"
+)
+"""Ruled cells, numbers to the right (as grpo/completions.html looks)."""
+
+
+def table_page(tsv: str, stage: str) -> str:
+    """The table as the report shows it: an HTML page, cell for cell the TSV's text. Snakemake's
+    report draws only images, HTML and PDF inside itself; a TSV is a download link there, so
+    the rows reached a person only through a spreadsheet."""
+    head, *rows = (line.split("\t") for line in tsv.splitlines())
+
+    def row(cells: list[str], tag: str) -> str:
+        return "<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells) + "</tr>"
+
+    body = "".join(row(r, "td") for r in rows)
+    title = html.escape(f"Evaluation of the {stage} model")
+    return (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{title}</title>'
+        f"<style>{PAGE_STYLE}</style></head><body><table><thead>{row(head, 'th')}</thead>"
+        f"<tbody>{body}</tbody></table></body></html>\n"
+    )
