@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from harness.chromium import shown_report_tables
 from harness.configs import edit_config, small_grpo, small_run
 from harness.datafiles import lm_eval_task
 from harness.workflow import REPO, SNAKEMAKE, snakemake
@@ -292,18 +293,29 @@ def test_a_report_after_a_run_that_stopped_before_grpo_shows_what_exists(
 
 
 def test_a_report_after_evaluate_shows_the_evaluation_tables(finished_copy: Path) -> None:
-    """`snakemake --report report.zip evaluate` after the `evaluate` target: each stage's table is
+    """`snakemake --report report.html evaluate` after the `evaluate` target: each stage's table is
     in the report, as the rule marks it (a pattern that `reported` once tested as a file name,
-    which never existed, so the tables never were)."""
+    which never existed, so the tables never were), and a person who opens it in Chromium and
+    clicks Evaluation, the stage and the table's eye button reads the TSV's rows, cell for cell
+    (the TSV alone is only a download link there: Snakemake draws images, HTML and PDF)."""
     edit_config(finished_copy, "evaluate", problems=8, levels=[1])
     snakemake(finished_copy, "evaluate")
     proc = subprocess.run([SNAKEMAKE, "--report", "report.html", "evaluate"], cwd=finished_copy,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (finished_copy / "report.html").read_text()
+    out = "results/tiny/evaluate"
     for stage in ("pretrain", "grpo"):
-        table = (finished_copy / f"results/tiny/evaluate/{stage}.tsv").read_bytes()
+        table = (finished_copy / f"{out}/{stage}.tsv").read_bytes()
         embedded = re.search(rf'filename={stage}\.tsv;base64,([A-Za-z0-9+/=]+)"', report)
         assert embedded, f"evaluate/{stage}.tsv is not in the report"
         assert base64.b64decode(embedded.group(1)) == table
     assert "filename=loss.png;base64," in report and "filename=reward.png;base64," in report
+    began = time.monotonic()
+    pages = {stage: f"{out}/{stage}.html" for stage in ("grpo", "pretrain")}
+    shown = shown_report_tables(finished_copy / "report.html", "Evaluation", pages)
+    print(f"{time.monotonic() - began:.1f} s in Chromium")
+    for stage, page in pages.items():
+        tsv = (finished_copy / f"{out}/{stage}.tsv").read_text()
+        rows = [row.split("\t") for row in tsv.splitlines()]
+        assert len(rows) > 1 and shown[page] == rows, f"{page} as the report draws it"
