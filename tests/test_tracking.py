@@ -4,7 +4,6 @@ asked and installed (MLflow against a real `mlflow server` on loopback)."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -202,9 +201,9 @@ def test_mlflow_gets_each_record_a_resume_continues_the_run_and_a_new_run_gets_t
 def test_mlflow_holds_both_stages_metrics_their_params_and_each_consolidated_model(
     finished_copy: Path, mlflow_uri: str
 ) -> None:
-    """MLflow turned on for a finished run, through Snakemake: pretrain resumes at its last
-    checkpoint (its run is new, so it gets metrics.jsonl's records), GRPO trains again from
-    step 0 (each record sent as it is written), each consolidated folder is logged as the
+    """MLflow turned on for a finished run, through Snakemake: both training stages resume at
+    their last checkpoint (their runs are new, so they get metrics.jsonl's records; the test
+    above sends records as they are written), and each consolidated folder is logged as the
     `model/` artifact of its stage's run, file for file. The run's own metrics.jsonl files
     are the reference."""
     from mlflow.tracking import MlflowClient
@@ -212,9 +211,6 @@ def test_mlflow_holds_both_stages_metrics_their_params_and_each_consolidated_mod
     edit_config(finished_copy, "tracking", report_to=["tensorboard", "mlflow"],
                 mlflow={"tracking_uri": mlflow_uri, "experiment": "pipeline"})  # fmt: skip
     run = finished_copy / "results/tiny"
-    for path in (run / "checkpoints/grpo").glob("*"):
-        if path.is_dir():
-            shutil.rmtree(path)
     snakemake(finished_copy)
     client = MlflowClient(mlflow_uri)
     for stage in ("pretrain", "grpo"):

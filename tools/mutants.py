@@ -768,7 +768,7 @@ MUTANTS = (
            (PROVENANCE,)),
     Mutant("mlflow-live-records", "each record a stage writes reaches its MLflow run at its step",
            "src/stagetrain/training/metrics.py", '            self.mlflow.log({"step": record["step"], **scalars(record)})',
-           "            pass", (MLFLOW_UNIT, MLFLOW_RUN)),
+           "            pass", (MLFLOW_UNIT,)),
     Mutant("mlflow-history", "an MLflow run made after its stage began gets the records metrics.jsonl holds",
            "src/stagetrain/training/mlflow_run.py", "            for record in history:", "            for record in ():",
            (MLFLOW_UNIT, MLFLOW_RUN)),
