@@ -6,14 +6,12 @@ import pytest
 
 from stagetrain.config.settings import ConsolidateSettings
 from stagetrain.errors import StageError
+from stagetrain.hardware.allocation import Allocation, allocation, expand_nodelist
 from stagetrain.training.launch import NodeFailures, torchrun_command
 from stagetrain.workflow.slurm import (
     TRAINING_RESOURCES,
-    Allocation,
-    allocation,
     consolidate_mem_mb,
     consolidate_resources,
-    expand_nodelist,
     job_resources,
 )
 

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from stagetrain.config.settings import HardwareSettings
 from stagetrain.errors import StageError
+from stagetrain.hardware import allocation
 from stagetrain.hardware.catalog import GpuSpec, gpu_spec, match_gpu
 from stagetrain.hardware.report import (
     CpuFacts,
@@ -31,7 +32,6 @@ from stagetrain.hardware.report import (
     Source,
 )
 from stagetrain.hardware.visible import Device, select_visible
-from stagetrain.workflow import slurm
 
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS in nvml.h
 
@@ -191,7 +191,7 @@ def slurm_allocation(
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if "SLURM_JOB_NUM_NODES" not in env and "SLURM_STEP_ID" in env:
-        job = slurm.allocation({"SLURM_JOB_ID": env["SLURM_JOB_ID"]}, scontrol)
+        job = allocation.allocation({"SLURM_JOB_ID": env["SLURM_JOB_ID"]}, scontrol)
         assert job is not None  # SLURM_JOB_ID is set
         nodes, nodelist = str(len(job.hosts)), ",".join(job.hosts)
     gpus = env.get("SLURM_GPUS_ON_NODE")

@@ -55,6 +55,8 @@ from typing import Any, TypedDict, cast
 
 from stagetrain.config.settings import TrackingSettings
 from stagetrain.errors import StageError
+from stagetrain.hardware.allocation import Allocation
+from stagetrain.hardware.allocation import allocation as job_allocation
 from stagetrain.planning.plan import NoThroughput, ThroughputRecord
 from stagetrain.training import mlflow_run
 from stagetrain.training.metrics import WANDB_MISSING
@@ -67,7 +69,6 @@ from stagetrain.training.spec import (
     PretrainPart,
     WandbRun,
 )
-from stagetrain.workflow import slurm
 
 RDZV_PORT = 29400
 log = logging.getLogger("stagetrain")
@@ -99,7 +100,7 @@ def torchrun_command(
     procs_per_node: int,
     module: str,
     args: Sequence[str],
-    allocation: slurm.Allocation | None,
+    allocation: Allocation | None,
     gpus: bool = False,
 ) -> list[str]:
     """The argv that starts `nodes * procs_per_node` ranks running `python -m module args`.
@@ -379,7 +380,7 @@ def launch_stage(
     spec = job_spec(inputs=inputs, outputs=outputs, checkpoints=root, part=part,
                     **trackers(tracking, root.parents[1], stage))  # fmt: skip
     atomic_write_json(root / "job.json", spec)
-    alloc = slurm.allocation(os.environ)
+    alloc = job_allocation(os.environ)
     # Inside Slurm the job's CPUs on a node, not the node's (nothing may pin this process).
     cores = alloc.cpus_per_node if alloc and alloc.cpus_per_node else len(os.sched_getaffinity(0))
     env = rank_environment(os.environ, cores=cores, ranks_per_node=plan["ranks_per_node"])
