@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -313,3 +314,51 @@ def test_every_evaluation_scores_test_split_problems_the_corpus_and_grpo_never_t
         assert split_of(p.key) == "test", p
         assert prompt(p) not in corpus, p
         assert p.key not in trained, p
+
+
+def test_the_lm_eval_tasks_score_with_the_familys_weighted_rewards_and_its_own_success_at(
+    model_folder: Path, tmp_path: Path
+) -> None:
+    """The written tasks' process_results (lmeval.Scorer, what lm-eval calls) on a family whose
+    rewards are weighted terms and whose bar is 2.5, not the built-ins' 0/1 at 1.0: a right
+    and short answer (2.0 + 0.5) solves, a right but long one (2.0) does not, a short wrong
+    one (0.5) does not; the same answers under a bar of 2.0 solve when right."""
+    from stagetrain.evaluate.lmeval import Run, Scorer
+
+    rows = [{"q": f"What is {i} doubled?", "a": str(2 * i), "level": 1, "i": i} for i in range(400)]
+    (tmp_path / "doubles.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(
+        "def right(completions, i, **kwargs):\n"
+        "    return [1.0 if c.strip() == str(2 * n) else 0.0 for c, n in zip(completions, i)]\n"
+        "def short(completions, **kwargs):\n"
+        "    return [1.0 if len(c.strip()) <= 2 else 0.0 for c in completions]\n"
+    )
+    rewards = [{"function": f"{tmp_path / 'rewards.py'}:right", "weight": 2.0},
+               {"function": f"{tmp_path / 'rewards.py'}:short", "weight": 0.5}]  # fmt: skip
+
+    def scorer(success_at: float) -> tuple[Scorer, list[Any]]:
+        family = {"name": "doubles", "files": [str(tmp_path / "doubles.jsonl")], "rewards": rewards,
+                  "columns": {"prompt": "q", "answer": "a"}, "success_at": success_at}  # fmt: skip
+        run = Run(model=str(model_folder), tasks=stconfig.validate_section("tasks", {"families": [family]}),
+                  families=["doubles"], levels=[1], problems=30, seed=3, max_prompt_len=64,
+                  max_new_tokens=16, pins={})  # fmt: skip
+        path = tmp_path / f"run-{success_at}.json"
+        path.write_text(json.dumps(dataclasses.asdict(run)))
+        return Scorer(path), run.problems_of("doubles", 1)
+
+    score, held = scorer(2.5)
+    short = [k for k, p in enumerate(held) if p.columns["i"] < 5]  # answers of one character
+    long = [k for k, p in enumerate(held) if p.columns["i"] >= 50]  # answers of three or more
+    assert short and long, [p.columns["i"] for p in held]
+
+    def doc(k: int) -> dict[str, Any]:
+        return {"family": "doubles", "level": 1, "index": k}
+
+    def answer(k: int) -> str:
+        return str(2 * held[k].columns["i"])
+
+    assert [score(doc(k), answer(k)) for k in short] == [1.0] * len(short)
+    assert [score(doc(k), answer(k)) for k in long] == [0.0] * len(long)
+    assert [score(doc(k), "x") for k in short + long] == [0.0] * (len(short) + len(long))
+    lower, _ = scorer(2.0)
+    assert [lower(doc(k), answer(k)) for k in long] == [1.0] * len(long)
