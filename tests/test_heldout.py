@@ -246,6 +246,24 @@ def test_the_mean_is_over_the_trained_families_and_the_largest_drop_is_named() -
     assert gains(start, start, level=1)["largest_drop"] is None
 
 
+def test_the_largest_drop_is_the_one_of_most_standard_errors_among_several() -> None:
+    """Several entries fall, at two levels: the one named is the fall least likely to be
+    noise (most standard errors), not the largest fall in accuracy (measured on a few
+    problems) nor the last or first listed; a family that gained is never named."""
+    start = {"arithmetic": {1: (0.50, 20, 20), 2: (0.40, 2000, 2000)},
+             "comparison": {1: (0.60, 2000, 2000)}, "counting": {1: (0.30, 280, 280)}}  # fmt: skip
+    end = {"arithmetic": {1: (0.20, 20, 20), 2: (0.35, 2000, 2000)},
+           "comparison": {1: (0.52, 2000, 2000)}, "counting": {1: (0.90, 280, 280)}}  # fmt: skip
+    report = gains(start, end, level=1)
+    sigmas = {(f, int(lv)): -e["gain"] / e["se"] for f, levels in report["by_family"].items()
+              for lv, e in levels.items() if e["gain"] < 0}  # fmt: skip
+    assert len(sigmas) == 3
+    drop = report["largest_drop"]
+    assert drop is not None and (drop["family"], drop["level"]) == ("comparison", 1)
+    assert drop["sigmas"] == pytest.approx(max(sigmas.values()))
+    assert sigmas[("arithmetic", 1)] < drop["sigmas"]  # the largest fall, on 20 problems
+
+
 def test_grpo_evaluates_the_curriculum_then_every_other_built_in_corpus_family() -> None:
     from stagetrain.grpo.train import evaluated_families
 
