@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from harness.configs import model_settings
-from harness.workflow import REPO, default_config
+from harness.workflow import REPO, checked, default_config
 from snakemake.utils import validate as snakemake_validate
 
 from stagetrain.config import validation as stconfig
@@ -56,7 +56,7 @@ def test_shipped_configs_validate(path: Path) -> None:
 
 
 def test_defaults_are_filled_at_every_level() -> None:
-    config = stconfig.validate({"grpo": {"optimizer": {"lr": 0.5}}})
+    config = checked({"grpo": {"optimizer": {"lr": 0.5}}})
     assert config["grpo"]["optimizer"] == {
         "lr": 0.5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "schedule": "cosine",
         "warmup_steps": 10, "min_lr_ratio": 0.1, "grad_clip": 1.0,
@@ -66,15 +66,15 @@ def test_defaults_are_filled_at_every_level() -> None:
 
 
 def test_defaults_are_not_shared_between_validations() -> None:
-    first = stconfig.validate({})
+    first = checked({})
     first["pretrain"]["optimizer"]["betas"].append(0.5)
-    assert stconfig.validate({})["pretrain"]["optimizer"]["betas"] == [0.9, 0.95]
+    assert checked({})["pretrain"]["optimizer"]["betas"] == [0.9, 0.95]
 
 
 def test_snakemake_validate_fills_the_same_defaults() -> None:
     """The Snakefile uses snakemake.utils.validate; scripts use ours: same result."""
     raw = {"pretrain": {"steps": 17}, "grpo": {}}
-    ours = stconfig.validate(raw)
+    ours = checked(raw)
     theirs = copy.deepcopy(raw)
     snakemake_validate(theirs, str(stconfig.SCHEMA_PATH))
     assert theirs == ours
@@ -98,7 +98,7 @@ def test_snakemake_validate_fills_the_same_defaults() -> None:
 )  # fmt: skip
 def test_bad_values_are_one_line_errors_naming_the_key(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(StageError) as err:
-        stconfig.validate(raw)
+        checked(raw)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
 
@@ -177,9 +177,9 @@ def test_a_whole_number_float_is_refused_for_every_integer_key(
         whole = 4096  # at least the default sequence lengths (test_settings_that_would_truncate...)
     if dotted in ("pretrain.steps", "grpo.steps"):
         whole = 10  # at least the default warmup (the same test)
-    stconfig.validate(_nested(dotted, whole))  # the same number as an int is fine
+    checked(_nested(dotted, whole))  # the same number as an int is fine
     with pytest.raises(StageError) as err:
-        stconfig.validate(_nested(dotted, float(whole)))
+        checked(_nested(dotted, float(whole)))
     assert str(err.value).startswith(f"config: {dotted}: expected integer")
     assert str(err.value).endswith(f"got {float(whole)!r}") and "\n" not in str(err.value)
 
@@ -198,7 +198,7 @@ def test_a_non_finite_number_is_refused_for_every_number_key(bad: float) -> None
     }  # fmt: skip
     for dotted, _ in NUMBER_KEYS:
         with pytest.raises(StageError) as err:
-            stconfig.validate(_nested(dotted, bad))
+            checked(_nested(dotted, bad))
         message = str(err.value)
         assert message.startswith(f"config: {dotted}: expected a finite number"), message
         assert message.endswith(f", got {bad!r}") and "\n" not in message
@@ -208,7 +208,7 @@ def test_the_seed_is_bounded_to_what_every_generator_takes() -> None:
     with pytest.raises(
         StageError, match=r"^config: run.seed: expected a value <= 4294967295, got 10{23}$"
     ):
-        stconfig.validate({"run": {"seed": 10**23}})
+        checked({"run": {"seed": 10**23}})
 
 
 PATTERN_KEYS = [(dotted, sub) for dotted, sub in _walk(stconfig.schema()) if "pattern" in sub]
@@ -239,10 +239,10 @@ def test_every_pattern_must_match_the_whole_string(dotted: str, sub: dict[str, A
     good = {"publish.repo": "me/mine", "publish.license": "apache-2.0"}.get(dotted) or sub.get(
         "default", "mine"
     )
-    stconfig.validate(_with_value(dotted, good)[0])
+    checked(_with_value(dotted, good)[0])
     config, key = _with_value(dotted, good + "\n")
     with pytest.raises(StageError, match=f"^config: {re.escape(key)}: expected a string matching"):
-        stconfig.validate(config)
+        checked(config)
 
 
 @pytest.mark.parametrize(
@@ -255,7 +255,7 @@ def test_every_pattern_must_match_the_whole_string(dotted: str, sub: dict[str, A
 def test_curriculum_families_are_checked_with_the_config(families: list[str], message: str) -> None:
     """A typo used to surface only when GRPO started, minutes into a run, without naming the key."""
     with pytest.raises(StageError) as err:
-        stconfig.validate({"grpo": {"curriculum": {"families": families}}})
+        checked({"grpo": {"curriculum": {"families": families}}})
     assert str(err.value) == f"config: grpo.curriculum.families: {message}"
 
 
@@ -388,22 +388,20 @@ def test_level_weights_that_disagree_with_max_level_fail_with_the_config(
     weights: list[float], message: str
 ) -> None:
     with pytest.raises(StageError) as err:
-        stconfig.validate({"data": {"generated": {"max_level": 2, "level_weights": weights}}})
+        checked({"data": {"generated": {"max_level": 2, "level_weights": weights}}})
     assert str(err.value) == f"config: {message}"
 
 
 def test_a_grpo_aux_loss_on_a_model_without_one_fails_with_the_config() -> None:
     """Refused where the Snakefile validates (not after pretraining, in the GRPO ranks)."""
     with pytest.raises(StageError) as err:
-        stconfig.validate(
-            {"model": {"architecture": "llama"}, "grpo": {"router_aux_loss_coef": 0.01}}
-        )
+        checked({"model": {"architecture": "llama"}, "grpo": {"router_aux_loss_coef": 0.01}})
     assert str(err.value) == (
         "config: grpo.router_aux_loss_coef: model.architecture llama defines no load-balancing loss "
         "(only mixtral and qwen2_moe do); expected 0"
     )
     moe = {"architecture": "mixtral", "num_experts": 4, "experts_per_token": 2}
-    stconfig.validate({"model": moe, "grpo": {"router_aux_loss_coef": 0.01}})
+    checked({"model": moe, "grpo": {"router_aux_loss_coef": 0.01}})
 
 
 @pytest.mark.parametrize(
@@ -425,7 +423,7 @@ def test_grpo_settings_that_keys_decide_together_fail_with_the_config(
     """What the GRPO ranks refused 140 s in, after pretraining, is refused where the Snakefile
     validates the config (so `snakemake -n` says it)."""
     with pytest.raises(StageError) as err:
-        stconfig.validate({"grpo": grpo})
+        checked({"grpo": grpo})
     assert str(err.value) == f"config: {message}"
 
 
@@ -448,11 +446,11 @@ def test_an_ep_that_cannot_run_fails_with_the_config(
     config["model"] |= model
     config["parallelism"] |= parallelism
     with pytest.raises(StageError) as err:
-        stconfig.validate(config)
+        checked(config)
     assert str(err.value) == f"config: parallelism.ep: {message}"
     config["model"] |= DEEPSEEK
     config["parallelism"] = {**default_config()["parallelism"], "ep": 2, "dp": 2, "zero_stage": 1}
-    stconfig.validate(config)
+    checked(config)
 
 
 @pytest.mark.parametrize(
@@ -477,7 +475,7 @@ def test_settings_that_would_truncate_or_freeze_silently_are_refused(
                 {**config[section][key], **value} if isinstance(value, dict) else value
             )
     with pytest.raises(StageError) as err:
-        stconfig.validate(config)
+        checked(config)
     assert str(err.value) == f"config: {message}"
 
 
@@ -494,10 +492,10 @@ def test_replay_with_nothing_to_replay_fails_the_dry_run(no_replay: str) -> None
     with pytest.raises(
         StageError, match=r"^config: grpo.replay.share: > 0, but no family to replay"
     ):
-        stconfig.validate(copy.deepcopy(config))
+        checked(copy.deepcopy(config))
     config["grpo"]["curriculum"]["families"] = ["comparison"]
     config["grpo"]["replay"]["families"] = ["counting"]
-    stconfig.validate(config)
+    checked(config)
 
 
 @pytest.mark.parametrize(
@@ -513,7 +511,7 @@ def test_replay_families_are_checked_with_the_config(replay: dict[str, Any], mes
     config = default_config()
     config["grpo"]["replay"] = replay
     with pytest.raises(StageError) as err:
-        stconfig.validate(config)
+        checked(config)
     assert str(err.value).startswith(f"config: {message}")
 
 
@@ -566,10 +564,10 @@ def test_a_hub_file_outside_its_repo_fails_the_dry_run_in_one_line(path: str, wh
             }
         return {"data": {"hub": [{"repo": "org/corpus", "files": ["data/a.jsonl", file]}]}}
 
-    stconfig.validate(config("data/sub/x.jsonl"))
+    checked(config("data/sub/x.jsonl"))
     key = "tasks.families.0.files.0.file" if where == "tasks" else "data.hub.0.files.1"
     with pytest.raises(StageError) as err:
-        stconfig.validate(config(path))
+        checked(config(path))
     assert str(err.value) == (f"config: {key}: {path!r} is not a file of the repo (expected a relative path "
                               "like data/train.jsonl, without '.', '..' or empty parts)")  # fmt: skip
 

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.workflow import REPO, default_config
+from harness.workflow import REPO, checked, default_config
 
-from stagetrain.config import validation as stconfig
 from stagetrain.config.inputs import local_inputs
 from stagetrain.config.settings import Settings
 from stagetrain.consolidate.folder import weights_sha256
@@ -26,7 +25,7 @@ def _config(**sections: dict) -> Settings:
     config = copy.deepcopy(default_config())
     for section, changes in sections.items():
         config[section].update(changes)
-    return Settings.from_config(stconfig.validate(config))
+    return Settings.from_config(checked(config))
 
 
 def test_every_local_file_is_listed_sorted_and_hub_ids_are_not(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from harness.datafiles import write_rows
-from harness.workflow import default_config
+from harness.workflow import checked, default_config
 
 from stagetrain.config import validation as stconfig
 from stagetrain.config.inputs import local_inputs
@@ -52,7 +52,7 @@ def tasks(*families: dict[str, Any], **changes: Any) -> TasksSettings:
     """A validated tasks section, as its settings."""
     config = default_config()
     config["tasks"] = {"families": list(families), **changes}
-    return TasksSettings.from_config(stconfig.validate(config)["tasks"], "tasks")
+    return TasksSettings.from_config(checked(config)["tasks"], "tasks")
 
 
 @pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.jsonl.zst", "t.parquet"])
@@ -421,7 +421,7 @@ def test_config_mistakes_are_one_line(change: dict[str, Any], expected: str) -> 
     from harness.configs import merge
 
     with pytest.raises(StageError) as err:
-        stconfig.validate(merge(default_config(), change))
+        checked(merge(default_config(), change))
     assert expected in str(err.value) and "\n" not in str(err.value), err.value
 
 
@@ -466,7 +466,7 @@ def test_a_success_at_that_fakes_or_forbids_accuracy_is_refused(
     from harness.configs import merge
 
     with pytest.raises(StageError) as err:
-        stconfig.validate(merge(default_config(), change))
+        checked(merge(default_config(), change))
     assert expected in str(err.value) and "\n" not in str(err.value), err.value
 
 
@@ -485,7 +485,7 @@ def test_a_success_at_that_fakes_or_forbids_accuracy_is_refused(
 def test_a_reachable_success_at_is_taken(change: dict[str, Any]) -> None:
     from harness.configs import merge
 
-    settings = Settings.from_config(stconfig.validate(merge(default_config(), change)))
+    settings = Settings.from_config(checked(merge(default_config(), change)))
     assert settings.tasks.success_at > 0
 
 
@@ -498,7 +498,7 @@ def test_a_tasks_family_may_be_trained_replayed_and_in_the_corpus() -> None:
     config["data"]["generated"]["families"] = ["counting", "doubles"]
     config["grpo"]["curriculum"]["families"] = ["doubles"]
     config["grpo"]["replay"] = {"share": 0.25, "families": ["counting"]}
-    stconfig.validate(config)
+    checked(config)
 
 
 def test_local_task_and_reward_files_are_declared_inputs(tmp_path: Path) -> None:
@@ -508,7 +508,7 @@ def test_local_task_and_reward_files_are_declared_inputs(tmp_path: Path) -> None
     config = default_config()
     config["tasks"] = {"families": [family([str(tmp_path / "*.jsonl"), {"repo": "org/data", "file": "t.jsonl"}],
                                            rewards=[{"function": f"{reward}:score"}, {"verifier": "format"}])]}  # fmt: skip
-    found = local_inputs(Settings.from_config(stconfig.validate(config)))
+    found = local_inputs(Settings.from_config(checked(config)))
     assert found["task_files"] == [str(tmp_path / "a.jsonl")] and found["reward_files"] == [
         str(reward)
     ]

@@ -246,6 +246,28 @@ def test_bad_config_is_one_line_and_writes_nothing(workdir: Path) -> None:
     assert not (workdir / "results").exists()
 
 
+def test_keys_that_disagree_fail_the_dry_run_and_a_stage_run_alone_in_one_line(
+    workdir: Path,
+) -> None:
+    """The checks across keys (workflow.checks) run where no schema can: at the workflow's door
+    before any rule, so `snakemake -n` refuses with one line and writes nothing, and in a stage
+    script run on its own with the same config file, which refuses before it reads an input."""
+    edit_config(workdir, "grpo", replay={"families": ["comparison"], "share": 0.1})
+    line = ("error: config: grpo.replay.families: 'comparison' is in grpo.curriculum.families; "
+            "replay is for the others")  # fmt: skip
+    proc = snakemake(workdir, "-n", check=False)
+    assert proc.returncode == 1 and line in proc.stderr.splitlines(), proc.stderr[-2000:]
+    assert not (workdir / "results").exists()
+    config = workdir / "config/config.yaml"
+    script = [sys.executable, "scripts/plan_parallelism.py", "--config", str(config)]
+    alone = subprocess.run([*script, "--hardware", "h.json", "--plan", "p.json"], cwd=workdir,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert alone.returncode != 0
+    assert alone.stderr.strip().splitlines()[-1] == line.replace("config:", f"{config}:"), (
+        alone.stderr[-2000:]
+    )
+
+
 def test_a_stage_error_surfaces_its_line_and_leaves_no_artifact(workdir: Path) -> None:
     """The planner's refusal fails the jobs that would write the plan (the first to run stops the
     run), each with the line in its log; none writes a file."""

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ per copy; each is keyed by everything it was counted from, so none is served for
 def default_config() -> dict[str, Any]:
     """The embedded default config, validated, defaults filled."""
     return stconfig.load(REPO / "config" / "config.yaml")
+
+
+def checked(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` validated and checked as the workflow checks it before any rule
+    (`workflow.checks`, what `snakemake -n` runs): its filled copy, or the one line."""
+    from stagetrain.config.settings import Settings
+    from stagetrain.workflow import checks
+
+    filled = stconfig.validate(config)
+    checks.check(Settings.from_config(filled))
+    return filled
 
 
 def copy_workflow(root: Path) -> Path:

@@ -13,6 +13,7 @@ from snakemake.utils import validate
 
 import stagetrain
 from stagetrain.config import validation as stconfig
+from stagetrain.workflow import checks
 from stagetrain.config import files as configfiles
 from stagetrain.workflow import slurm
 from stagetrain.workflow.codedeps import code_digest
@@ -27,9 +28,10 @@ from stagetrain.tasks.families import data_part, held_out_families
 # its validator crashes on a section of the wrong type: check every config file
 # strictly first, so each mistake is one line naming the key.
 configfiles.check(workflow.configfiles)
-# The typed settings, built once, the checks no schema can make run as they are built.
+# The typed settings, built once, then the checks no schema can make (workflow.checks).
 try:
     SETTINGS = stconfig.settings(config)
+    checks.check(SETTINGS)
 except StageError as _err:
     sys.exit(f"error: {_err}")
 validate(config, "../schemas/config.schema.yaml")

@@ -22,8 +22,6 @@ from functools import cache
 from typing import Any, Literal, NotRequired, Self, TypedDict
 
 from stagetrain.errors import StageError
-from stagetrain.model.architectures import AUX_LOSS, expert_parallel_refusal
-from stagetrain.planning.plan import factor_misfit, parallelism_error
 
 
 @dataclass(frozen=True)
@@ -194,7 +192,7 @@ class DataSettings(_Section):
 class RewardSpec(TypedDict):
     """One tasks.families.N.rewards entry: a built-in verifier or a function of the user's
     ('path/file.py:name' or 'package.module:name'; with `kwargs`, a factory of the reward),
-    exactly one of them (`TaskFamilySettings.check_rewards`), weighted."""
+    exactly one of them (`workflow.checks.check_rewards`), weighted."""
 
     verifier: NotRequired[Literal["exact", "numeric", "format", "math"]]
     function: NotRequired[str]
@@ -231,21 +229,6 @@ class TaskFamilySettings(_Section):
     generator: Literal["arithmetic", "counting", "comparison"] | None = None
     files: tuple[str | HubTaskFile, ...] = ()
 
-    def check_rewards(self, key: str) -> None:
-        """Each reward is one verifier or one function, and a function's `module:name` parses."""
-        from stagetrain.tasks.rewards import parse_function
-
-        for j, reward in enumerate(self.rewards or ()):
-            kinds = [k for k in ("verifier", "function") if k in reward]
-            if len(kinds) != 1:
-                raise StageError(f"{key}.rewards.{j}: expected exactly one of verifier or function")
-            if "function" in reward:
-                parse_function(reward["function"], f"{key}.rewards.{j}.function")
-            elif reward.get("kwargs") is not None:
-                raise StageError(
-                    f"{key}.rewards.{j}.kwargs: only a function takes kwargs (a factory's arguments)"
-                )
-
     def check_success_at(self, key: str, default: float) -> None:
         """The family's `success_at` can be reached and cannot be reached by nothing: a bar that
         every completion clears (every weight 0) scores an untrained model 1.0, and a bar above
@@ -275,50 +258,6 @@ class TasksSettings(_Section):
     chat_template: bool
     success_at: float
     max_rows: int
-
-    def check(self) -> None:
-        """Each family is one kind (a generator, or files), its name its own, and each reward
-        one verifier or one function."""
-        from stagetrain.tasks.files import SUFFIXES, suffix_of
-        from stagetrain.tasks.registry import FAMILIES
-
-        seen: set[str] = set()
-        for i, family in enumerate(self.families):
-            key, name = f"tasks.families.{i}", family.name
-            if name in seen:
-                raise StageError(f"{key}.name: {name!r} is listed twice")
-            seen.add(name)
-            if family.generator is not None:
-                if name != family.generator:
-                    raise StageError(
-                        f"{key}.name: a generator family is named after its generator ({family.generator!r}), not {name!r}"
-                    )
-                extra = [k for k in ("files", "level_edges") if getattr(family, k)]
-                if extra:
-                    raise StageError(
-                        f"{key}.{extra[0]}: a generator family ({family.generator}) reads no files"
-                    )
-            elif not family.files:
-                raise StageError(
-                    f"{key}: expected files (your problems) or generator (a built-in family)"
-                )
-            elif name in FAMILIES:
-                raise StageError(
-                    f"{key}.name: {name!r} is a built-in family's name; name your family otherwise"
-                )
-            for j, entry in enumerate(family.files):
-                name = entry if isinstance(entry, str) else entry["file"]
-                where = f"{key}.files.{j}" + ("" if isinstance(entry, str) else ".file")
-                if not isinstance(entry, str):
-                    check_repo_path(where, name)
-                if suffix_of(name) is None and not (
-                    isinstance(entry, str) and any(c in name for c in "*?[")
-                ):
-                    raise StageError(
-                        f"{where}: {name!r} is not a task file; expected one of {', '.join(SUFFIXES)}"
-                    )
-            family.check_rewards(key)
-            family.check_success_at(key, self.success_at)
 
 
 @dataclass(frozen=True)
@@ -490,17 +429,6 @@ class GrpoSettings(_Section):
         """`passes` optimizer steps on each step's rollouts: what DeepSpeed's scheduler and Slurm count."""
         return self.steps * self.passes
 
-    def check(self) -> None:
-        """The tree's keys against the group's, checked by the class the stage builds (so at
-        DAG time, not 140 s into the GRPO ranks after pretraining has run); the curriculum's
-        are checked as it is built."""
-        from stagetrain.grpo.tree import TreeConfig
-
-        if self.rollout == "tree":
-            TreeConfig(**dataclasses.asdict(self.tree), max_leaves=self.group_size,
-                       max_tokens=self.group_size * self.max_new_tokens,
-                       max_new_tokens=self.max_new_tokens, eos_id=0)  # fmt: skip
-
 
 @dataclass(frozen=True)
 class MlflowSettings(_Section):
@@ -576,111 +504,3 @@ class Settings(_Section):
         if stage not in ("pretrain", "grpo"):
             raise StageError(f"unknown training stage {stage!r} (expected pretrain or grpo)")
         return self.pretrain if stage == "pretrain" else self.grpo
-
-    def check(self, *, families: bool = True) -> None:
-        """The checks no schema can make: keys that must agree with each other. Run by
-        `config.validate`, so a bad combination fails `snakemake -n` with one line instead of
-        inside a stage. `families`: also check the family names other sections give against
-        the tasks section (a section validated alone has no tasks section of its own).
-
-        Raises:
-            StageError: one line naming the key.
-        """
-        self.tasks.check()
-        if families:
-            self._check_family_names()
-        self.grpo.check()
-        for name, stage in (("pretrain", self.pretrain), ("grpo", self.grpo)):
-            _check_warmup(name, stage)
-        self._check_positions()
-        self._check_grpo_aux_loss()
-        self._check_expert_parallel()
-
-    def _check_expert_parallel(self) -> None:
-        """parallelism.ep > 1 needs an architecture AutoEP splits, tp 1 and ZeRO 1-3 (the rest,
-        dividing dp and the experts, the planner checks against the devices and the model; a
-        model continued with `init_from` may name no architecture here, and the planner checks
-        its config then)."""
-        ep, tp = self.parallelism.ep or 1, self.parallelism.tp or 1
-        if ep == 1:
-            return
-        arch, dp = self.model.architecture, self.parallelism.dp
-        refusal = expert_parallel_refusal(arch) if arch is not None else None
-        if refusal:
-            raise parallelism_error("ep", f"{refusal} (model.architecture)")
-        world = (dp or ep) * tp  # the world these fixed values imply, enough to check them
-        problem = factor_misfit(world=world, per_node=world, dp=dp, tp=tp, ep=ep, heads=None,
-                                kv_heads=None, zero_stage=self.parallelism.zero_stage)  # fmt: skip
-        if problem:
-            raise parallelism_error(problem[0], f"{problem[1]} (dp={dp}, tp={tp}, ep={ep})")
-
-    def _check_grpo_aux_loss(self) -> None:
-        """grpo.router_aux_loss_coef needs an architecture with an aux loss; a model continued
-        with `init_from` may name none here, and the GRPO stage checks its config then."""
-        arch = self.model.architecture
-        if self.grpo.router_aux_loss_coef and arch is not None and arch not in AUX_LOSS:
-            raise StageError(
-                f"grpo.router_aux_loss_coef: model.architecture {arch} defines no load-balancing "
-                f"loss (only {' and '.join(AUX_LOSS)} do); expected 0"
-            )
-
-    def _check_family_names(self) -> None:
-        """The families the corpus, the curriculum and replay name exist (built-in, or of the
-        tasks section), once each; replay names none of the curriculum's."""
-        from stagetrain.tasks.registry import FAMILIES
-
-        known = list(dict.fromkeys([*FAMILIES, *(f.name for f in self.tasks.families)]))
-        curriculum = self.grpo.curriculum.families
-        for key, names in (("data.generated.families", self.data.generated.families),
-                           ("grpo.curriculum.families", curriculum),
-                           ("grpo.replay.families", self.grpo.replay.families or ())):  # fmt: skip
-            for i, name in enumerate(names):
-                if name in names[:i]:
-                    raise StageError(f"{key}: {name!r} is listed twice")
-                if name not in known:
-                    raise StageError(f"{key}: unknown family {name!r} (known: {', '.join(known)}; "
-                                     "your own go in tasks.families)")  # fmt: skip
-                if key == "grpo.replay.families" and name in curriculum:
-                    raise StageError(
-                        f"{key}: {name!r} is in grpo.curriculum.families; replay is for the others"
-                    )
-        replay = self.grpo.replay
-        corpus = self.data.generated.families if self.data.generated.weight > 0 else ()
-        if replay.share and replay.families is None and set(corpus) <= set(curriculum):
-            raise StageError("grpo.replay.share: > 0, but no family to replay: the corpus teaches none the curriculum "
-                             "leaves out (name them in grpo.replay.families, or set the share to 0)")  # fmt: skip
-        own = {f.name for f in self.tasks.families}
-        builtin = [n for n in (*self.data.generated.families, *curriculum, *(self.grpo.replay.families or ()))
-                   if n in FAMILIES and n not in own]  # fmt: skip
-        if builtin and self.tasks.success_at > 1:  # scored by their own verifier, at most 1
-            raise StageError(
-                f"tasks.success_at: {self.tasks.success_at:g} is above family {builtin[0]!r}'s largest reward, 1 "
-                "(its own verifier, scoring at most 1): nothing could be solved; set the bar on your own families "
-                "instead (tasks.families[].success_at)"
-            )
-
-    def _check_positions(self) -> None:
-        """Sequences no longer than the model's positions (from scratch; an init_from model's
-        are known only once its config is read): transformers accepted longer ones silently."""
-        limit = self.model.max_position_embeddings
-        if self.model.init_from or limit is None:
-            return
-        grpo = self.grpo
-        for key, length in (("pretrain.seq_len", self.pretrain.seq_len),
-                            ("grpo.max_prompt_len + grpo.max_new_tokens", grpo.max_prompt_len + grpo.max_new_tokens)):  # fmt: skip
-            if length > limit:
-                raise StageError(
-                    f"{key}: {length} tokens, more than model.max_position_embeddings ({limit})"
-                )
-
-
-def _check_warmup(name: str, stage: TrainingSettings) -> None:
-    """A stage's warmup within its optimizer steps: DeepSpeed's schedule only logs a warning
-    and the learning rate never reaches the configured one."""
-    steps, warmup = stage.optimizer_steps, stage.optimizer.warmup_steps
-    if warmup > steps:
-        counted = f"{name}.steps" if name == "pretrain" else "grpo.steps x grpo.passes"
-        raise StageError(
-            f"{name}.optimizer.warmup_steps: expected at most the stage's {steps} "
-            f"optimizer steps ({counted}), got {warmup}"
-        )

@@ -197,29 +197,24 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"{path}: {error.message}"
 
 
-def validate(
-    config: Mapping[str, Any], source: str = "config", *, families: bool = True
-) -> dict[str, Any]:
-    """Return a validated deep copy of `config` with every default filled in. `families`:
-    check the family names other sections give against the tasks section (the whole config;
-    a section validated alone has no tasks section to check against).
+def validate(config: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
+    """Return a validated deep copy of `config` with every default filled in: the schema,
+    and what each section's settings check of themselves. The checks across sections run at
+    the workflow's door (`workflow.checks`), on the whole config.
 
     Raises:
         StageError: one line naming the first offending dotted key.
     """
-    return _checked(config, source, families)[0]
+    return _checked(config, source)[0]
 
 
 def settings(config: Mapping[str, Any], source: str = "config") -> Settings:
-    """The whole config validated as `validate` does, as the typed settings the checks built."""
-    return _checked(config, source, True)[1]
+    """The whole config validated as `validate` does, as its typed settings."""
+    return _checked(config, source)[1]
 
 
-def _checked(
-    config: Mapping[str, Any], source: str, families: bool
-) -> tuple[dict[str, Any], Settings]:
-    """The filled copy and its settings: the schema first, then the checks across keys that
-    the settings make as they are built."""
+def _checked(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], Settings]:
+    """The filled copy and its settings: the schema first, then the settings built."""
     _refuse_replaced_keys(config, source)
     filled = copy.deepcopy(dict(config))
     validator = _StrictValidator(schema())
@@ -228,7 +223,6 @@ def _checked(
         raise StageError(f"{source}: {_describe(best)}")
     try:
         built = Settings.from_config(filled)
-        built.check(families=families)
     except StageError as err:
         raise StageError(f"{source}: {err}") from None
     return filled, built
@@ -254,7 +248,7 @@ def validate_section(name: str, section: Any) -> dict[str, Any]:
         raise StageError(
             f"config: unknown section {name!r} (expected one of {', '.join(SECTIONS)})"
         )
-    return validate({name: section}, families=False)[name]
+    return validate({name: section})[name]
 
 
 def read_file(path: str | Path) -> dict[str, Any]:

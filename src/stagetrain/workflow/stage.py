@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from stagetrain.config import validation as cfg
+from stagetrain.config.settings import Settings
 from stagetrain.errors import StageError
 from stagetrain.io import atomic_write_json, read_json
+from stagetrain.workflow import checks
 
 log = logging.getLogger("stagetrain")
 
@@ -72,6 +74,7 @@ def _from_cli(
     args = parser.parse_args()
     _setup_logging(args.log)
     full = cfg.load(args.config)
+    checks.check(Settings.from_config(full), source=args.config)
     return StageIO(
         inputs={k: getattr(args, k) for k in inputs},
         outputs={k: getattr(args, k) for k in outputs},
