@@ -81,6 +81,44 @@ def test_windows_and_too_little_data() -> None:
         _sampler(windows=4)
 
 
+def test_every_epoch_uses_each_window_once_across_many_epoch_boundaries() -> None:
+    """5 windows, batches of 3: most steps straddle an epoch boundary, later ones far from the
+    first epoch's; every 5 consecutive items of the stream are still one epoch's permutation."""
+    for seed in range(3):
+        sampler = _sampler(windows=5, global_batch=3, dp=1, micro_batch_size=3, seed=seed)
+        stream = np.concatenate([sampler.step_windows(s) for s in range(10)])  # 6 epochs
+        epochs = [stream[e * 5 : (e + 1) * 5].tolist() for e in range(6)]
+        assert all(sorted(epoch) == list(range(5)) for epoch in epochs), epochs
+
+
+def test_a_rank_whose_share_is_not_a_whole_number_of_micro_batches_reads_only_its_share() -> None:
+    """Batches of 6 over 2 ranks in micro batches of 2: each rank's 3 windows are a micro batch
+    of 2 and one of 1, and the ranks' shares in rank order are the step's batch, none twice."""
+    sampler = _sampler(windows=20, global_batch=6, dp=2, micro_batch_size=2)
+    for step in range(4):
+        shares = [sampler.rank_micro_batches(step, r) for r in range(2)]
+        assert [[len(m) for m in share] for share in shares] == [[2, 1], [2, 1]]
+        joined = np.concatenate([m for share in shares for m in share])
+        assert np.array_equal(joined, sampler.step_windows(step))
+
+
+def test_a_shard_of_exactly_one_global_batch_is_enough() -> None:
+    assert len(_sampler(windows=8).step_windows(3)) == 8
+
+
+def test_a_window_needs_seq_len_plus_one_tokens() -> None:
+    """Windows step by seq_len and each needs one token more, so seq_len tokens hold none."""
+    assert [window_count(tokens, 10) for tokens in (0, 1, 10, 11, 20, 21, 31)] == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        2,
+        3,
+    ]
+
+
 def test_fingerprint_follows_the_maths(tmp_path: Path) -> None:
     base = {"training": {"lr": 1e-3}, "seed": 1}
     assert fingerprint(base) == fingerprint(dict(reversed(base.items())))
