@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +18,15 @@ from stagetrain.config.settings import Settings
 from stagetrain.consolidate.folder import weights_sha256
 from stagetrain.consolidate.writer import write_shards
 from stagetrain.errors import StageError
-from stagetrain.planning.derived import SHARED_KEYS, stage_plan, vocab_padding
+from stagetrain.io import json_bytes
+from stagetrain.planning.derived import (
+    SHARED_KEYS,
+    digest,
+    part_of,
+    stage_plan,
+    vocab_padding,
+    whole_plan,
+)
 from stagetrain.workflow.codedeps import code_digest, modules_of
 
 
@@ -118,6 +127,32 @@ def test_each_reader_gets_only_its_part_of_the_plan() -> None:
     assert vocab_padding(plan) == {"tp": 4}
     grpo = stage_plan(plan, "grpo")
     assert grpo == {**{key: key for key in SHARED_KEYS}, "stages": {"grpo": {"layout": {"tp": 4}}}}
+
+
+def test_a_part_is_the_vocab_the_stages_entry_or_the_planners_refusal_and_its_digest_the_written_bytes() -> (
+    None
+):
+    """part_of gives what plan_part writes and digest what the rule's params compare: the sha256
+    of the file's bytes as written (json_bytes), or, for a refusal, of its text, marked apart."""
+    plan = {key: key for key in SHARED_KEYS} | {"table": {}}
+    plan["stages"] = {"vocab_stage": {"layout": {"tp": 2}}, "grpo": {"layout": {"tp": 3}}}
+    assert part_of(plan, "vocab") == {"tp": 6}
+    assert part_of(plan, "grpo") == stage_plan(plan, "grpo")
+    assert part_of(plan, "vocab_stage") == stage_plan(plan, "vocab_stage")
+    assert part_of("no layout fits: é", "grpo") == "no layout fits: é"
+    part = part_of(plan, "grpo")
+    assert digest(part) == "sha256:" + hashlib.sha256(json_bytes(part)).hexdigest()
+    assert digest("no layout fits: é") == (
+        "refused: " + hashlib.sha256("no layout fits: é".encode()).hexdigest()
+    )
+
+
+def test_a_stages_part_finds_the_whole_plan_beside_its_plan_folder(tmp_path: Path) -> None:
+    (tmp_path / "run" / "plan").mkdir(parents=True)
+    assert whole_plan(tmp_path / "run" / "plan" / "pretrain.json") == tmp_path / "run" / "plan.json"
+    assert (
+        whole_plan(str(tmp_path / "run" / "plan" / "grpo.json")) == tmp_path / "run" / "plan.json"
+    )
 
 
 def _package(root: Path, sources: dict[str, str]) -> Path:

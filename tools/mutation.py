@@ -44,24 +44,24 @@ GOAL = 85.0
 """The least score (%) each module should keep."""
 
 MODULES: dict[str, tuple[str, ...]] = {
-    "grpo/advantages": ("tests/test_grpo_math.py",),
-    "grpo/loss": ("tests/test_grpo_math.py",),
-    "grpo/curriculum": ("tests/test_grpo_math.py", "tests/test_grpo_tasks.py"),
+    "grpo/advantages": ("tests/test_grpo_math.py", "tests/test_properties.py"),
+    "grpo/loss": ("tests/test_grpo_math.py", "tests/test_properties.py"),
+    "grpo/curriculum": ("tests/test_grpo_math.py", "tests/test_grpo_tasks.py", "tests/test_properties.py"),
     "grpo/tree": ("tests/test_grpo_tree.py", "tests/test_grpo_prefix_cache.py"),
     "grpo/completions": ("tests/test_grpo_completions.py",),
-    "planning/memory": ("tests/test_planning.py",),
+    "planning/memory": ("tests/test_planning.py", "tests/test_properties.py"),
     "planning/plan": ("tests/test_planning.py", "tests/test_training_layout.py", "tests/test_config.py"),
     "planning/search": ("tests/test_planning.py", "tests/test_table.py"),
     "planning/derived": ("tests/test_planning.py", "tests/test_inputs.py"),
     "training/checkpoints": (
         "tests/test_checkpoint_integrity.py", "tests/test_pretrain_unit.py", "tests/test_reshard.py",
     ),
-    "training/integrity": ("tests/test_checkpoint_integrity.py",),
+    "training/integrity": ("tests/test_checkpoint_integrity.py", "tests/test_properties.py"),
     "training/batches": ("tests/test_pretrain_unit.py",),
     "tasks/verify": ("tests/test_tasks.py", "tests/test_task_families.py"),
     "tasks/arithmetic": ("tests/test_tasks.py",),
     "tasks/problem": ("tests/test_tasks.py", "tests/test_task_families.py"),
-    "tasks/families": ("tests/test_task_families.py",),
+    "tasks/families": ("tests/test_task_families.py", "tests/test_properties.py"),
     "evaluate/heldout": ("tests/test_heldout.py",),
     "evaluate/accuracy": ("tests/test_heldout.py", "tests/test_evaluate.py"),
     "consolidate/weights": ("tests/test_consolidate_unit.py",),
@@ -165,6 +165,18 @@ EQUIVALENT: dict[str, tuple[tuple[str, str, str], ...]] = {
             "search",
             "return search_trees([cfg], batch, lambda _, completion: score(completion), max_batch=2)[0]",
             "per_call = max(1, max_batch // B) is 1 for max_batch 2 as for 1, since B >= 2: one node per call either way",
+        ),
+    ),
+    "planning/derived": (
+        (
+            "stage_plan",
+            'return cast(None, {**shared, "stages": {stage: entry}})',
+            "typing.cast returns its second argument whatever the first: the type is only for mypy",
+        ),
+        (
+            "digest",
+            'return "refused: " + hashlib.sha256(content.encode("UTF-8")).hexdigest()',
+            "Python's codec names are case-insensitive: UTF-8 is utf-8",
         ),
     ),
     "tasks/verify": (
