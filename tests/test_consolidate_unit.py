@@ -5,18 +5,29 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from harness.checkpoints import saved
 from safetensors.torch import load_file, save_file
 
 from stagetrain.consolidate.folder import finite_as, kept_in_fp32, output_dtypes
 from stagetrain.consolidate.stored import Reader, Region, Stored, describe, region_of, span
-from stagetrain.consolidate.weights import zero3_layout, zero12_layout
+from stagetrain.consolidate.weights import (
+    FP32_GROUPS,
+    checkpoint_files,
+    expert_parallel_weights,
+    gather_tp,
+    read_weights,
+    zero3_layout,
+    zero12_layout,
+)
 from stagetrain.consolidate.writer import INDEX, plan_shards, write_shards
 from stagetrain.errors import StageError
 from stagetrain.planning.plan import verifies_on_gpu
+from stagetrain.training.checkpoints import tag_of
 
 
 def _tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -210,3 +221,331 @@ def test_the_loss_is_verified_on_the_gpu_only_where_the_model_fits_in_it() -> No
     assert not verifies_on_gpu(10 * gib, None)
     assert verifies_on_gpu(10 * gib, 12 * gib)
     assert not verifies_on_gpu(10 * gib, 11 * gib)
+
+
+def _checkpoint(root: Path, layout: dict[str, int], files: dict[str, object]) -> Path:
+    """A checkpoint folder at step 2 under `layout`, saved through the real Checkpoints (so its
+    pointer names the tag), whose files then get `files`' contents (by file name)."""
+    ckpt = saved(root, [2], layout)
+    base = ckpt.folder / tag_of(2)
+    for name, content in files.items():
+        assert (base / name).exists(), name  # only DeepSpeed's own file names
+        torch.save(content, base / name)
+    return ckpt.folder
+
+
+def _zero_model(shapes: list[dict[str, tuple[int, ...]]], **extra: object) -> dict[str, object]:
+    """A ZeRO model-states file: the parameter shapes, the buffer `buf` and `tied` sharing `a`."""
+    return {
+        "module": {"buf": torch.arange(3.0), "not_a_buffer": torch.ones(2)},
+        "param_shapes": [{n: torch.Size(s) for n, s in group.items()} for group in shapes],
+        "buffer_names": ["buf", "absent_buffer"],
+        "shared_params": {"tied": "a", "tied_to_nothing": "absent"},
+        **extra,
+    }
+
+
+def _optim(key: str, groups: list[torch.Tensor], **extra: object) -> dict[str, object]:
+    return {"optimizer_state_dict": {key: [g.clone() for g in groups], **extra}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero12_checkpoint_reads_every_ranks_share_with_buffers_and_ties(
+    tmp_path: Path, stage: int
+) -> None:
+    """dp=2: the group's vector (a 2x3, b 3) is the two ranks' shares in rank order; the
+    buffer listed comes from rank 0's model file and a shared name takes its parameter's
+    regions; names DeepSpeed lists but the file lacks are left out."""
+    a, b = torch.randn(2, 3), torch.randn(3)
+    vector = torch.cat([a.reshape(-1), b, torch.zeros(3)])  # padded to 12 = a multiple of 2 * dp
+    key = "single_partition_of_fp32_groups"
+    layout = {"dp": 2, "tp": 1, "zero_stage": stage}
+    folder = _checkpoint(tmp_path, layout, {
+        "mp_rank_00_model_states.pt": _zero_model([{"a": (2, 3), "b": (3,)}]),
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": _optim(key, [vector[:6]], param_alignment_paddings=[[0, 3]]),
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt": _optim(key, [vector[6:]], param_alignment_paddings=[[0, 3]]),
+    })  # fmt: skip
+    weights = read_weights(folder, tag_of(2), layout, {})
+    assert sorted(weights) == ["a", "b", "buf", "tied"]
+    assert torch.equal(_read(weights["a"]), a) and torch.equal(_read(weights["b"]), b)
+    assert torch.equal(_read(weights["buf"]), torch.arange(3.0))
+    assert weights["tied"] == weights["a"]
+
+
+def test_a_zero3_checkpoint_joins_each_ranks_slice_from_the_optimizer_files(tmp_path: Path) -> None:
+    """dp=2 ZeRO-3: the weights come from the dp optimizer files (not the model files, which
+    are one per rank here), each rank holding ceil(n/2) elements of every parameter."""
+    a, b = torch.randn(2, 3), torch.randn(3)  # 6 -> 3 + 3, 3 -> 2 + 1 and a zero
+    ranks = [
+        torch.cat([a.reshape(-1)[:3], b[:2]]),
+        torch.cat([a.reshape(-1)[3:], b[2:], torch.zeros(1)]),
+    ]
+    key = "fp32_flat_groups"
+    layout = {"dp": 2, "tp": 1, "zero_stage": 3}
+    model = _zero_model([{"a": (2, 3), "b": (3,)}])
+    folder = _checkpoint(tmp_path, layout, {
+        "zero_pp_rank_0_mp_rank_00_model_states.pt": model,
+        "zero_pp_rank_1_mp_rank_00_model_states.pt": model,
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": _optim(key, [ranks[0]]),
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt": _optim(key, [ranks[1]]),
+    })  # fmt: skip
+    weights = read_weights(folder, tag_of(2), {**layout, "ep": 1}, {})
+    assert sorted(weights) == ["a", "b", "buf", "tied"]
+    assert torch.equal(_read(weights["a"]), a) and torch.equal(_read(weights["b"]), b)
+
+
+def test_a_zero0_checkpoint_is_the_model_files_whole_tensors(tmp_path: Path) -> None:
+    w = torch.randn(4, 2)
+    layout = {"dp": 1, "tp": 1, "zero_stage": 0}
+    folder = _checkpoint(tmp_path, layout, {"mp_rank_00_model_states.pt": {"module": {"w": w}}})
+    weights = read_weights(folder, tag_of(2), layout, {"w": (4, 2)})
+    assert list(weights) == ["w"] and torch.equal(_read(weights["w"]), w)
+
+
+def test_autotp_model_files_are_gathered_along_the_one_dimension_tp_splits(tmp_path: Path) -> None:
+    """tp=2 (ZeRO-1, so optimizer files lie beside the tp model files and are not read): a
+    tensor sliced in half along dim 1 is put back side by side, a replicated one (already of
+    the full shape) is rank 0's, and a name of the config no shard holds is left out."""
+    w, norm = torch.randn(3, 4), torch.randn(3)
+    halves = [h.contiguous() for h in w.chunk(2, dim=1)]
+    layout = {"dp": 1, "tp": 2, "zero_stage": 1}
+    folder = _checkpoint(tmp_path, layout, {
+        "mp_rank_00_model_states.pt": {"module": {"w": halves[0], "norm": norm}},
+        "mp_rank_01_model_states.pt": {"module": {"w": halves[1], "norm": torch.zeros(3)}},
+    })  # fmt: skip
+    shapes = {"gone": (2,), "norm": (3,), "w": (3, 4)}  # each kind is followed by another
+    weights = read_weights(folder, tag_of(2), layout, shapes)
+    assert sorted(weights) == ["norm", "w"]
+    assert weights["w"].split_dim == 1 and torch.equal(_read(weights["w"]), w)
+    assert weights["norm"].split_dim == 0 and torch.equal(_read(weights["norm"]), norm)
+
+
+@pytest.mark.parametrize(
+    ("slice_shape", "expected"),
+    [((2, 2), (4, 4)), ((3, 2), (3, 5)), ((3, 2), (3, 4, 1)), ((3, 2, 1), (3, 4))],
+    ids=["two-dims", "none", "fewer-dims", "more-dims"],
+)
+def test_tp_slices_that_make_the_shape_along_no_single_dimension_are_one_line(
+    tmp_path: Path, slice_shape: tuple[int, ...], expected: tuple[int, ...]
+) -> None:
+    shards = [{"w": Stored(slice_shape, (Region(tmp_path / f"{r}", 0, torch.float32, 4),))} for r in range(2)]  # fmt: skip
+    message = f"w: tp slices of shape {slice_shape} do not make {expected} with tp=2"
+    with pytest.raises(StageError, match=f"^{re.escape(message)}$"):
+        gather_tp(shards, {"w": expected})
+
+
+@pytest.mark.parametrize(
+    ("model", "optim", "message"),
+    [
+        ({"module": {}, "param_shapes": [], "buffer_names": []}, None, r"model_states.pt: not a ZeRO model-states file \(no 'shared_params'\)$"),
+        ({"module": {}}, None, r"model_states.pt: not a ZeRO model-states file \(no 'param_shapes'\)$"),
+        (_zero_model([{"a": (2,)}], frozen_param_shapes={"f": torch.Size([2]), "g": torch.Size([1])}), None,
+         r"model_states.pt: 2 frozen parameters \(e.g. f\); consolidation reads only trained ones$"),
+        (_zero_model([{"a": (2,)}]), {"optimizer_state_dict": {"fp32_flat_groups": []}},
+         r"zero_pp_rank_0_mp_rank_00_optim_states.pt: not a ZeRO-2 optimizer file \(no 'single_partition_of_fp32_groups'\)$"),
+        (_zero_model([{"a": (2,), "b": (2,)}]), _optim("single_partition_of_fp32_groups", [torch.zeros(4)], param_alignment_paddings=[[0]]),
+         r"step00000002: ZeRO-2 over 2 ranks: group 0 has 2 parameters but 1 alignment paddings$"),
+    ],
+    ids=["no-shared-params", "no-param-shapes", "frozen", "stage-3-optimizer", "paddings"],
+)  # fmt: skip
+def test_a_checkpoint_consolidation_cannot_read_is_one_line_naming_the_file(
+    tmp_path: Path, model: dict, optim: dict | None, message: str
+) -> None:
+    optim = optim or _optim("single_partition_of_fp32_groups", [torch.zeros(4)])
+    layout = {"dp": 2, "tp": 1, "zero_stage": 2}
+    folder = _checkpoint(tmp_path, layout, {
+        "mp_rank_00_model_states.pt": model,
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": optim,
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt": optim,
+    })  # fmt: skip
+    with pytest.raises(StageError, match=message):
+        read_weights(folder, tag_of(2), layout, {})
+
+
+def test_an_expert_parallel_checkpoint_is_read_from_its_universal_copy_without_ep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ep=2: the tag is converted to a layout equal but for ep=1, each zero/<name>/fp32.pt's
+    `param` is a weight under its folder's name, and buffers and ties come from the copy's
+    model file (not the tag's own)."""
+    layout = {"dp": 2, "tp": 1, "zero_stage": 2, "ep": 2}
+    folder = tmp_path / "ckpt"
+    calls = []
+    copy = folder / "step00000002_universal"
+    params = {"a": torch.randn(2, 2), "b": torch.randn(3)}
+    for name, tensor in params.items():
+        (copy / "zero" / name).mkdir(parents=True)
+        torch.save({"param": tensor, "cat_dim": 0}, copy / "zero" / name / "fp32.pt")
+    (copy / "zero" / "stray.txt").write_text("not a parameter folder")
+    model = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}}, model)
+    torch.save(_zero_model([]), copy / model.name)
+
+    def convert(*args: object) -> str:
+        calls.append(args)
+        return copy.name
+
+    monkeypatch.setattr("stagetrain.training.reshard.convert", convert)
+    weights = expert_parallel_weights(folder, "step00000002", layout, model)
+    assert calls == [(folder, "step00000002", layout, {**layout, "ep": 1})]
+    assert sorted(weights) == ["a", "b", "buf", "tied"]
+    assert all(torch.equal(_read(weights[n]), t) for n, t in params.items())
+    assert torch.equal(_read(weights["buf"]), torch.arange(3.0)) and weights["tied"] == weights["a"]
+    torch.save({"cat_dim": 0}, copy / "zero" / "b" / "fp32.pt")
+    with pytest.raises(StageError, match=r"zero/b/fp32.pt: a universal checkpoint's parameter file without 'param'$"):  # fmt: skip
+        expert_parallel_weights(folder, "step00000002", layout, model)
+
+
+def test_consolidation_reads_only_the_checkpoint_the_pointer_and_the_summary_agree_on(
+    tmp_path: Path,
+) -> None:
+    layout = {"dp": 2, "tp": 1, "zero_stage": 2}
+    folder = saved(tmp_path, [2, 4], layout).folder
+    with pytest.raises(StageError, match=r"latest.json: points at step00000004, but the summary names step00000002$"):  # fmt: skip
+        checkpoint_files(folder, tag_of(2), layout)
+    (folder / "latest.json").unlink()
+    with pytest.raises(StageError, match=r"latest.json: missing: no complete checkpoint was recorded for this run$"):  # fmt: skip
+        checkpoint_files(folder, tag_of(4), layout)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "total"),
+    [({"a": (2, 3), "b": (2,)}, 8), ({"a": (5,)}, 8), ({"a": (3,)}, 4)],
+    ids=["exact", "padded-within-a-block", "padded-to-a-block-of-4"],
+)
+def test_zero12_without_listed_paddings_reads_parameters_back_to_back(
+    tmp_path: Path, shapes: dict[str, tuple[int, ...]], total: int
+) -> None:
+    """Files without param_alignment_paddings (older DeepSpeed): no padding between parameters,
+    and the group padded at its end to a multiple of 2 * dp (here dp=2: 4) is accepted."""
+    params = {n: torch.randn(s) for n, s in shapes.items()}
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    vector = torch.cat([flat, torch.zeros(total - flat.numel())])
+    regions = []
+    for r, share in enumerate(vector.chunk(2)):
+        path, meta = _saved(tmp_path, {"g": [share.clone()]}, f"r{r}.pt")
+        regions.append([region_of(path, meta["g"][0], "g")])
+    weights = zero12_layout([shapes], regions, None, "ckpt")
+    assert all(torch.equal(_read(weights[n]), p) for n, p in params.items())
+
+
+def test_a_single_rank_zero2_checkpoint_reads_its_one_optimizer_file(tmp_path: Path) -> None:
+    a, b = torch.randn(2, 3), torch.randn(3)
+    layout = {"dp": 1, "tp": 1, "zero_stage": 2}
+    key = "single_partition_of_fp32_groups"
+    folder = _checkpoint(tmp_path, layout, {
+        "mp_rank_00_model_states.pt": _zero_model([{"a": (2, 3), "b": (3,)}]),
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": _optim(key, [torch.cat([a.reshape(-1), b, torch.zeros(1)])]),
+    })  # fmt: skip
+    weights = read_weights(folder, tag_of(2), layout, {})
+    assert torch.equal(_read(weights["a"]), a) and torch.equal(_read(weights["b"]), b)
+
+
+@pytest.mark.parametrize(
+    ("stage", "numel", "message"),
+    [
+        (2, 4, r"step00000002: ZeRO-2 over 2 ranks: the fp32 partitions end 1 elements before a parameter does$"),
+        (3, 3, r"step00000002: ZeRO-3 over 2 ranks: the fp32 partitions end 2 elements before a parameter does$"),
+        (3, 8, r"step00000002: ZeRO-3 over 2 ranks: the parameters take 5 elements of each rank's fp32 partition, which holds 8; the model states do not match the optimizer files$"),
+    ],
+    ids=["zero2-short", "zero3-short", "zero3-long"],
+)  # fmt: skip
+def test_optimizer_files_that_do_not_hold_the_models_parameters_are_one_line_naming_the_tag(
+    tmp_path: Path, stage: int, numel: int, message: str
+) -> None:
+    """a 2x3 and b 3 over 2 ranks, each rank's flat group `numel` elements."""
+    layout = {"dp": 2, "tp": 1, "zero_stage": stage}
+    key = FP32_GROUPS[stage]
+    model = _zero_model([{"a": (2, 3), "b": (3,)}])
+    models = ["mp_rank_00_model_states.pt"] if stage < 3 else [
+        f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)
+    ]  # fmt: skip
+    folder = _checkpoint(tmp_path, layout, {
+        **dict.fromkeys(models, model),
+        **{f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt": _optim(key, [torch.zeros(numel)]) for r in range(2)},
+    })  # fmt: skip
+    with pytest.raises(StageError, match=message):
+        read_weights(folder, tag_of(2), layout, {})
+
+
+@pytest.mark.parametrize("where", ["module", "buffer", "optimizer"])
+def test_a_strided_tensor_is_one_line_naming_it(tmp_path: Path, where: str) -> None:
+    """Only contiguous tensors are read; the refusal names the file and the tensor."""
+    strided = torch.randn(3, 2).t()
+    if where == "module":
+        layout = {"dp": 1, "tp": 1, "zero_stage": 0}
+        files = {"mp_rank_00_model_states.pt": {"module": {"w": strided}}}
+        named = r"mp_rank_00_model_states.pt: w is stored strided"
+    else:
+        layout = {"dp": 1, "tp": 1, "zero_stage": 2}
+        model = _zero_model([{"a": (4,)}])
+        group = torch.zeros(4)
+        if where == "buffer":
+            model["module"]["buf"] = strided
+        else:
+            group = torch.zeros(2, 2).t()
+        files = {
+            "mp_rank_00_model_states.pt": model,
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt": _optim("single_partition_of_fp32_groups", [group]),
+        }  # fmt: skip
+        named = {
+            "buffer": r"mp_rank_00_model_states.pt: buf is stored strided",
+            "optimizer": r"optim_states.pt: single_partition_of_fp32_groups\[0\] is stored strided",
+        }[where]
+    folder = _checkpoint(tmp_path, layout, files)
+    with pytest.raises(StageError, match=named):
+        read_weights(folder, tag_of(2), layout, {"w": (2, 3)})
+
+
+def _universal_copy(folder: Path, model_name: str, params: dict[str, object], model: dict) -> Path:
+    """A universal copy as reshard.convert leaves it: zero/<name>/fp32.pt per parameter and the
+    model states under the tag's own file name."""
+    copy = folder / "step00000002_universal"
+    for name, content in params.items():
+        (copy / "zero" / name).mkdir(parents=True)
+        torch.save(content, copy / "zero" / name / "fp32.pt")
+    torch.save(model, copy / model_name)
+    return copy
+
+
+def test_an_expert_parallel_layout_is_read_through_its_universal_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ep=2 under ZeRO-3 (so no per-expert files): read_weights converts the pointer's tag and
+    reads the copy, whose model states name neither buffers nor ties here."""
+    layout = {"dp": 2, "tp": 1, "zero_stage": 3, "ep": 2}
+    folder = saved(tmp_path, [2], layout).folder
+    a = torch.randn(2, 2)
+    model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    copy = _universal_copy(folder, model_name, {"a": {"param": a}}, {"module": {}})
+    calls = []
+
+    def convert(*args: object) -> str:
+        calls.append(args)
+        return copy.name
+
+    monkeypatch.setattr("stagetrain.training.reshard.convert", convert)
+    weights = read_weights(folder, tag_of(2), layout, {})
+    assert calls == [(folder, tag_of(2), layout, {**layout, "ep": 1})]
+    assert list(weights) == ["a"] and torch.equal(_read(weights["a"]), a)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ([torch.zeros(2)], r"zero/a/fp32.pt: a universal checkpoint's parameter file without 'param'$"),
+        ({"param": torch.zeros(3, 2).t()}, r"zero/a/fp32.pt: a is stored strided"),
+    ],
+    ids=["a-list", "strided"],
+)  # fmt: skip
+def test_a_universal_parameter_file_that_cannot_be_read_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: object, message: str
+) -> None:
+    folder = tmp_path / "ckpt"
+    model = tmp_path / "mp_rank_00_model_states.pt"
+    copy = _universal_copy(folder, model.name, {"a": content}, {"module": {}})
+    monkeypatch.setattr("stagetrain.training.reshard.convert", lambda *_: copy.name)
+    with pytest.raises(StageError, match=message):
+        expert_parallel_weights(
+            folder, tag_of(2), {"dp": 2, "tp": 1, "zero_stage": 2, "ep": 2}, model
+        )

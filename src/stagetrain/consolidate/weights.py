@@ -84,9 +84,9 @@ def gather_tp(
         if parts[0].shape == expected:
             full[name] = parts[0]
             continue
-        dims = [
-            d for d, (a, b) in enumerate(zip(parts[0].shape, expected, strict=True)) if a * tp == b
-        ]
+        dims = []  # a slice of another number of dimensions makes the shape along none
+        if len(parts[0].shape) == len(expected):
+            dims = [d for d, (a, b) in enumerate(zip(parts[0].shape, expected, strict=True)) if a * tp == b]  # fmt: skip
         if len(dims) != 1:
             raise StageError(
                 f"{name}: tp slices of shape {parts[0].shape} do not make {expected} with tp={tp}"
