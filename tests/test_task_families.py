@@ -8,6 +8,7 @@ tests/test_grpo_tasks.py.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import random
 import re
@@ -24,7 +25,16 @@ from stagetrain.config.inputs import local_inputs
 from stagetrain.config.settings import Settings, TasksSettings
 from stagetrain.errors import StageError
 from stagetrain.tasks import get_family, heldout, sample, split_of
-from stagetrain.tasks.families import CONTROL_TOKENS, load_tasks
+from stagetrain.tasks.families import (
+    CONTROL_TOKENS,
+    data_part,
+    held_out_families,
+    hub_name,
+    hub_pins,
+    load_tasks,
+    reward_digests,
+    sample_rank,
+)
 from stagetrain.tasks.judge import Judge
 from stagetrain.tasks.prompts import Prompter
 from stagetrain.tasks.rewards import RESERVED, Completion, check_function
@@ -1102,3 +1112,146 @@ def test_a_hub_family_is_read_at_the_commit_the_corpus_stage_pinned_after_its_br
     hub_file = "org/tasks/data/t.jsonl@main"
     assert pinned == {"factors": [2], "files": [{"hub": hub_file, "commit": old}]}
     assert moved == {"factors": [3], "files": [{"hub": hub_file, "commit": new}]}
+
+
+# --- what other stages read of the tasks section ------------------------------------------
+
+
+def test_the_corpus_reads_only_the_keys_that_decide_the_problems_as_given() -> None:
+    """data_part keeps each family's name, generator, files, columns and level_edges (and
+    max_rows when set), untyped, so editing a reward or success_at changes nothing upstream."""
+    section = {
+        "families": [
+            {"name": "a", "generator": "comparison", "rewards": [{"verifier": "format"}]},
+            {"name": "b", "files": ["t.jsonl"], "columns": {"prompt": "q"}, "level_edges": [2],
+             "success_at": 0.5, "rewards": [{"verifier": "exact"}]},
+        ],
+        "max_rows": 7,
+        "chat_template": False,
+        "success_at": 0.9,
+    }  # fmt: skip
+    assert data_part(section) == {
+        "families": [
+            {"name": "a", "generator": "comparison"},
+            {"name": "b", "files": ["t.jsonl"], "columns": {"prompt": "q"}, "level_edges": [2]},
+        ],
+        "max_rows": 7,
+    }
+    assert data_part({"chat_template": True}) == {"families": []}
+
+
+def test_the_reward_code_digest_is_each_reward_files_sha256_and_no_installed_modules(
+    tmp_path: Path,
+) -> None:
+    one, two = tmp_path / "one.py", tmp_path / "two.py"
+    for path, text in ((one, "def f(completions, **kw):\n    return [0.0]\n"), (two, "def g(completions, **kw):\n    return [1.0]\n")):  # fmt: skip
+        path.write_text(text)
+    write_rows(tmp_path / "t.jsonl", rows())
+    rewards = [{"function": f"{two}:g"}, {"verifier": "format"}, {"function": f"{one}:f"},
+               {"function": "trl.rewards:get_repetition_penalty_reward", "kwargs": {"ngram_size": 2}}]  # fmt: skip
+    section = tasks(family([str(tmp_path / "t.jsonl")], rewards=rewards),
+                    {"name": "comparison", "generator": "comparison", "rewards": [{"function": f"{one}:f"}]})  # fmt: skip
+    digests = reward_digests(section)
+    assert list(digests) == [str(one), str(two)]  # sorted, each file once
+    assert digests[str(one)] == hashlib.sha256(one.read_bytes()).hexdigest()
+    assert digests[str(two)] == hashlib.sha256(two.read_bytes()).hexdigest()
+    one.unlink()
+    one.mkdir()  # a reward file that cannot be read any more
+    with pytest.raises(StageError, match=rf"^tasks.families: reward file {re.escape(str(one))}: cannot read \(Is a directory\)$"):  # fmt: skip
+        reward_digests(section)
+
+
+def test_later_stages_pin_the_hub_files_the_corpus_resolved() -> None:
+    """hub_pins reads data/meta.json's generated source: every family's hub files with their
+    commit; local files and other sources carry no pin."""
+    files = [{"hub": "org/d/t.jsonl@main", "commit": "abc"}, {"path": "local.jsonl"}]
+    meta = {
+        "sources": [
+            {"record": {"kind": "text", "tasks": {"x": {"files": [{"hub": "no", "commit": "no"}]}}}},
+            {"record": {"kind": "generated", "tasks": {"a": {"files": files},
+                                                        "b": {"files": [{"hub": "org/e/u.parquet@v1", "commit": "def"}]}}}},
+            {"record": {"kind": "generated"}},
+        ]
+    }  # fmt: skip
+    assert hub_pins(meta) == {"org/d/t.jsonl@main": "abc", "org/e/u.parquet@v1": "def"}
+    assert hub_pins({}) == {}
+
+
+def test_a_held_out_evaluation_scores_every_family_the_config_names_once_in_order() -> None:
+    config = default_config()
+    config["grpo"]["curriculum"]["families"] = ["counting", "arithmetic"]
+    config["data"]["generated"]["families"] = ["arithmetic", "comparison"]
+    config["tasks"] = {"families": [family(["t.jsonl"], name="mine"), {"name": "counting", "generator": "counting"}]}  # fmt: skip
+    settings = Settings.from_config(stconfig.validate(config))
+    assert held_out_families(settings.grpo, settings.data, settings.tasks) == [
+        "counting", "arithmetic", "comparison", "mine",
+    ]  # fmt: skip
+
+
+def test_a_hub_file_is_named_repo_file_at_revision_main_by_default() -> None:
+    assert hub_name({"repo": "org/d", "file": "sub/t.jsonl"}) == "org/d/sub/t.jsonl@main"
+    assert hub_name({"repo": "org/d", "file": "t.jsonl", "revision": "v1"}) == "org/d/t.jsonl@v1"
+
+
+def test_the_sample_rank_of_a_prompt_never_changes() -> None:
+    """A capped family keeps the max_rows prompts of lowest rank, and later stages (GRPO, the
+    held-out evaluation) re-read the files: a rank that changed between versions would keep
+    other problems than the corpus trained on. So the ranks are pinned: 8 bytes of sha256."""
+    assert [sample_rank(k) for k in ("What is 1 doubled?", "", "é")] == [
+        14923270795713351989, 2204816210903848941, 4295819839802616534,
+    ]  # fmt: skip
+    assert all(0 <= sample_rank(f"q{i}") < 2**64 for i in range(200))
+
+
+def test_a_reward_function_its_file_lacks_is_named_by_its_place_in_the_config(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(StageError) as err:
+        judge, problems = judge_for(
+            tmp_path, "def g(completions, **kw):\n    return []\n", [{"function": "FILE:f"}]
+        )
+        judge.rewards(problems[:1], [ids("0")])
+    assert str(err.value) == (
+        f"tasks.families.0.rewards.0.function: {tmp_path / 'reward.py'} has no function 'f'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ([{"role": "user", "content": "x?"}, {"role": 1, "content": "y"}],
+         "column 'q' message 1 must have string role and content, got {'role': 1, 'content': 'y'}"),
+        ([{"role": "user", "content": "x?"}, {"role": "user", "content": 2}],
+         "column 'q' message 1 must have string role and content, got {'role': 'user', 'content': 2}"),
+        ([{"role": "user", "content": "x?"}, "just text"],
+         "column 'q' message 1 must have string role and content, got 'just text'"),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": "  "}],
+         "column 'q.1.content' must be a non-empty string, got '  '"),
+        ([{"role": "user", "content": "x?"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}],
+         "column 'q': the last message must be the user's (the question), not 'assistant'"),
+    ],
+    ids=["role-not-text", "content-not-text", "not-a-mapping", "empty-content", "ends-with-assistant"],
+)  # fmt: skip
+def test_a_conversational_prompt_of_the_wrong_shape_is_one_line_naming_the_message(
+    tmp_path: Path, prompt: list[Any], expected: str
+) -> None:
+    content = rows()
+    content[5] = {**content[5], "q": prompt}
+    path = write_rows(tmp_path / "t.jsonl", content)
+    with pytest.raises(StageError) as err:
+        load_tasks(tasks(family([str(path)])))
+    assert str(err.value) == f"{path}:6: {expected}"
+
+
+def test_a_long_bad_message_is_cut_to_300_characters(tmp_path: Path) -> None:
+    content = rows()
+    content[5] = {
+        **content[5],
+        "q": [{"role": "user", "content": "x?"}, {"role": 1, "content": "y" * 1000}],
+    }
+    path = write_rows(tmp_path / "t.jsonl", content)
+    with pytest.raises(StageError) as err:
+        load_tasks(tasks(family([str(path)])))
+    assert len(str(err.value)) == 300 and str(err.value).startswith(
+        f"{path}:6: column 'q' message 1"
+    )
